@@ -1,0 +1,23 @@
+"""DiffKV's device-resident page manager: circular free list, bidirectional page table,
+prefix-sum compaction. Device-agnostic torch (CPU in tests, CUDA unchanged)."""
+
+from sglang_diffkv.memory.free_list import CircularFreeList, Take
+from sglang_diffkv.memory.inputs import Phase
+from sglang_diffkv.memory.invariants import check_invariants
+from sglang_diffkv.memory.manager import PageManager
+from sglang_diffkv.memory.result import AllocResult, OutOfPages, PageTableRowFull
+from sglang_diffkv.memory.spec import MemorySpec
+from sglang_diffkv.memory.storage import alloc_page_storage
+
+__all__ = [
+    "AllocResult",
+    "CircularFreeList",
+    "MemorySpec",
+    "OutOfPages",
+    "PageManager",
+    "PageTableRowFull",
+    "Phase",
+    "Take",
+    "alloc_page_storage",
+    "check_invariants",
+]
