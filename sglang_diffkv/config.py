@@ -89,10 +89,14 @@ class TierConfig:
         if "G" in s:
             s, g = s.split("G", 1)
             if len(g) != 2 or not g.isdigit():
-                raise ConfigError(f"{tier}={text!r}: groups suffix must be two digits, e.g. K4V2g24")
+                raise ConfigError(
+                    f"{tier}={text!r}: groups suffix must be two digits, e.g. K4V2g24"
+                )
             groups = (int(g[0]), int(g[1]))
         if not (s.startswith("K") and "V" in s):
-            raise ConfigError(f"{tier}={text!r} is not a tier name; expected e.g. 'K8V4' or 'K4V2g24'")
+            raise ConfigError(
+                f"{tier}={text!r} is not a tier name; expected e.g. 'K8V4' or 'K4V2g24'"
+            )
         k, v = s[1:].split("V", 1)
         if not (k.isdigit() and v.isdigit()):
             raise ConfigError(f"{tier}={text!r} is not a tier name; expected e.g. 'K8V4'")
@@ -171,7 +175,9 @@ class DiffKVConfig:
         allowed = {"preset", "name", "high", "low", "alpha_h", "alpha_l", "window", "score_queries"}
         unknown = set(data) - allowed
         if unknown:
-            raise ConfigError(f"unknown config field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+            raise ConfigError(
+                f"unknown config field(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+            )
         base = preset(data.get("preset", "default"))
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "preset"}
         for tier in ("high", "low"):
@@ -202,7 +208,9 @@ class DiffKVConfig:
             try:
                 return cls.from_dict(json.loads(s))
             except json.JSONDecodeError as e:
-                raise ConfigError(f"invalid inline JSON DiffKV config: {e.msg} at char {e.pos}") from e
+                raise ConfigError(
+                    f"invalid inline JSON DiffKV config: {e.msg} at char {e.pos}"
+                ) from e
         if s.endswith(".json") or os.sep in s:
             return cls.from_json(s)
         return preset(s)

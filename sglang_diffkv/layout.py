@@ -11,7 +11,8 @@ Segment starts are aligned (value data to 128 B so a page's value rows start on 
 line, the rest to 32 B, positions to their natural 4 B), which reproduces DiffKV's offsets.
 
 The page size is searched once per head_dim and tier set: the smallest page holding at
-least ``MIN_HIGH_TOKENS`` tokens of the widest tier that wastes at most 2% in every tier. For head_dim 128 and DiffKV's four tier formats this is
+least ``MIN_HIGH_TOKENS`` tokens of the widest tier that wastes at most 2% in every tier.
+For head_dim 128 and DiffKV's four tier formats this is
 DiffKV's 6784-byte page (32 K8V4 tokens, 60 K4V2 tokens with one group, 52 with (2, 4)).
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from sglang_diffkv.config import (
     K4V2,
@@ -100,7 +101,7 @@ def _check_tiers(head_dim: int, tiers: Sequence[TierConfig]) -> None:
         t.check_head_dim(head_dim, t.name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def search_page_bytes(head_dim: int, tiers: tuple[TierConfig, ...]) -> int:
     """The smallest page (a multiple of 32 B, holding >= MIN_HIGH_TOKENS of the widest tier)
     whose worst unused fraction over ``tiers`` is within WASTE_TOLERANCE; failing that, the
@@ -144,8 +145,17 @@ class TierLayout:
             raise ConfigError(f"a {page_bytes}-byte page cannot hold one {tier.name} token")
         off, end = segment_offsets(tier, head_dim, n)
         return cls(
-            tier, head_dim, page_bytes, n, off["key"], off["key_meta"], off["value"],
-            off["value_meta"], off["score"], off["pos"], end,
+            tier,
+            head_dim,
+            page_bytes,
+            n,
+            off["key"],
+            off["key_meta"],
+            off["value"],
+            off["value_meta"],
+            off["score"],
+            off["pos"],
+            end,
         )
 
     @property
@@ -207,8 +217,12 @@ class PageGeometry:
         family = tuple(size_for) if size_for is not None else (high, low)
         _check_tiers(head_dim, (high, low, *family))
         page = search_page_bytes(head_dim, family)
-        return cls(head_dim, page, TierLayout.build(high, head_dim, page),
-                   TierLayout.build(low, head_dim, page))
+        return cls(
+            head_dim,
+            page,
+            TierLayout.build(high, head_dim, page),
+            TierLayout.build(low, head_dim, page),
+        )
 
     @classmethod
     def for_config(cls, config: DiffKVConfig, head_dim: int) -> PageGeometry:
@@ -243,14 +257,16 @@ def geometry_table(head_dims: Sequence[int] = (64, 128)) -> list[dict[str, objec
         page = search_page_bytes(d, DIFFKV_TIER_FAMILY)
         for tier in (K8V4, K8V4_GROUPED, K4V2, K4V2_GROUPED):
             t = TierLayout.build(tier, d, page)
-            rows.append({
-                "head_dim": d,
-                "tier": tier.name,
-                "page_bytes": page,
-                "tokens_per_page": t.tokens_per_page,
-                "bytes_per_token": round(t.bytes_per_token, 1),
-                "fp16_bytes_per_token": fp16_bytes_per_token(d),
-                "physical_ratio": round(t.physical_ratio, 4),
-                "ideal_ratio": t.ideal_bit_ratio,
-            })
+            rows.append(
+                {
+                    "head_dim": d,
+                    "tier": tier.name,
+                    "page_bytes": page,
+                    "tokens_per_page": t.tokens_per_page,
+                    "bytes_per_token": round(t.bytes_per_token, 1),
+                    "fp16_bytes_per_token": fp16_bytes_per_token(d),
+                    "physical_ratio": round(t.physical_ratio, 4),
+                    "ideal_ratio": t.ideal_bit_ratio,
+                }
+            )
     return rows
