@@ -1,0 +1,336 @@
+"""CompressedKVCache: the reference DiffKV cache, gluing policy, store and memory manager.
+
+One object holds the unified pages and the page manager of one device and runs the whole
+request lifecycle in plain torch (any device):
+
+    begin_prefill -> prefill_layer (every layer) -> end_prefill
+    begin_decode  -> decode_layer  (every layer) ...  -> free
+
+It is the single implementation the quality harness, the SGLang backend's CPU path and the
+kernel tests share: kernels replace its steps one by one and are checked against it.
+Prefill attention is exact on the fresh K/V (as in DiffKV); compression happens after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sglang_diffkv.attention import DecodeAttention, paged_decode_attention
+from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.layout import PageGeometry
+from sglang_diffkv.memory import AllocResult, MemorySpec, PageManager, alloc_page_storage
+from sglang_diffkv.pages import (
+    add_scores,
+    read_scores,
+    read_tokens,
+    token_locations,
+    write_tokens,
+)
+from sglang_diffkv.policy import (
+    DecodeAction,
+    DecodeDecision,
+    PromptClassification,
+    Tier,
+    classify_prompt,
+    decode_step,
+    group_max,
+    prompt_attention_mass,
+)
+
+IndexLike = torch.Tensor | Sequence[int]
+
+
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.div(a + b - 1, b, rounding_mode="floor")
+
+
+class CompressedKVCache:
+    def __init__(
+        self,
+        config: DiffKVConfig,
+        *,
+        head_dim: int,
+        num_layers: int,
+        num_kv_heads: int,
+        num_pages: int,
+        max_reqs: int,
+        max_context: int,
+        device: torch.device | str = "cpu",
+        validate: bool = True,
+    ) -> None:
+        config.check_head_dim(head_dim)
+        self.config = config
+        self.device = torch.device(device)
+        self.geometry = PageGeometry.for_config(config, head_dim)
+        spec = MemorySpec.from_geometry(
+            self.geometry,
+            num_pages=num_pages,
+            max_reqs=max_reqs,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            max_context=max_context,
+        )
+        self.manager = PageManager(spec, self.device, validate=validate)
+        self.pages = alloc_page_storage(num_pages, self.geometry.page_bytes, self.device)
+        # Per-request thresholds (alpha_h, alpha_l); the config's unless overridden.
+        self.alpha = torch.zeros(max_reqs, 2, device=self.device)
+        # Prompt tokens kept per (request, layer, head, tier) between prefill and reclaim.
+        self._prompt_kept = torch.zeros(
+            max_reqs, num_layers, num_kv_heads, 2, dtype=torch.int64, device=self.device
+        )
+
+    @property
+    def spec(self) -> MemorySpec:
+        return self.manager.spec
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.manager.counts
+
+    def _index(self, req_idx: IndexLike) -> torch.Tensor:
+        return torch.as_tensor(req_idx, device=self.device).long().reshape(-1)
+
+    # ---- prefill -------------------------------------------------------------------------
+
+    def begin_prefill(
+        self,
+        req_idx: IndexLike,
+        lengths: IndexLike,
+        alpha_h: Sequence[float] | torch.Tensor | None = None,
+        alpha_l: Sequence[float] | torch.Tensor | None = None,
+    ) -> AllocResult:
+        """All-high page allocation for whole prompts; the result's ``ok`` is False (and
+        nothing changed) if the pool is too small."""
+        req = self._index(req_idx)
+        b = req.shape[0]
+        ah = torch.full((b,), self.config.alpha_h) if alpha_h is None else torch.as_tensor(alpha_h)
+        al = torch.full((b,), self.config.alpha_l) if alpha_l is None else torch.as_tensor(alpha_l)
+        if bool((al > ah).any()):
+            raise ValueError(f"per-request alpha_l {al.tolist()} exceeds alpha_h {ah.tolist()}")
+        result = self.manager.allocate_prefill(req, lengths)
+        ok = result.ok.to(self.device)
+        alphas = torch.stack([ah, al], -1).float().to(self.device)
+        self.alpha[req] = torch.where(ok, alphas, self.alpha[req])
+        self._prompt_kept[req] = 0
+        return result
+
+    def classify(
+        self, req_idx: IndexLike, lengths: torch.Tensor, significance_sum: torch.Tensor
+    ) -> PromptClassification:
+        """significance_sum: [B, Hkv, Lmax] (already maxed over each GQA group)."""
+        req = self._index(req_idx)
+        a = self.alpha[req]
+        return classify_prompt(
+            significance_sum,
+            lengths.to(self.device),
+            a[:, 0],
+            a[:, 1],
+            self.config.window,
+            self.config.score_queries,
+        )
+
+    def store_prefill(
+        self,
+        layer: int,
+        req_idx: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cls: PromptClassification,
+    ) -> None:
+        """Quantise and write a layer's prompt K/V ([B, Hkv, Lmax, D]) by tier: high tokens
+        into row pages [0, hp), low tokens into the pages right after them (the layout
+        ``reclaim_prefill`` expects), both in position order. Pruned tokens are dropped."""
+        req = self._index(req_idx)
+        rows = self.manager.table[req, layer]  # [B, H, row_len]
+        n_high = cls.n_high.long()
+        hp = _ceil_div(n_high, self.geometry.high.tokens_per_page)
+        for tier, layout in zip((Tier.HIGH, Tier.LOW), self.geometry.tiers, strict=True):
+            member = cls.tier == tier  # [B, H, L]
+            rank = member.long().cumsum(-1) - 1  # stable compaction: no sort
+            page_index = rank // layout.tokens_per_page
+            if tier == Tier.LOW:
+                page_index = page_index + hp[..., None]
+            page_ids = torch.gather(rows, -1, page_index.clamp(min=0).long())
+            slots = rank % layout.tokens_per_page
+            b, h, length = member.nonzero(as_tuple=True)
+            write_tokens(
+                self.pages,
+                layout,
+                page_ids[b, h, length],
+                slots[b, h, length].int(),
+                key[b, h, length],
+                value[b, h, length],
+                cls.score[b, h, length],
+                cls.pos[b, length],
+            )
+        self._prompt_kept[req, layer, :, 0] = n_high
+        self._prompt_kept[req, layer, :, 1] = cls.n_low.long()
+
+    def prefill_layer(
+        self,
+        layer: int,
+        req_idx: IndexLike,
+        lengths: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        sm_scale: float,
+    ) -> PromptClassification:
+        """Score (dense oracle), classify and store one layer of whole prompts.
+        query: [B, Hq, Lmax, D]; key/value: [B, Hkv, Lmax, D]."""
+        b, hkv, lmax, _ = key.shape
+        sig = torch.zeros(b, hkv, lmax, device=self.device)
+        for i, n in enumerate(lengths.tolist()):
+            mass = prompt_attention_mass(
+                query[i, :, :n], key[i, :, :n], sm_scale, self.config.score_queries
+            )
+            sig[i, :, :n] = group_max(mass, hkv)
+        cls = self.classify(req_idx, lengths, sig)
+        self.store_prefill(layer, req_idx, key, value, cls)
+        return cls
+
+    def end_prefill(self, req_idx: IndexLike) -> None:
+        """Return the pages compression freed and move low pages to the right of each row."""
+        req = self._index(req_idx)
+        kept = self._prompt_kept[req]
+        self.manager.reclaim_prefill(req, kept[..., 0], kept[..., 1])
+
+    # ---- decode --------------------------------------------------------------------------
+
+    def begin_decode(self, req_idx: IndexLike) -> AllocResult:
+        """Room for one more token in every tier a step may grow (the low tier only when the
+        request's thresholds allow demotion)."""
+        req = self._index(req_idx)
+        a = self.alpha[req]
+        tiers = torch.stack([torch.ones_like(a[:, 0], dtype=torch.bool), a[:, 0] > a[:, 1]], -1)
+        return self.manager.ensure_decode_room(req, tiers)
+
+    def _tier_state(self, rows, n, tier: int):
+        layout = self.geometry.tiers[tier]
+        cap = max(int(n.max()) if n.numel() else 0, 1)
+        loc = token_locations(rows, n, layout.tokens_per_page, low=tier == 1, capacity=cap)
+        score, pos = read_scores(
+            self.pages, layout, loc.page_ids.reshape(-1), loc.slots.reshape(-1)
+        )
+        return loc, score.view(loc.mask.shape), pos.view(loc.mask.shape)
+
+    def decode_layer_store(
+        self,
+        layer: int,
+        req_idx: IndexLike,
+        positions: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> DecodeDecision:
+        """Policy step for one layer, then write the new token (key/value [B, Hkv, D]) at
+        position ``positions[b]``: evict / demote per the decision, then store."""
+        req = self._index(req_idx)
+        rows = self.manager.table[req, layer]
+        cnt = self.manager.counts[req, layer].long()
+        p = positions.to(self.device).long()
+        hi_loc, hi_score, hi_pos = self._tier_state(rows, cnt[..., 0], 0)
+        lo_loc, lo_score, lo_pos = self._tier_state(rows, cnt[..., 1], 1)
+        a = self.alpha[req]
+        d = decode_step(
+            hi_score,
+            hi_pos,
+            cnt[..., 0],
+            lo_score,
+            lo_pos,
+            cnt[..., 1],
+            p,
+            a[:, 0],
+            a[:, 1],
+            self.config.window,
+        )
+        high, low = self.geometry.tiers
+        b_idx, h_idx = torch.meshgrid(
+            torch.arange(req.shape[0], device=self.device),
+            torch.arange(rows.shape[1], device=self.device),
+            indexing="ij",
+        )
+        act = d.action.long()
+        hmin = d.hmin.clamp(min=0)
+        lmin = d.lmin.clamp(min=0)
+
+        # Demotion first: it reads hmin's high copy before the new token overwrites it.
+        demote = (act == DecodeAction.DEMOTE_APPEND) | (act == DecodeAction.DEMOTE_REPLACE)
+        if bool(demote.any()):
+            bi, hi = b_idx[demote], h_idx[demote]
+            src = read_tokens(
+                self.pages,
+                high,
+                hi_loc.page_ids[bi, hi, hmin[demote]],
+                hi_loc.slots[bi, hi, hmin[demote]],
+            )
+            append = act[demote] == DecodeAction.DEMOTE_APPEND
+            dst_slot_index = torch.where(append, cnt[bi, hi, 1], lmin[demote])
+            page_index = rows.shape[-1] - 1 - dst_slot_index // low.tokens_per_page
+            dst_pages = rows[bi, hi, page_index]
+            dst_slots = (dst_slot_index % low.tokens_per_page).int()
+            write_tokens(
+                self.pages, low, dst_pages, dst_slots, src.key, src.value, src.score, src.pos
+            )
+
+        new_slot_index = torch.where(act == DecodeAction.APPEND_HIGH, cnt[..., 0], hmin)
+        new_pages = torch.gather(rows, -1, (new_slot_index // high.tokens_per_page)[..., None])
+        new_slots = (new_slot_index % high.tokens_per_page).int()
+        n_new = new_pages.numel()
+        write_tokens(
+            self.pages,
+            high,
+            new_pages.reshape(-1),
+            new_slots.reshape(-1),
+            key.reshape(n_new, -1),
+            value.reshape(n_new, -1),
+            torch.zeros(n_new, device=self.device),
+            p[:, None].expand_as(new_slots).reshape(-1).int(),
+        )
+
+        deltas = torch.zeros(
+            *self.manager.counts[req].shape[:-1], 2, dtype=torch.int64, device=self.device
+        )
+        deltas[:, layer, :, 0] = (act == DecodeAction.APPEND_HIGH).long()
+        deltas[:, layer, :, 1] = (act == DecodeAction.DEMOTE_APPEND).long()
+        self.manager.add_tokens(req, deltas)
+        return d
+
+    def decode_layer_attend(
+        self, layer: int, req_idx: IndexLike, query: torch.Tensor, sm_scale: float
+    ) -> DecodeAttention:
+        """Attention of query [B, Hq, D] over the cache, then score accumulation."""
+        req = self._index(req_idx)
+        res = paged_decode_attention(
+            query,
+            self.pages,
+            self.geometry,
+            self.manager.table,
+            self.manager.counts,
+            req,
+            layer,
+            sm_scale,
+        )
+        rows = self.manager.table[req, layer]
+        cnt = self.manager.counts[req, layer].long()
+        for t, prob in enumerate((res.prob_high, res.prob_low)):
+            layout = self.geometry.tiers[t]
+            loc = token_locations(
+                rows, cnt[..., t], layout.tokens_per_page, low=t == 1, capacity=prob.shape[-1]
+            )
+            m = loc.mask
+            add_scores(self.pages, layout, loc.page_ids[m], loc.slots[m], prob[m])
+        return res
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def free(self, req_idx: IndexLike) -> None:
+        self.manager.free_requests(self._index(req_idx))
+
+    def tier_fractions(self, req_idx: IndexLike, seq_lens: torch.Tensor) -> torch.Tensor:
+        """[B, layers, heads, 3]: fraction of the sequence kept high, low, and pruned."""
+        cnt = self.manager.counts[self._index(req_idx)].double()
+        total = seq_lens.to(self.device).double().view(-1, 1, 1)
+        hi, lo = cnt[..., 0] / total, cnt[..., 1] / total
+        return torch.stack([hi, lo, 1 - hi - lo], -1)
