@@ -270,3 +270,15 @@ def geometry_table(head_dims: Sequence[int] = (64, 128)) -> list[dict[str, objec
                 }
             )
     return rows
+
+
+def _print_geometry_table() -> None:
+    header = ("head_dim", "tier", "page_bytes", "tokens_per_page", "bytes_per_token",
+              "fp16_bytes_per_token", "physical_ratio", "ideal_ratio")
+    print(" | ".join(header))
+    for row in geometry_table((64, 128, 256)):
+        print(" | ".join(str(row[h]) for h in header))
+
+
+if __name__ == "__main__":
+    _print_geometry_table()
