@@ -1,0 +1,15 @@
+"""diffkv-sim: a trace-replay discrete-event simulator of SGLang serving with compressed KV caches.
+
+Layers (a folder each):
+  workload/  traces: one schema, loaders, generators, a Mooncake writer, the bundled traces
+  specs/     what the hardware and the model are: model, GPU and calibration (eta) specs
+  kv/        KV-cache formats (bf16, fp8, K8V4, K4V2, DiffKV) and their pool accounting
+  serving/   the MODEL of one SGLang server: memory formula, scheduler, per-step cost
+  engine/    the simpy ENGINE: how time advances, arrivals, replicas behind a router
+  metrics/   bench_serving metric definitions, time series, goodput
+  studies/   questions built from runs: compare, sweep, max QPS, GPUs needed
+  report/    tables, JSON and plots
+The model never imports the engine; the engine drives the model through a narrow interface.
+"""
+
+__version__ = "0.1.0"

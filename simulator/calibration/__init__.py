@@ -1,0 +1,1 @@
+"""Shipped calibration files (eta efficiency factors and fixed costs) as package data."""

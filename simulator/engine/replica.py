@@ -1,0 +1,84 @@
+"""One server replica as a simpy process: form a batch, let its step time pass, apply it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import simpy
+
+from simulator.serving.request import SimRequest
+from simulator.serving.server import ResolvedServer
+
+KIND_CODE = {"prefill": 0, "decode": 1, "mixed": 2}
+
+
+class StepLog:
+    """Per-step time series of one replica (appended as plain lists: cheap in the hot loop)."""
+
+    def __init__(self) -> None:
+        self.t_end: list[float] = []
+        self.dt: list[float] = []
+        self.kind: list[int] = []
+        self.running: list[int] = []      # decoding requests in the step
+        self.tokens: list[int] = []       # tokens through the model in the step
+        self.waiting: list[int] = []
+        self.usage: list[float] = []      # pool fraction allocated after the step
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in vars(self).items()}
+
+
+class Replica:
+    def __init__(self, env: simpy.Environment, index: int, server: ResolvedServer, seed: int,
+                 on_finish: Callable[[SimRequest], None]):
+        self.env = env
+        self.index = index
+        self.scheduler = server.new_scheduler(seed)
+        self.cost = server.cost
+        self.on_finish = on_finish
+        self.log = StepLog()
+        self.itl: list[np.ndarray] = []
+        self.outstanding = 0
+        self._wake: simpy.Event | None = None
+        env.process(self._loop())
+
+    def submit(self, r: SimRequest) -> bool:
+        r.replica = self.index
+        if not self.scheduler.submit(r):
+            return False
+        self.outstanding += 1
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+        return True
+
+    def _loop(self):  # simpy process generator
+        env, sched, log = self.env, self.scheduler, self.log
+        step_time = self.cost.step_time
+        while True:
+            batch = sched.next_batch()
+            if batch is None:
+                sched.on_idle()
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            dt = step_time(batch.shape)
+            yield env.timeout(dt)
+            now = env.now
+            finished = sched.complete(batch, now, self.itl)
+            shape = batch.shape
+            log.t_end.append(now)
+            log.dt.append(dt)
+            log.kind.append(KIND_CODE[batch.kind])
+            log.running.append(shape.decode_reqs)
+            log.tokens.append(shape.decode_reqs + shape.prefill_tokens)
+            log.waiting.append(len(sched.waiting))
+            log.usage.append(sched.usage)
+            for r in sched.aborted:
+                self.outstanding -= 1
+                self.on_finish(r)
+            sched.aborted.clear()
+            for r in finished:
+                self.outstanding -= 1
+                self.on_finish(r)

@@ -1,0 +1,1 @@
+"""KV-cache formats and their pool accounting (bytes from sglang_diffkv.layout)."""

@@ -1,0 +1,211 @@
+"""KV pool accounting: how many units a request holds and how many a step may need.
+
+This is the one place where DiffKV's page accounting lives. Units are tokens for the token
+pool (bf16, fp8, uniform tiers) and pages for the DiffKV pool. The scheduler only ever asks:
+
+  prompt_units(stored, extend)   units a prefill chunk of ``extend`` tokens adds to a request
+                                 that already stored ``stored`` prompt tokens
+  decode_units(kv, prof)         units held after prefill with ``kv`` tokens (vectorised)
+  future_units(tokens)           the admission reservation for ``tokens`` future decode tokens
+  decode_step_need(kv)           worst-case units the next decode step may allocate
+  read_bytes_per_layer(kv, prof) attention bytes a decode step reads per layer (cost model)
+
+DiffKV rules (invariants):
+  * a unified page holds N_high high-tier or N_low low-tier tokens of one (layer, KV head);
+    each (request, layer, head, tier) rounds up to whole pages;
+  * during prefill every prompt token is stored high (worst case ceil(L / N_high) pages per
+    head); when the prompt completes the request is compressed and pages are reclaimed;
+  * the ``window`` most recent tokens stay high; the rest follow the request's tier mix;
+  * one decode step adds at most one token to each tier of each head, so it needs at most one
+    new page per (layer, head, tier): the decode reserve is that worst case.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sglang_diffkv.layout import PageGeometry
+from simulator.errors import SimulatorInputError
+from simulator.kv.mix import TierMix
+
+
+class KVPool(ABC):
+    capacity: int            # units
+    unit: str                # "tokens" or "pages"
+
+    @property
+    @abstractmethod
+    def token_capacity(self) -> int:
+        """Tokens the pool holds (for DiffKV at the mean mix, long contexts): what SGLang
+        would log as max_total_num_tokens."""
+
+    @abstractmethod
+    def request_profile(self, rng: np.random.Generator) -> np.ndarray | None: ...
+
+    @abstractmethod
+    def prompt_units(self, stored: int, extend: int) -> int: ...
+
+    @abstractmethod
+    def decode_units(self, kv: np.ndarray, prof: np.ndarray | None) -> np.ndarray: ...
+
+    @abstractmethod
+    def future_units(self, tokens: float) -> float: ...
+
+    @abstractmethod
+    def decode_step_need(self, kv: np.ndarray) -> int: ...
+
+    @abstractmethod
+    def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float: ...
+
+    @property
+    @abstractmethod
+    def write_bytes_per_token_layer(self) -> float: ...
+
+
+@dataclass
+class TokenPool(KVPool):
+    """SGLang's token pool: ``capacity`` token slots in pages of ``page_size`` tokens."""
+
+    capacity: int
+    page_size: int
+    read_bytes_per_token_layer: float
+    unit: str = field(default="tokens")
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise SimulatorInputError(
+                f"the KV pool has {self.capacity} tokens: the model does not leave room for a "
+                "KV cache on this GPU; use a bigger GPU, more tensor parallelism or another format"
+            )
+
+    @classmethod
+    def from_rest_bytes(cls, rest_bytes: float, cell_bytes: float, page_size: int,
+                        read_bytes_per_token_layer: float) -> TokenPool:
+        # SGLang: max_total_num_tokens = rest // cell_size, aligned down to the page size
+        tokens = int(max(rest_bytes, 0) // cell_bytes)
+        return cls(tokens // page_size * page_size, page_size, read_bytes_per_token_layer)
+
+    @property
+    def token_capacity(self) -> int:
+        return self.capacity
+
+    def request_profile(self, rng: np.random.Generator) -> None:
+        return None
+
+    def _paged(self, tokens: int) -> int:
+        p = self.page_size
+        return -(-tokens // p) * p
+
+    def prompt_units(self, stored: int, extend: int) -> int:
+        return self._paged(stored + extend) - self._paged(stored)
+
+    def decode_units(self, kv: np.ndarray, prof: np.ndarray | None) -> np.ndarray:
+        p = self.page_size
+        return kv if p == 1 else -(-kv // p) * p
+
+    def future_units(self, tokens: float) -> float:
+        return tokens
+
+    def decode_step_need(self, kv: np.ndarray) -> int:
+        if self.page_size == 1:
+            return int(kv.size)
+        return int(np.count_nonzero(kv % self.page_size == 0)) * self.page_size
+
+    def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float:
+        return float(kv.sum()) * self.read_bytes_per_token_layer
+
+    @property
+    def write_bytes_per_token_layer(self) -> float:
+        return self.read_bytes_per_token_layer
+
+
+@dataclass
+class DiffKVPool(KVPool):
+    """A pool of unified pages shared by all layers and heads of this rank."""
+
+    capacity: int                   # pages
+    geometry: PageGeometry
+    window: int
+    mix: TierMix
+    layers: int
+    heads_per_rank: int
+    unit: str = field(default="pages")
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise SimulatorInputError(
+                "the DiffKV pool has no pages: the model does not leave room for a KV cache"
+            )
+        self.n_high = self.geometry.high.tokens_per_page
+        self.n_low = self.geometry.low.tokens_per_page
+        self.head_count = self.layers * self.heads_per_rank      # (layer, head) pairs
+        base = self.mix.class_fractions()
+        self.classes = base.shape[1]
+        # (layer, head) pairs per class; equal shares with the remainder spread from class 0
+        counts = np.full(self.classes, self.head_count // self.classes)
+        counts[: self.head_count % self.classes] += 1
+        self.class_counts = counts.astype(np.float64)
+        self._mean_prof = base
+        # the decode reserve: one page per (layer, head) for the high tier, and one for the
+        # low tier when the mix stores anything low
+        self._tiers_growing = 1 + int(self.mix.low > 0)
+        self._high_bpt = self.geometry.high.bytes_per_token
+        self._low_bpt = self.geometry.low.bytes_per_token
+
+    @classmethod
+    def from_rest_bytes(cls, rest_bytes: float, geometry: PageGeometry, window: int,
+                        mix: TierMix, layers: int, heads_per_rank: int) -> DiffKVPool:
+        pages = int(max(rest_bytes, 0) // geometry.page_bytes)
+        return cls(pages, geometry, window, mix, layers, heads_per_rank)
+
+    @property
+    def pages_per_token(self) -> float:
+        """Mean pages one long-context token costs at the mean mix, over all heads."""
+        h, low = self._mean_prof
+        return float((self.class_counts * (h / self.n_high + low / self.n_low)).sum())
+
+    @property
+    def token_capacity(self) -> int:
+        return int(self.capacity / self.pages_per_token)
+
+    def request_profile(self, rng: np.random.Generator) -> np.ndarray:
+        return self.mix.request_fractions(rng)
+
+    def prompt_units(self, stored: int, extend: int) -> int:
+        # all-high worst case while the prompt is being prefilled
+        n = self.n_high
+        return int(self.head_count * (-(-(stored + extend) // n) - (-(-stored // n))))
+
+    def _tier_tokens(self, kv: np.ndarray, prof: np.ndarray | None) -> tuple[np.ndarray,
+                                                                             np.ndarray]:
+        """High and low tokens per (request, class): shapes (B, K)."""
+        p = self._mean_prof[None] if prof is None else prof
+        kv = np.asarray(kv)[:, None]
+        recent = np.minimum(kv, self.window)
+        old = kv - recent
+        high = recent + np.floor(p[:, 0] * old)
+        low = np.floor(p[:, 1] * old)
+        return high, low
+
+    def decode_units(self, kv: np.ndarray, prof: np.ndarray | None) -> np.ndarray:
+        high, low = self._tier_tokens(kv, prof)
+        pages = np.ceil(high / self.n_high) + np.ceil(low / self.n_low)
+        return (pages @ self.class_counts).astype(np.int64)
+
+    def future_units(self, tokens: float) -> float:
+        return tokens * self.pages_per_token
+
+    def decode_step_need(self, kv: np.ndarray) -> int:
+        return int(kv.size) * self.head_count * self._tiers_growing
+
+    def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float:
+        high, low = self._tier_tokens(kv, prof)
+        per_class = high * self._high_bpt + low * self._low_bpt
+        return float((per_class @ self.class_counts).sum()) / self.layers
+
+    @property
+    def write_bytes_per_token_layer(self) -> float:
+        return self.heads_per_rank * self._high_bpt

@@ -1,0 +1,108 @@
+"""Per-step cost: for each operator the larger of bytes / (eta_mem * bandwidth) and
+flops / (eta_comp * peak), summed over operators and layers, plus per-layer, per-step and
+per-sequence fixed costs (and eager-mode launch costs when no CUDA graph covers the step).
+
+Operators per layer: the four weight GEMM groups (qkv, o, gate+up, down), decode attention
+(bytes follow the KV format: the pool says how many bytes a context reads), prefill attention
+(causal FLOPs of each chunk against its cached past), and two all-reduces when tp > 1. Once per
+step: the LM head over the sampled positions (one per sequence).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from simulator.kv.pool import KVPool
+from simulator.specs.calibration import Calibration
+from simulator.specs.gpu import GPUSpec
+from simulator.specs.model import ModelSpec
+
+ACT_BYTES = 2  # bf16 activations
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one forward pass computes. ``decode_read_bytes`` is per layer, from the pool."""
+
+    decode_reqs: int = 0
+    decode_kv_tokens: int = 0
+    decode_read_bytes: float = 0.0
+    prefill_tokens: int = 0
+    prefill_pairs: float = 0.0        # sum over chunks of C * past + C^2 / 2
+    prefill_past_tokens: int = 0
+    prefill_seqs: int = 0             # chunks in the batch (each samples one position)
+
+
+class CostModel:
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, calib: Calibration, pool: KVPool,
+                 attention_key: str, tp: int, graph_sizes: list[int], graphs_enabled: bool):
+        self.calib = calib
+        self.layers = model.num_layers
+        self.bw = gpu.hbm_bandwidth
+        self.flops = gpu.bf16_flops
+        self.tp = tp
+        self.mem_rate = calib.eta_mem_gemm * self.bw          # bytes/s GEMM weights stream
+        self.comp_rate = calib.eta_comp_gemm * self.flops     # FLOP/s GEMMs
+        self.attn_mem_rate = calib.attention_eta(attention_key) * self.bw
+        self.attn_comp_rate = calib.eta_comp_decode_attention * self.flops
+        self.pf_comp_rate = calib.eta_comp_prefill_attention * self.flops
+        self.net_rate = calib.eta_interconnect * gpu.interconnect_bandwidth
+        h, d = model.hidden_size, model.head_dim
+        q = model.num_heads * d // tp
+        kv = model.kv_heads_per_rank(tp) * d
+        inter = model.intermediate_size // tp
+        bpp = model.weight_bytes_per_param
+        # (weight bytes, params, in width, out width) of each GEMM group of a layer
+        self.gemms = [
+            (h * (q + 2 * kv) * bpp, h * (q + 2 * kv), h, q + 2 * kv),
+            (q * h * bpp, q * h, q, h),
+            (h * 2 * inter * bpp, h * 2 * inter, h, 2 * inter),
+            (inter * h * bpp, inter * h, inter, h),
+        ]
+        self.lm_head = (model.vocab_size // tp * h * bpp, model.vocab_size // tp * h, h,
+                        model.vocab_size // tp)
+        self.q_heads = model.num_heads // tp
+        self.head_dim = d
+        self.hidden = h
+        self.write_bpt = pool.write_bytes_per_token_layer
+        self.graph_sizes = graph_sizes
+        self.graphs_enabled = graphs_enabled and bool(graph_sizes)
+        self.graph_max = graph_sizes[-1] if graph_sizes else 0
+
+    def padded_batch(self, bs: int) -> int:
+        """CUDA-graph batch padding: the smallest captured size >= bs."""
+        i = bisect.bisect_left(self.graph_sizes, bs)
+        return self.graph_sizes[i]
+
+    def _gemm(self, tokens: int, op: tuple[float, int, int, int]) -> float:
+        wbytes, params, n_in, n_out = op
+        nbytes = wbytes + tokens * (n_in + n_out) * ACT_BYTES
+        return max(nbytes / self.mem_rate, 2.0 * tokens * params / self.comp_rate)
+
+    def step_time(self, s: StepShape) -> float:
+        c = self.calib
+        decode_only = s.prefill_tokens == 0
+        graphed = decode_only and self.graphs_enabled and s.decode_reqs <= self.graph_max
+        tokens = s.decode_reqs + s.prefill_tokens
+        lin_tokens = self.padded_batch(s.decode_reqs) if graphed else tokens
+        per_layer = 0.0
+        for op in self.gemms:
+            per_layer += self._gemm(lin_tokens, op)
+        if s.decode_reqs:
+            q_bytes = s.decode_reqs * self.q_heads * self.head_dim * ACT_BYTES * 2
+            nbytes = s.decode_read_bytes + s.decode_reqs * self.write_bpt + q_bytes
+            fl = 4.0 * self.q_heads * self.head_dim * s.decode_kv_tokens
+            per_layer += max(nbytes / self.attn_mem_rate, fl / self.attn_comp_rate)
+        if s.prefill_tokens:
+            nbytes = (s.prefill_past_tokens + s.prefill_tokens) * self.write_bpt
+            fl = 4.0 * self.q_heads * self.head_dim * s.prefill_pairs
+            per_layer += max(nbytes / self.mem_rate, fl / self.pf_comp_rate)
+        if self.tp > 1:
+            frac = 2.0 * (self.tp - 1) / self.tp
+            per_layer += 2 * (lin_tokens * self.hidden * ACT_BYTES * frac / self.net_rate
+                              + c.allreduce_latency_s)
+        per_layer += c.layer_overhead_s if graphed else c.eager_layer_overhead_s
+        sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
+        t = self.layers * per_layer + self._gemm(sampled, self.lm_head)
+        return t + c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)

@@ -1,0 +1,435 @@
+"""A model of SGLang 0.5.10's scheduler (managers/scheduler.py, schedule_policy.py,
+schedule_batch.py) for one server, radix cache without prefix reuse, no overlap effects:
+
+  * FCFS waiting queue; a prefill batch, when one can be formed, runs before decoding
+    (``get_next_batch_to_run``), and with ``enable_mixed_chunk`` the running requests decode
+    in the same forward;
+  * PrefillAdder: ``rem_total_tokens = available - sum_running(min(max_new - gen, 4096) *
+    new_token_ratio) - admitted(extend + min(max_new, 4096))``, ``cur_rem_tokens``,
+    ``max_prefill_tokens`` (rem_input) and ``chunked_prefill_size`` (rem_chunk); a request is
+    refused (NO_TOKEN, which also marks the batch full) when extend + min(max_new - gen, 4096)
+    >= rem_total_tokens; one chunked request continues first in the next prefill batch;
+  * ``new_token_ratio`` starts at 0.7 * conservativeness, decays linearly to 0.14 of that
+    over 600 decode steps, is reset on idle and re-estimated after a retraction as
+    min(1, (sum gen + 20 * bs) / (sum max_new + 1)) over the requests kept;
+  * ``check_decode_mem`` before each decode step; on failure ``retract_decode`` pops requests
+    in order of fewest outputs then longest prompt (at least one) until the step fits and sends
+    them to the back of the queue to be recomputed;
+  * ``batch_is_full`` stops admission attempts until a running request finishes or leaves.
+
+Memory is counted in the pool's units (tokens or DiffKV pages) via ``simulator.kv.pool``; the
+scheduler never looks at bytes. Time is not known here: the engine passes ``now``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from simulator.kv.pool import KVPool
+from simulator.serving.cost import StepShape
+from simulator.serving.request import SimRequest
+from simulator.serving.settings import (
+    CLIP_MAX_NEW_TOKENS,
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO_FACTOR,
+    NEW_TOKEN_RATIO_DECAY_STEPS,
+    RETRACT_DECODE_STEPS,
+)
+
+CONTINUE, NO_TOKEN, OTHER = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    chunked_prefill_size: int | None   # None: chunking off
+    max_prefill_tokens: int
+    max_running_requests: int
+    context_len: int
+    max_req_len: int                   # min(context_len, pool tokens) - 1
+    conservativeness: float = 1.0
+    enable_mixed_chunk: bool = False
+
+
+@dataclass
+class Batch:
+    """One forward pass: prefill chunks (request, tokens) and/or the decoding running batch."""
+
+    chunks: list[tuple[SimRequest, int]] = field(default_factory=list)
+    decode: bool = False
+    shape: StepShape = field(default_factory=StepShape)
+    retracted: int = 0
+
+    @property
+    def kind(self) -> str:
+        if self.chunks and self.decode:
+            return "mixed"
+        return "prefill" if self.chunks else "decode"
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, limits: SchedulerLimits, rng: np.random.Generator):
+        self.pool = pool
+        self.lim = limits
+        self.rng = rng
+        self.page = getattr(pool, "page_size", 1)
+        self.waiting: deque[SimRequest] = deque()
+        self.chunked: SimRequest | None = None
+        self.used = 0                              # pool units allocated
+        self.init_ratio = min(INIT_NEW_TOKEN_RATIO * limits.conservativeness, 1.0)
+        self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_ratio
+        self.batch_is_full = False
+        self.retractions = 0
+        self.aborted: list[SimRequest] = []
+        # the running (decoding) batch, structure of arrays aligned with run_reqs
+        self.run_reqs: list[SimRequest] = []
+        self.kv = np.zeros(0, dtype=np.int64)      # tokens in the KV cache
+        self.gen = np.zeros(0, dtype=np.int64)
+        self.out = np.zeros(0, dtype=np.int64)
+        self.maxnew = np.zeros(0, dtype=np.int64)
+        self.held = np.zeros(0, dtype=np.int64)
+        self.last = np.zeros(0, dtype=np.float64)
+        self.prof: np.ndarray | None = None
+        self._with_prof = pool.request_profile(np.random.default_rng(0)) is not None
+
+    # ---- arrivals ------------------------------------------------------------------------
+    def submit(self, r: SimRequest) -> bool:
+        """Validate as SGLang's tokenizer manager and scheduler do; queue or reject."""
+        lim = self.lim
+        if r.input_len + r.max_new >= lim.context_len:
+            r.rejected = (f"input {r.input_len} + max_new_tokens {r.max_new} >= context length "
+                          f"{lim.context_len}")
+            return False
+        if r.input_len >= lim.max_req_len:
+            r.rejected = f"input {r.input_len} >= max request length {lim.max_req_len}"
+            return False
+        # scheduler clamps max_new_tokens to the room left in a request
+        room = lim.max_req_len - r.input_len - 1
+        if r.max_new > room:
+            r.max_new = room
+            r.output_len = min(r.output_len, room)
+        need = self.pool.prompt_units(0, r.input_len) + self.pool.future_units(
+            min(r.max_new, CLIP_MAX_NEW_TOKENS))
+        if need >= self.pool.capacity:
+            r.rejected = (f"prompt of {r.input_len} tokens needs {need:.0f} of "
+                          f"{self.pool.capacity} {self.pool.unit} even in an empty pool")
+            return False
+        if self._with_prof:
+            r.prof = self.pool.request_profile(self.rng)
+        self.waiting.append(r)
+        return True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.run_reqs and self.chunked is None
+
+    def on_idle(self) -> None:
+        """SGLang's self_check_during_idle resets the ratio."""
+        self.new_token_ratio = self.init_ratio
+
+    # ---- batch formation -----------------------------------------------------------------
+    def next_batch(self) -> Batch | None:
+        batch = self._prefill_batch()
+        if batch is not None:
+            return batch
+        if not self.run_reqs:
+            return None
+        retracted = self._update_running_batch()
+        if not self.run_reqs:
+            return None
+        b = Batch(decode=True, retracted=retracted)
+        b.shape = StepShape(decode_reqs=len(self.run_reqs), decode_kv_tokens=int(self.kv.sum()),
+                            decode_read_bytes=self.pool.read_bytes_per_layer(self.kv, self.prof))
+        return b
+
+    def _prefill_batch(self) -> Batch | None:
+        lim = self.lim
+        if (self.batch_is_full or not self.waiting) and self.chunked is None:
+            return None
+        running_bs = len(self.run_reqs)
+        if running_bs >= lim.max_running_requests:
+            self.batch_is_full = True
+            return None
+        pool = self.pool
+        mixed = lim.enable_mixed_chunk and running_bs > 0
+        mixed_units = pool.decode_step_need(self.kv + 1) if mixed else 0
+        mixed_tokens = running_bs if mixed else 0
+        reserve = 0.0
+        if running_bs:
+            left = np.minimum(self.maxnew - self.gen, CLIP_MAX_NEW_TOKENS)
+            reserve = pool.future_units(float(left.sum()) * self.new_token_ratio)
+        available = pool.capacity - self.used
+        self._rem_total = available - (mixed_units + reserve)
+        self._cur_rem = available - mixed_units
+        self._rem_input = lim.max_prefill_tokens - mixed_tokens
+        self._rem_chunk = (None if lim.chunked_prefill_size is None
+                           else lim.chunked_prefill_size - mixed_tokens)
+        chunks: list[tuple[SimRequest, int]] = []
+        new_chunked: SimRequest | None = None
+        cont = self.chunked
+        if cont is not None:
+            extend = self._add_chunked(cont)
+            if extend > 0:
+                chunks.append((cont, extend))
+            if cont.prefilled + extend < cont.fill_len:
+                new_chunked = cont          # still unfinished: no room for other requests
+        if new_chunked is None:
+            taken = 0
+            for r in self.waiting:
+                if running_bs + len(chunks) >= lim.max_running_requests:
+                    self.batch_is_full = True
+                    break
+                res, extend = self._add_one(r, bool(chunks))
+                if extend > 0:
+                    chunks.append((r, extend))
+                    taken += 1
+                    if r.prefilled + extend < r.fill_len:
+                        new_chunked = r
+                if res != CONTINUE:
+                    if res == NO_TOKEN:
+                        self.batch_is_full = True
+                    break
+            for _ in range(taken):        # FCFS admits a prefix of the queue
+                self.waiting.popleft()
+        self.chunked = new_chunked
+        if not chunks:
+            return None
+        return self._build_prefill(chunks, mixed)
+
+    def _budget_state(self) -> int:
+        if self._rem_total <= 0 or self._cur_rem <= 0:
+            return NO_TOKEN
+        if self._rem_input <= 0 or (self._rem_chunk is not None and self._rem_chunk <= 0):
+            return OTHER
+        return CONTINUE
+
+    def _charge(self, units: int, extend: int, future_tokens: int) -> None:
+        """PrefillAdder._update_prefill_budget (the input is charged page-aligned)."""
+        paged = -(-extend // self.page) * self.page
+        self._rem_total -= units + self.pool.future_units(future_tokens)
+        self._cur_rem -= units
+        self._rem_input -= paged
+        if self._rem_chunk is not None:
+            self._rem_chunk -= paged
+
+    def _add_chunked(self, r: SimRequest) -> int:
+        """PrefillAdder.add_chunked_req: continue the chunked request as far as budget allows."""
+        remaining = r.fill_len - r.prefilled
+        room = remaining if self._rem_chunk is None else self._rem_chunk
+        room = min(room, self._tokens_for_units(r.prefilled, self._rem_total))
+        extend = max(0, min(remaining, room))
+        truncated = extend < remaining
+        if extend > 0:
+            units = self.pool.prompt_units(r.prefilled, extend)
+            self._charge(units, extend,
+                         0 if truncated else min(r.max_new, CLIP_MAX_NEW_TOKENS))
+        return extend
+
+    def _tokens_for_units(self, stored: int, units: float) -> int:
+        """The most prompt tokens whose chunk fits in ``units`` (int(rem_total) for tokens)."""
+        if units <= 0:
+            return 0
+        if self.pool.unit == "tokens":
+            return int(units)
+        lo, hi = 0, 1 << 24          # monotone in tokens: bisect (DiffKV all-high pages)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.pool.prompt_units(stored, mid) <= units:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _add_one(self, r: SimRequest, has_others: bool) -> tuple[int, int]:
+        """PrefillAdder.add_one_req -> (result, tokens admitted now)."""
+        pool = self.pool
+        extend = r.fill_len - r.prefilled
+        total = pool.prompt_units(r.prefilled, extend) + pool.future_units(
+            min(max(r.max_new - r.gen, 0), CLIP_MAX_NEW_TOKENS))
+        if total >= self._rem_total:
+            return NO_TOKEN, 0
+        paged = -(-extend // self.page) * self.page
+        if paged >= self._rem_input and has_others:
+            return OTHER, 0
+        if self._rem_chunk is None or paged <= self._rem_chunk:
+            self._charge(pool.prompt_units(r.prefilled, extend), extend,
+                         min(r.max_new, CLIP_MAX_NEW_TOKENS))
+            return self._budget_state(), extend
+        trunc = self._rem_chunk // self.page * self.page
+        if trunc <= 0:
+            return OTHER, 0
+        self._charge(pool.prompt_units(r.prefilled, trunc), trunc, 0)
+        return self._budget_state(), trunc
+
+    def _build_prefill(self, chunks: list[tuple[SimRequest, int]], mixed: bool) -> Batch:
+        pool = self.pool
+        tokens = 0
+        pairs = 0.0
+        past = 0
+        for r, extend in chunks:
+            units = pool.prompt_units(r.prefilled, extend)
+            r.held += units
+            self.used += units
+            tokens += extend
+            pairs += extend * r.prefilled + extend * extend / 2.0
+            past += r.prefilled
+        b = Batch(chunks=chunks, decode=mixed)
+        dec_reqs = dec_kv = 0
+        dec_bytes = 0.0
+        if mixed:
+            self._allocate_decode()
+            dec_reqs, dec_kv = len(self.run_reqs), int(self.kv.sum())
+            dec_bytes = pool.read_bytes_per_layer(self.kv, self.prof)
+        b.shape = StepShape(decode_reqs=dec_reqs, decode_kv_tokens=dec_kv,
+                            decode_read_bytes=dec_bytes, prefill_tokens=tokens,
+                            prefill_pairs=pairs, prefill_past_tokens=past,
+                            prefill_seqs=len(chunks))
+        return b
+
+    # ---- decode memory -------------------------------------------------------------------
+    def _allocate_decode(self) -> None:
+        """prepare_for_decode: one more KV token per running request."""
+        self.kv = self.kv + 1
+        new_held = self.pool.decode_units(self.kv, self.prof)
+        self.used += int(new_held.sum() - self.held.sum())
+        self.held = new_held
+
+    def _update_running_batch(self) -> int:
+        """Scheduler.update_running_batch: check_decode_mem, retract or decay, allocate."""
+        pool = self.pool
+        retracted = 0
+        if pool.decode_step_need(self.kv + 1) > pool.capacity - self.used:
+            retracted = self._retract()
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        if self.run_reqs:
+            self._allocate_decode()
+        return retracted
+
+    def _retract(self) -> int:
+        """ScheduleBatch.retract_decode."""
+        order = sorted(range(len(self.run_reqs)),
+                       key=lambda i: (self.gen[i], -self.run_reqs[i].input_len), reverse=True)
+        keep = np.ones(len(self.run_reqs), dtype=bool)
+        freed = 0
+        popped: list[int] = []
+        first = True
+        while first or self.pool.decode_step_need(self.kv[keep] + 1) > (
+                self.pool.capacity - self.used + freed):
+            if len(order) == 1:
+                break
+            first = False
+            i = order.pop()
+            keep[i] = False
+            freed += int(self.held[i])
+            popped.append(i)
+        for i in popped:
+            r = self.run_reqs[i]
+            r.gen = int(self.gen[i])
+            r.held = 0
+            r.prefilled = 0
+            r.fill_len = r.input_len + r.gen          # recompute prompt + outputs so far
+            r.last_token = float(self.last[i])
+            r.retractions += 1
+            self.waiting.append(r)
+        self.used -= freed
+        self.retractions += len(popped)
+        self._filter(keep)
+        if len(order) == 1 and self.pool.decode_step_need(self.kv + 1) > (
+                self.pool.capacity - self.used):
+            r = self.run_reqs[0]               # out of memory even after retracting
+            r.rejected = "out of memory even after retracting every other request"
+            self.used -= int(self.held[0])
+            self.aborted.append(r)
+            self._filter(np.zeros(1, dtype=bool))
+        if self.run_reqs:
+            total_gen = float(self.gen.sum())
+            total_max = float(self.maxnew.sum())
+            self.new_token_ratio = min(
+                1.0, (total_gen + RETRACT_DECODE_STEPS * len(self.run_reqs)) / (total_max + 1))
+        self.batch_is_full = False
+        return len(popped)
+
+    def _filter(self, keep: np.ndarray) -> None:
+        self.run_reqs = [r for r, k in zip(self.run_reqs, keep, strict=True) if k]
+        self.kv, self.gen, self.out = self.kv[keep], self.gen[keep], self.out[keep]
+        self.maxnew, self.held, self.last = self.maxnew[keep], self.held[keep], self.last[keep]
+        if self.prof is not None:
+            self.prof = self.prof[keep]
+
+    # ---- completion ----------------------------------------------------------------------
+    def complete(self, b: Batch, now: float, itl_sink: list[np.ndarray]) -> list[SimRequest]:
+        """Apply the results of batch ``b`` that finished at ``now``; return finished requests.
+        Inter-token gaps of decode steps go to ``itl_sink`` as arrays."""
+        finished: list[SimRequest] = []
+        if b.decode and self.run_reqs:
+            self.gen += 1
+            itl_sink.append(now - self.last)
+            self.last[:] = now
+            done = self.gen >= self.out
+            if done.any():
+                for i in np.flatnonzero(done):
+                    r = self.run_reqs[i]
+                    r.gen = int(self.gen[i])
+                    r.finish = now
+                    r.last_token = now
+                    self.used -= int(self.held[i])
+                    r.held = 0
+                    finished.append(r)
+                self._filter(~done)
+                self.batch_is_full = False
+        joined: list[SimRequest] = []
+        for r, extend in b.chunks:
+            r.prefilled += extend
+            if r.prefilled < r.fill_len:
+                continue                      # chunked: stays out of the running batch
+            r.gen += 1                        # the prefill forward samples one token
+            if r.first_token < 0:
+                r.first_token = now
+            else:                             # recomputed after a retraction
+                if r.itl is None:
+                    r.itl = []
+                r.itl.append(now - r.last_token)
+            r.last_token = now
+            # compression after prefill: reclaim from the all-high prompt to the mix
+            kv = np.array([r.fill_len], dtype=np.int64)
+            prof = None if r.prof is None else r.prof[None]
+            new_held = int(self.pool.decode_units(kv, prof)[0])
+            self.used += new_held - r.held
+            r.held = new_held
+            if r.gen >= r.output_len:
+                r.finish = now
+                self.used -= r.held
+                r.held = 0
+                finished.append(r)
+            else:
+                joined.append(r)
+        if joined:
+            self._join(joined)
+        return finished
+
+    def _join(self, reqs: list[SimRequest]) -> None:
+        self.run_reqs.extend(reqs)
+        self.kv = np.concatenate([self.kv, [r.fill_len for r in reqs]]).astype(np.int64)
+        self.gen = np.concatenate([self.gen, [r.gen for r in reqs]]).astype(np.int64)
+        self.out = np.concatenate([self.out, [r.output_len for r in reqs]]).astype(np.int64)
+        self.maxnew = np.concatenate([self.maxnew, [r.max_new for r in reqs]]).astype(np.int64)
+        self.held = np.concatenate([self.held, [r.held for r in reqs]]).astype(np.int64)
+        self.last = np.concatenate([self.last, [r.last_token for r in reqs]])
+        if self._with_prof:
+            new = np.stack([r.prof for r in reqs])
+            self.prof = new if self.prof is None or not len(self.prof) else np.concatenate(
+                [self.prof, new])
+
+    # ---- observability -------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.run_reqs)
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.pool.capacity

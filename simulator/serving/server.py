@@ -1,0 +1,96 @@
+"""Resolve a deployment (model, GPU, KV format, settings, calibration) into what one replica
+needs: the KV pool, the scheduler limits and the cost model, with SGLang's derived values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from simulator.kv.formats import KVFormat
+from simulator.kv.pool import KVPool
+from simulator.serving.cost import CostModel
+from simulator.serving.memory import (
+    MemoryBudget,
+    cuda_graph_batch_sizes,
+    default_chunk_and_graph,
+    default_max_running_requests,
+    kv_memory_budget,
+    mem_fraction_static,
+)
+from simulator.serving.scheduler import Scheduler, SchedulerLimits
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import Calibration
+from simulator.specs.gpu import GPUSpec
+from simulator.specs.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: ModelSpec
+    gpu: GPUSpec
+    kv_format: KVFormat
+    settings: ServerSettings
+    calibration: Calibration
+
+
+class ResolvedServer:
+    """Immutable after construction; replicas each build their own Scheduler from it."""
+
+    def __init__(self, d: Deployment):
+        s, model, gpu = d.settings, d.model, d.gpu
+        model.check_tp(s.tp)
+        self.deployment = d
+        chunk_default, graph_default = default_chunk_and_graph(gpu.memory_mib, s.tp)
+        chunk = s.chunked_prefill_size if s.chunked_prefill_size is not None else chunk_default
+        self.chunked_prefill_size: int | None = None if chunk == -1 else chunk
+        self.cuda_graph_max_bs = s.cuda_graph_max_bs or graph_default
+        self.mem_fraction_static = s.mem_fraction_static or mem_fraction_static(
+            gpu.memory_mib, chunk, s.max_prefill_tokens, self.cuda_graph_max_bs, s.tp,
+            s.enable_piecewise_cuda_graph)
+        self.budget: MemoryBudget = kv_memory_budget(gpu, model, s.tp, self.mem_fraction_static,
+                                                     d.calibration)
+        rest = self.budget.kv_rest
+        pool = d.kv_format.build_pool(model, s.tp, rest)
+        if s.max_total_tokens is not None and s.max_total_tokens < pool.token_capacity:
+            # --max-total-tokens caps the pool: shrink the bytes it may use proportionally
+            pool = d.kv_format.build_pool(model, s.tp, rest * s.max_total_tokens
+                                          / pool.token_capacity)
+        self.pool: KVPool = pool
+        self.context_len = s.context_len or model.context_len
+        tokens = pool.token_capacity
+        self.max_running_requests = s.max_running_requests or default_max_running_requests(
+            tokens, self.context_len)
+        self.limits = SchedulerLimits(
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_prefill_tokens=s.max_prefill_tokens,
+            max_running_requests=self.max_running_requests,
+            context_len=self.context_len,
+            max_req_len=min(self.context_len - 1, tokens - 1),
+            conservativeness=s.schedule_conservativeness,
+            enable_mixed_chunk=s.enable_mixed_chunk,
+        )
+        self.graph_sizes = cuda_graph_batch_sizes(self.cuda_graph_max_bs)
+        self.cost = CostModel(model, gpu, d.calibration, pool, d.kv_format.calibration_key,
+                              s.tp, self.graph_sizes, not s.disable_cuda_graph)
+
+    def new_scheduler(self, seed: int) -> Scheduler:
+        return Scheduler(self.pool, self.limits, np.random.default_rng(seed))
+
+    def describe(self) -> dict[str, Any]:
+        d = self.deployment
+        return {
+            "model": d.model.name, "gpu": d.gpu.key, "tp": d.settings.tp,
+            "kv_format": d.kv_format.name, "kv_format_detail": d.kv_format.describe(),
+            "mem_fraction_static": self.mem_fraction_static,
+            "memory": self.budget.to_dict(),
+            "kv_pool_units": self.pool.capacity, "kv_pool_unit": self.pool.unit,
+            "kv_pool_tokens": self.pool.token_capacity,
+            "max_running_requests": self.max_running_requests,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "max_prefill_tokens": d.settings.max_prefill_tokens,
+            "cuda_graph_max_bs": self.cuda_graph_max_bs,
+            "context_len": self.context_len,
+            "calibration": d.calibration.source_file,
+        }

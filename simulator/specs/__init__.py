@@ -1,0 +1,1 @@
+"""What is simulated, as data: model architecture, GPU and calibration (efficiency) specs."""

@@ -1,0 +1,71 @@
+"""GPU specs (datasheet numbers with their provenance) from the bundled ``gpus.json`` or a file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from simulator.errors import SimulatorInputError
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    key: str
+    name: str
+    memory_mib: int
+    hbm_bandwidth: float       # bytes/s
+    bf16_flops: float          # dense FLOP/s
+    fp8_flops: float
+    interconnect_bandwidth: float  # bytes/s each way, between GPUs of one host
+    provenance: str
+
+    def __post_init__(self) -> None:
+        for f in ("memory_mib", "hbm_bandwidth", "bf16_flops", "fp8_flops",
+                  "interconnect_bandwidth"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise SimulatorInputError(f"GPU {self.key!r}: {f}={v!r} must be a number > 0")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_mib * 2**20
+
+    @classmethod
+    def from_dict(cls, key: str, d: dict[str, Any]) -> GPUSpec:
+        fields = ("name", "memory_mib", "hbm_bandwidth", "bf16_flops", "fp8_flops",
+                  "interconnect_bandwidth", "provenance")
+        missing = [f for f in fields if f not in d]
+        if missing:
+            raise SimulatorInputError(f"GPU spec {key!r} lacks field(s) {missing}")
+        return cls(key, str(d["name"]), int(d["memory_mib"]), float(d["hbm_bandwidth"]),
+                   float(d["bf16_flops"]), float(d["fp8_flops"]),
+                   float(d["interconnect_bandwidth"]), str(d["provenance"]))
+
+
+@lru_cache(maxsize=1)
+def _bundled() -> dict[str, Any]:
+    return json.loads(resources.files("simulator.specs").joinpath("gpus.json").read_text())
+
+
+def gpu_names() -> list[str]:
+    return [k for k in _bundled() if not k.startswith("_")]
+
+
+def load_gpu(spec: str) -> GPUSpec:
+    """A bundled GPU key (h100, h200, a100, l40) or a JSON file with one GPU's fields."""
+    key = spec.strip().lower()
+    data = _bundled()
+    if key in data and not key.startswith("_"):
+        return GPUSpec.from_dict(key, data[key])
+    p = Path(spec)
+    if p.suffix == ".json" and p.is_file():
+        try:
+            return GPUSpec.from_dict(p.stem, json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise SimulatorInputError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
+    raise SimulatorInputError(f"unknown GPU {spec!r}; use one of {', '.join(gpu_names())} "
+                              "or a JSON file")

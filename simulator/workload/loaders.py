@@ -1,0 +1,279 @@
+"""Loaders for the public trace formats; each returns a Trace in the internal schema.
+
+Every bad row raises SimulatorInputError naming the file, the 1-based line number and what was
+wrong. Files may be gzip-compressed (``.gz``). Arrival times are rebased so the first request
+arrives at t = 0.
+
+Formats:
+  mooncake   JSONL {"timestamp": ms, "input_length", "output_length", "hash_ids"?, "session_id"?}
+             (also what ``write_mooncake_jsonl`` writes, and what sglang.bench_serving reads)
+  azure      CSV TIMESTAMP,ContextTokens,GeneratedTokens (Azure LLM inference 2023/2024)
+  burstgpt   CSV Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type
+  sglang     SGLang bench_serving ``custom`` JSONL: {"conversations": [{role/from, content/value}]}
+             (token counts estimated from text, see CHARS_PER_TOKEN) or explicit counts
+             {"input_len"/"prompt_len", "output_len", "timestamp"?}
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import gzip
+import io
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from simulator.errors import SimulatorInputError
+from simulator.workload.schema import Trace, TraceRequest
+
+FORMATS = ("mooncake", "azure", "burstgpt", "sglang")
+
+# Text without a tokenizer: ~4 characters per token is the usual English BPE average
+# (OpenAI's tokenizer guide); only used for the conversations variant of the sglang format.
+CHARS_PER_TOKEN = 4.0
+
+
+class _RowError(Exception):
+    """Raised inside a row parser; the loader adds file and line."""
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    try:
+        if path.suffix == ".gz":
+            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+        return open(path, encoding="utf-8")  # noqa: SIM115 - closed by the caller's with
+    except OSError as e:
+        raise SimulatorInputError(f"cannot read trace file {str(path)!r}: {e.strerror}") from e
+
+
+def detect_format(path: Path) -> str:
+    """Guess the format from the first non-empty line."""
+    with _open_text(path) as f:
+        for line in f:
+            s = line.strip()
+            if not s:
+                continue
+            if s.startswith("{"):
+                try:
+                    obj = json.loads(s)
+                except json.JSONDecodeError:
+                    break
+                if "input_length" in obj:
+                    return "mooncake"
+                return "sglang"
+            low = s.lower()
+            if "contexttokens" in low:
+                return "azure"
+            if "request tokens" in low:
+                return "burstgpt"
+            break
+    raise SimulatorInputError(
+        f"{path}: cannot tell the trace format from its first line; pass the format "
+        f"explicitly (one of {', '.join(FORMATS)})"
+    )
+
+
+def _int_field(obj: dict[str, Any], key: str, minimum: int) -> int:
+    if key not in obj:
+        raise _RowError(f"missing field {key!r}")
+    v = obj[key]
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _RowError(f"{key}={v!r} must be an integer >= {minimum}")
+    return v
+
+
+def _float(text: str, what: str) -> float:
+    try:
+        v = float(text)
+    except ValueError as e:
+        raise _RowError(f"{what}={text!r} is not a number") from e
+    if not math.isfinite(v):
+        raise _RowError(f"{what}={text!r} must be finite")
+    return v
+
+
+def _int(text: str, what: str, minimum: int) -> int:
+    try:
+        v = int(text.strip())
+    except ValueError as e:
+        raise _RowError(f"{what}={text!r} is not an integer") from e
+    if v < minimum:
+        raise _RowError(f"{what}={v} must be >= {minimum}")
+    return v
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            s = line.strip()
+            if not s:
+                continue
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise SimulatorInputError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from e
+            if not isinstance(obj, dict):
+                raise SimulatorInputError(f"{path}: line {lineno}: expected a JSON object")
+            yield lineno, obj
+
+
+def _mooncake_row(obj: dict[str, Any]) -> TraceRequest:
+    ts = obj.get("timestamp", 0)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise _RowError(f"timestamp={ts!r} must be a number of milliseconds >= 0")
+    hashes = obj.get("hash_ids", [])
+    if not isinstance(hashes, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in hashes
+    ):
+        raise _RowError("hash_ids must be a list of integers")
+    max_new = obj.get("max_new_tokens")
+    if max_new is not None:
+        max_new = _int_field(obj, "max_new_tokens", 1)
+    session = obj.get("session_id")
+    return TraceRequest(
+        arrival_s=float(ts) / 1000.0,
+        input_tokens=_int_field(obj, "input_length", 1),
+        output_tokens=_int_field(obj, "output_length", 1),
+        max_new_tokens=max_new,
+        prefix_hash_ids=tuple(hashes),
+        session_id=None if session is None else str(session),
+    )
+
+
+def _text_tokens(text: Any) -> int:
+    if not isinstance(text, str):
+        raise _RowError("conversation content must be a string")
+    return max(1, round(len(text) / CHARS_PER_TOKEN))
+
+
+def _sglang_row(obj: dict[str, Any]) -> TraceRequest:
+    ts = obj.get("timestamp", 0)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+        raise _RowError(f"timestamp={ts!r} must be a number of milliseconds >= 0")
+    if "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list) or len(turns) < 2 or not all(
+            isinstance(t, dict) for t in turns
+        ):
+            raise _RowError("conversations must be a list of at least 2 turns (prompt, answer)")
+        content = [t.get("content", t.get("value")) for t in turns[:2]]
+        return TraceRequest(float(ts) / 1000.0, _text_tokens(content[0]),
+                            _text_tokens(content[1]))
+    in_key = next((k for k in ("input_len", "prompt_len", "input_tokens") if k in obj), None)
+    if in_key is None or "output_len" not in obj:
+        raise _RowError("expected 'conversations', or 'input_len' (or 'prompt_len') and "
+                        "'output_len'")
+    return TraceRequest(float(ts) / 1000.0, _int_field(obj, in_key, 1),
+                        _int_field(obj, "output_len", 1))
+
+
+def _load_jsonl(path: Path, row: Callable[[dict[str, Any]], TraceRequest]) -> list[TraceRequest]:
+    out = []
+    for lineno, obj in _jsonl_rows(path):
+        try:
+            out.append(row(obj))
+        except (_RowError, SimulatorInputError) as e:
+            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from e
+    return out
+
+
+def _csv_rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    with _open_text(path) as f:
+        reader = csv.reader(f)
+        header: list[str] | None = None
+        for row in reader:
+            lineno = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                continue
+            if header is None:
+                header = [c.strip() for c in row]
+                missing = [c for c in required if c not in header]
+                if missing:
+                    raise SimulatorInputError(
+                        f"{path}: line {lineno}: header {header} lacks column(s) {missing}"
+                    )
+                continue
+            if len(row) != len(header):
+                raise SimulatorInputError(
+                    f"{path}: line {lineno}: expected {len(header)} columns, got {len(row)}"
+                )
+            yield lineno, dict(zip(header, row, strict=True))
+
+
+def _azure_time(text: str) -> float:
+    """'2023-11-16 18:17:03.9799600' (7 fractional digits) -> seconds since the epoch."""
+    s = text.strip()
+    try:
+        day, clock = s.split(" ")
+        h, m, sec = clock.split(":")
+        base = dt.date.fromisoformat(day).toordinal() * 86400.0
+        return base + int(h) * 3600 + int(m) * 60 + float(sec)
+    except ValueError as e:
+        raise _RowError(f"TIMESTAMP={text!r} is not 'YYYY-MM-DD HH:MM:SS.fffffff'") from e
+
+
+def _load_azure(path: Path) -> list[TraceRequest]:
+    out, times = [], []
+    for lineno, row in _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens")):
+        try:
+            times.append(_azure_time(row["TIMESTAMP"]))
+            inp = _int(row["ContextTokens"], "ContextTokens", 1)
+            outp = _int(row["GeneratedTokens"], "GeneratedTokens", 1)
+        except _RowError as e:
+            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from e
+        out.append((inp, outp))
+    t0 = min(times) if times else 0.0
+    return [TraceRequest(t - t0, i, o) for t, (i, o) in zip(times, out, strict=True)]
+
+
+def _load_burstgpt(path: Path) -> tuple[list[TraceRequest], int]:
+    """Rows with 0 response tokens are failed requests in BurstGPT; they are skipped and
+    counted (the count goes into the trace's source string)."""
+    out, skipped = [], 0
+    cols = ("Timestamp", "Request tokens", "Response tokens")
+    for lineno, row in _csv_rows(path, cols):
+        try:
+            t = _float(row["Timestamp"], "Timestamp")
+            if t < 0:
+                raise _RowError(f"Timestamp={t} must be >= 0")
+            inp = _int(row["Request tokens"], "Request tokens", 0)
+            outp = _int(row["Response tokens"], "Response tokens", 0)
+        except _RowError as e:
+            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from e
+        if outp == 0 or inp == 0:
+            skipped += 1
+            continue
+        out.append(TraceRequest(t, inp, outp))
+    if out:
+        t0 = min(r.arrival_s for r in out)
+        out = [TraceRequest(r.arrival_s - t0, r.input_tokens, r.output_tokens) for r in out]
+    return out, skipped
+
+
+def load_trace(path: str | Path, fmt: str | None = None, name: str | None = None) -> Trace:
+    """Load a trace file in one of FORMATS (guessed from the first line when ``fmt`` is None)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SimulatorInputError(f"trace file {str(p)!r} does not exist")
+    fmt = detect_format(p) if fmt is None else fmt
+    note = ""
+    if fmt == "mooncake":
+        reqs = _load_jsonl(p, _mooncake_row)
+    elif fmt == "sglang":
+        reqs = _load_jsonl(p, _sglang_row)
+    elif fmt == "azure":
+        reqs = _load_azure(p)
+    elif fmt == "burstgpt":
+        reqs, skipped = _load_burstgpt(p)
+        note = f" ({skipped} failed rows with 0 tokens skipped)" if skipped else ""
+    else:
+        raise SimulatorInputError(f"trace format {fmt!r} is unknown; choose one of {FORMATS}")
+    if not reqs:
+        raise SimulatorInputError(f"{p}: no requests in the file")
+    stem = p.name.split(".")[0]
+    return Trace.from_requests(reqs, name=name or stem, source=f"{p} [{fmt}]{note}").rebased()

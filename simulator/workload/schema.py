@@ -1,0 +1,121 @@
+"""The one internal trace schema every loader and generator produces.
+
+Invariants (checked in ``TraceRequest.__post_init__``): arrival >= 0, input_tokens >= 1,
+output_tokens >= 1, and max_new_tokens (when given) >= output_tokens. A Trace is sorted by
+arrival time; ties keep file order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from simulator.errors import SimulatorInputError
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request: when it arrives and how many tokens go in and come out.
+
+    ``output_tokens`` is how many tokens the request really generates (EOS or length);
+    ``max_new_tokens`` is what the client asked for (SGLang reserves memory by it); None means
+    the client asked for exactly ``output_tokens`` (bench_serving with ignore_eos).
+    ``prefix_hash_ids`` are Mooncake-style 512-token prefix-block hashes (kept, written back out).
+    """
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    max_new_tokens: int | None = None
+    prefix_hash_ids: tuple[int, ...] = ()
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.arrival_s, (int, float)) and math.isfinite(self.arrival_s)):
+            raise SimulatorInputError(f"arrival_s={self.arrival_s!r} must be a finite number")
+        if self.arrival_s < 0:
+            raise SimulatorInputError(f"arrival_s={self.arrival_s!r} must be >= 0")
+        for name in ("input_tokens", "output_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SimulatorInputError(f"{name}={v!r} must be an integer >= 1")
+        m = self.max_new_tokens
+        bad = isinstance(m, bool) or not isinstance(m, int) or m < self.output_tokens
+        if m is not None and bad:
+            raise SimulatorInputError(
+                f"max_new_tokens={m!r} must be an integer >= output_tokens={self.output_tokens}"
+            )
+
+    @property
+    def requested_new_tokens(self) -> int:
+        return self.output_tokens if self.max_new_tokens is None else self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Trace:
+    """An arrival-ordered list of requests with a name saying where it came from."""
+
+    requests: tuple[TraceRequest, ...]
+    name: str = "trace"
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise SimulatorInputError(f"trace {self.name!r} has no requests")
+        arrivals = [r.arrival_s for r in self.requests]
+        if any(b < a for a, b in zip(arrivals, arrivals[1:], strict=False)):
+            order = sorted(range(len(self.requests)), key=lambda i: self.requests[i].arrival_s)
+            object.__setattr__(self, "requests", tuple(self.requests[i] for i in order))
+
+    @classmethod
+    def from_requests(cls, requests: Iterable[TraceRequest], name: str, source: str = "") -> Trace:
+        return cls(tuple(requests), name=name, source=source)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s
+
+    @property
+    def mean_rate(self) -> float:
+        """Requests per second over the arrival span; inf when all arrive at once."""
+        d = self.duration_s
+        return (len(self) - 1) / d if d > 0 else math.inf
+
+    def head(self, n: int) -> Trace:
+        if n < 1:
+            raise SimulatorInputError(f"n={n} must be >= 1")
+        return Trace(self.requests[:n], name=self.name, source=self.source)
+
+    def rebased(self) -> Trace:
+        """Arrivals shifted so the first request arrives at t = 0."""
+        t0 = self.requests[0].arrival_s
+        if t0 == 0:
+            return self
+        return Trace(tuple(replace(r, arrival_s=r.arrival_s - t0) for r in self.requests),
+                     name=self.name, source=self.source)
+
+    def time_scaled(self, factor: float) -> Trace:
+        """Inter-arrival times multiplied by ``factor`` (< 1 replays faster)."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise SimulatorInputError(f"time scale factor={factor!r} must be a positive number")
+        t0 = self.requests[0].arrival_s
+        return Trace(
+            tuple(replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in self.requests),
+            name=f"{self.name}x{factor:g}", source=self.source,
+        )
+
+    def with_arrivals(self, arrivals: Sequence[float], name: str | None = None) -> Trace:
+        """The same lengths with new arrival times (one per request)."""
+        if len(arrivals) != len(self):
+            raise SimulatorInputError(
+                f"got {len(arrivals)} arrival times for a trace of {len(self)} requests"
+            )
+        return Trace(
+            tuple(replace(r, arrival_s=float(t)) for r, t in zip(self.requests, arrivals,
+                                                                   strict=True)),
+            name=name or self.name, source=self.source,
+        )
