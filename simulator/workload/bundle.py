@@ -56,7 +56,7 @@ def build(data: Path, out: Path = OUT) -> dict[str, int]:
     }
     share = synthetic_trace(length_model("sharegpt"), 2000, 64.0, seed=2026)
     write_mooncake_jsonl(share, out / "sharegpt_shaped.jsonl.gz")
-    longgen = synthetic_trace(length_model("long-generation"), 400, 1.0, seed=2027)
+    longgen = synthetic_trace(length_model("long-generation"), 600, 8.0, seed=2027)
     write_mooncake_jsonl(longgen, out / "long_generation.jsonl.gz")
     counts["sharegpt_shaped.jsonl.gz"] = len(share)
     counts["long_generation.jsonl.gz"] = len(longgen)

@@ -14,7 +14,8 @@ BUNDLED_TRACES: dict[str, tuple[str, str, str]] = {
     "sharegpt": ("sharegpt_shaped.jsonl.gz", "mooncake",
                  "2,000 synthetic ShareGPT-shaped requests, Poisson 64 req/s"),
     "long-generation": ("long_generation.jsonl.gz", "mooncake",
-                        "400 synthetic MATH-like requests, outputs 512-16k tokens, Poisson 1 req/s"),
+                        "600 synthetic MATH-like requests, outputs 512-7,680 tokens, "
+                        "Poisson 8 req/s"),
     "azure-conv": ("azure2023_conv_10min.csv.gz", "azure",
                    "Azure LLM inference 2023 conversation, first 10 minutes"),
     "azure-code": ("azure2023_code_10min.csv.gz", "azure",

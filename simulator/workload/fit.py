@@ -40,10 +40,11 @@ STATED = {
     },
     "long-generation": {
         "source": "ASSUMPTION, not fitted: MATH-style reasoning prompts (lognormal median 150 "
-                  "tokens) and long chain-of-thought outputs (lognormal median 4000 tokens, "
-                  "sigma 0.6, clipped to [512, 16384]); replace with measured QwQ output lengths",
-        "input": {"mu": 5.01, "sigma": 0.5, "low": 32, "high": 1024},
-        "output": {"mu": 8.29, "sigma": 0.6, "low": 512, "high": 16384},
+                  "tokens) and long chain-of-thought outputs (lognormal median 3000 tokens, "
+                  "sigma 0.6, clipped to [512, 7680] so prompt + output fits an 8k context); "
+                  "replace with measured QwQ output lengths",
+        "input": {"mu": 5.01, "sigma": 0.5, "low": 32, "high": 480},
+        "output": {"mu": 8.006, "sigma": 0.6, "low": 512, "high": 7680},
         "log_corr": 0.1, "rate_rps": None, "interarrival_cv": None,
     },
 }

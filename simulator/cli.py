@@ -1,0 +1,470 @@
+"""diffkv-sim: capacity planning for SGLang with bf16, fp8 and DiffKV KV caches.
+
+Subcommands: compare (the default comparison), replay (one format, full metrics), sweep
+(request rates x KV formats), capacity (max QPS and GPUs needed under an SLO), export (write a
+trace as Mooncake JSONL for sglang.bench_serving), traces (list bundled traces and models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sglang_diffkv.config import ConfigError, DiffKVConfig
+from simulator.errors import SimulatorInputError
+from simulator.kv.formats import FORMAT_NAMES
+from simulator.kv.mix import TierMix
+from simulator.metrics.slo import SLO
+from simulator.metrics.summary import timeseries
+from simulator.report import table
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import load_calibration
+from simulator.specs.gpu import gpu_names, load_gpu
+from simulator.specs.model import BUNDLED as BUNDLED_MODELS
+from simulator.specs.model import load_model
+from simulator.studies.scenario import Scenario
+from simulator.studies.search import gpus_needed, max_rate
+from simulator.workload.bundled import BUNDLED_TRACES, load_named_trace
+from simulator.workload.generate import ClosedLoop, resample_arrivals, synthetic_trace
+from simulator.workload.lengths import length_model, length_model_names
+from simulator.workload.loaders import FORMATS as TRACE_FORMATS
+from simulator.workload.schema import Trace
+from simulator.workload.writer import write_mooncake_jsonl
+
+
+# ---- option groups ------------------------------------------------------------------------
+def _deployment_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("deployment")
+    g.add_argument("--model", default="llama-3-8b",
+                   help=f"bundled model ({', '.join(BUNDLED_MODELS)}) or a path to a Hugging "
+                        "Face config.json (default: %(default)s)")
+    g.add_argument("--gpu", default="h100",
+                   help=f"GPU: {', '.join(gpu_names())}, or a JSON file with the same fields as "
+                        "simulator/specs/gpus.json (default: %(default)s)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica "
+                   "(default: %(default)s)")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="replicas behind the router (default: %(default)s)")
+    g.add_argument("--router", default="round_robin",
+                   choices=("round_robin", "least_outstanding", "random"),
+                   help="how requests are spread over replicas (default: %(default)s)")
+    g.add_argument("--calibration", default=None, metavar="PATH",
+                   help="calibration JSON with eta efficiencies and fixed costs per GPU "
+                        "(default: the shipped simulator/calibration/default.json)")
+
+
+def _format_options(p: argparse.ArgumentParser, many: bool) -> None:
+    g = p.add_argument_group("KV cache")
+    if many:
+        g.add_argument("--formats", default="bf16,fp8,diffkv",
+                       help=f"comma-separated KV formats from {', '.join(FORMAT_NAMES)} "
+                            "(default: %(default)s)")
+    else:
+        g.add_argument("--format", default="bf16", choices=FORMAT_NAMES,
+                       help="KV format (default: %(default)s)")
+    g.add_argument("--diffkv-config", default="llama-3-8b", metavar="SPEC",
+                   help="DiffKV tiers and window: a preset name, inline JSON or a JSON file, as "
+                        "SGLANG_DIFFKV_CONFIG (default: %(default)s)")
+    g.add_argument("--mix", default="0.3,0.5,0.2", metavar="H,L[,P]",
+                   help="DiffKV fractions of tokens (outside the recent window) kept high, "
+                        "kept low and pruned; fractions or percentages (default: %(default)s)")
+    g.add_argument("--head-spread", type=float, default=0.0,
+                   help="spread of the kept fraction across KV heads (0: every head alike; "
+                        "0.5: classes at roughly 0.4x..1.6x the mean) (default: %(default)s)")
+    g.add_argument("--request-spread", type=float, default=0.0,
+                   help="standard deviation of a per-request factor on the kept fraction "
+                        "(default: %(default)s)")
+
+
+def _server_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("SGLang server settings (defaults as SGLang 0.5.10 derives them)")
+    g.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="tokens per prefill chunk; -1 disables chunking (default: by GPU memory, "
+                        "8192 on H100/H200)")
+    g.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="prefill tokens per batch (default: %(default)s)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest CUDA-graph decode batch (default: by GPU memory, 256 at tp<4)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run every step eagerly (launch overhead per layer)")
+    g.add_argument("--disable-piecewise-cuda-graph", action="store_true",
+                   help="no piecewise prefill graphs (frees their memory reservation)")
+    g.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="decode running requests in the same forward as a prefill chunk")
+    g.add_argument("--schedule-conservativeness", type=float, default=1.0,
+                   help="scales the initial new_token_ratio 0.7 (default: %(default)s)")
+    g.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="fraction of GPU memory for weights + KV (default: SGLang's formula)")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help="cap on KV pool tokens (default: no cap)")
+    g.add_argument("--max-running-requests", type=int, default=None,
+                   help="cap on running requests (default: SGLang's rule from the pool size)")
+    g.add_argument("--context-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+
+
+def _workload_options(p: argparse.ArgumentParser, default_trace: str) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default=default_trace,
+                   help=f"bundled trace ({', '.join(BUNDLED_TRACES)}) or a trace file "
+                        "(default: %(default)s)")
+    g.add_argument("--trace-format", default=None, choices=TRACE_FORMATS,
+                   help="format of --trace when it is a file (default: guessed from line 1)")
+    g.add_argument("--synthetic", default=None, metavar="LENGTHS",
+                   help="instead of --trace, generate requests with fitted lengths: "
+                        f"{', '.join(length_model_names())} (needs --rate)")
+    g.add_argument("--num-requests", "-n", type=int, default=None,
+                   help="use only the first N requests (synthetic: how many to generate)")
+    g.add_argument("--rate", type=float, default=None,
+                   help="replace arrivals by a Gamma process at this many req/s ('inf': all at "
+                        "t=0) keeping the trace's lengths (default: the trace's own arrivals)")
+    g.add_argument("--cv", type=float, default=1.0,
+                   help="coefficient of variation of inter-arrival times with --rate "
+                        "(1: Poisson) (default: %(default)s)")
+    g.add_argument("--time-scale", type=float, default=None,
+                   help="multiply the trace's inter-arrival times (0.5 = twice the rate)")
+    g.add_argument("--closed-loop", type=int, default=None, metavar="USERS",
+                   help="closed loop: USERS clients each sending its next request when the "
+                        "previous one finishes (arrival times ignored)")
+    g.add_argument("--think-time", type=float, default=0.0,
+                   help="closed loop: seconds between a response and the next request")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="client max_tokens for every request (default: the trace's, else its "
+                        "output length, like bench_serving)")
+
+
+def _slo_options(p: argparse.ArgumentParser, required: bool) -> None:
+    g = p.add_argument_group("SLO" + (" (at least one limit)" if required else " (optional)"))
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="per-request TTFT limit")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="per-request TPOT limit")
+    g.add_argument("--slo-e2e-s", type=float, default=None, help="per-request latency limit")
+    g.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="fraction of requests that must meet the limits (default: %(default)s)")
+
+
+def _output_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    g.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    g.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: on for long runs in a terminal)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="diffkv-sim",
+        description="Simulate SGLang 0.5.10 serving a trace with bf16, fp8, K8V4, K4V2 or "
+                    "DiffKV KV caches: batch size, throughput, TTFT/TPOT, memory, capacity.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser("compare", help="bf16 vs fp8 vs DiffKV on one trace (no arguments needed)",
+                       description="Replay one trace with several KV formats and print a table. "
+                                   "Default: the bundled long-generation trace (600 MATH-like "
+                                   "requests, Poisson 8 req/s) on Llama-3-8B / H100.")
+    _workload_options(c, "long-generation")
+    _format_options(c, many=True)
+    _deployment_options(c)
+    _server_options(c)
+    _slo_options(c, required=False)
+    _output_options(c)
+
+    r = sub.add_parser("replay", help="replay a trace with one KV format, full metrics",
+                       description="Replay a trace and print bench_serving-style metrics.")
+    _workload_options(r, "sharegpt")
+    _format_options(r, many=False)
+    _deployment_options(r)
+    _server_options(r)
+    _slo_options(r, required=False)
+    _output_options(r)
+
+    s = sub.add_parser("sweep", help="request rates x KV formats",
+                       description="Poisson (or Gamma) arrivals at each rate with the trace's "
+                                   "lengths, for each KV format.")
+    s.add_argument("--rates", default="4,8,16,32,64",
+                   help="comma-separated request rates in req/s (default: %(default)s)")
+    _workload_options(s, "sharegpt")
+    _format_options(s, many=True)
+    _deployment_options(s)
+    _server_options(s)
+    _slo_options(s, required=False)
+    _output_options(s)
+
+    k = sub.add_parser("capacity", help="max QPS per replica and GPUs needed under an SLO",
+                       description="For each KV format: the highest Poisson rate one replica "
+                                   "sustains under the SLO (bisection), and the fewest GPUs "
+                                   "that meet the SLO for the trace at its rate (or --rate).")
+    k.add_argument("--max-replicas", type=int, default=64,
+                   help="give up above this many replicas (default: %(default)s)")
+    k.add_argument("--rate-bracket", default="0.25,256", metavar="LO,HI",
+                   help="req/s range searched for the max rate (default: %(default)s)")
+    _workload_options(k, "azure-conv")
+    _format_options(k, many=True)
+    _deployment_options(k)
+    _server_options(k)
+    _slo_options(k, required=True)
+    _output_options(k)
+
+    e = sub.add_parser("export", help="write a trace as Mooncake JSONL (for bench_serving)",
+                       description="Write the (possibly resampled or synthetic) workload as "
+                                   "Mooncake JSONL: python -m sglang.bench_serving "
+                                   "--dataset-name mooncake --dataset-path FILE "
+                                   "--use-trace-timestamps replays the same requests.")
+    e.add_argument("out", help="output path (.jsonl or .jsonl.gz)")
+    _workload_options(e, "sharegpt")
+    e.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+
+    sub.add_parser("list", help="list bundled traces, length models, models and GPUs")
+    return p
+
+
+# ---- building inputs from options ----------------------------------------------------------
+def _workload(a: argparse.Namespace) -> Trace | ClosedLoop:
+    if a.synthetic:
+        if a.rate is None:
+            raise SimulatorInputError("--synthetic needs --rate (req/s, or inf)")
+        trace = synthetic_trace(length_model(a.synthetic), a.num_requests or 1000, a.rate,
+                                seed=a.seed, cv=a.cv)
+    else:
+        trace = load_named_trace(a.trace, a.trace_format)
+        if a.num_requests:
+            trace = trace.head(a.num_requests)
+        if a.time_scale is not None:
+            trace = trace.time_scaled(a.time_scale)
+        if a.rate is not None:
+            trace = resample_arrivals(trace, a.rate, a.seed, a.cv)
+    if a.max_new_tokens is not None:
+        from dataclasses import replace
+
+        if a.max_new_tokens < 1:
+            raise SimulatorInputError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
+        trace = Trace(tuple(replace(r, output_tokens=min(r.output_tokens, a.max_new_tokens),
+                                    max_new_tokens=a.max_new_tokens) for r in trace.requests),
+                      name=trace.name, source=trace.source)
+    if a.closed_loop is not None:
+        return ClosedLoop(trace.requests, a.closed_loop, a.think_time,
+                          name=f"{trace.name}-closed{a.closed_loop}")
+    return trace
+
+
+def _slo(a: argparse.Namespace, required: bool) -> SLO | None:
+    vals = (a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2e_s)
+    if all(v is None for v in vals):
+        if required:
+            raise SimulatorInputError("give an SLO: --slo-ttft-ms, --slo-tpot-ms or --slo-e2e-s")
+        return None
+    return SLO(ttft_s=math.inf if a.slo_ttft_ms is None else a.slo_ttft_ms / 1e3,
+               tpot_s=math.inf if a.slo_tpot_ms is None else a.slo_tpot_ms / 1e3,
+               e2e_s=math.inf if a.slo_e2e_s is None else a.slo_e2e_s,
+               attainment=a.slo_attainment)
+
+
+def _scenario(a: argparse.Namespace) -> Scenario:
+    model = load_model(a.model)
+    gpu = load_gpu(a.gpu)
+    calib = load_calibration(gpu.key, a.calibration)
+    settings = ServerSettings(
+        tp=a.tp, chunked_prefill_size=a.chunked_prefill_size,
+        max_prefill_tokens=a.max_prefill_tokens, cuda_graph_max_bs=a.cuda_graph_max_bs,
+        disable_cuda_graph=a.disable_cuda_graph,
+        enable_piecewise_cuda_graph=not a.disable_piecewise_cuda_graph,
+        enable_mixed_chunk=a.enable_mixed_chunk,
+        schedule_conservativeness=a.schedule_conservativeness,
+        mem_fraction_static=a.mem_fraction_static, max_total_tokens=a.max_total_tokens,
+        max_running_requests=a.max_running_requests, context_len=a.context_len)
+    try:
+        dcfg = DiffKVConfig.from_spec(a.diffkv_config)
+    except ConfigError as e:
+        raise SimulatorInputError(f"--diffkv-config {a.diffkv_config!r}: {e}") from e
+    mix = TierMix.parse(a.mix, a.head_spread, a.request_spread)
+    return Scenario(model, gpu, calib, settings, dcfg, mix, a.replicas, a.router, a.seed,
+                    a.progress)
+
+
+def _formats(a: argparse.Namespace) -> list[str]:
+    names = [f.strip().lower() for f in a.formats.split(",") if f.strip()]
+    bad = [f for f in names if f not in FORMAT_NAMES]
+    if bad or not names:
+        raise SimulatorInputError(f"--formats {a.formats!r}: unknown {bad}; choose from "
+                                  f"{', '.join(FORMAT_NAMES)}")
+    return names
+
+
+def _header(sc: Scenario, workload: Trace | ClosedLoop) -> str:
+    n = len(workload)
+    kind = (f"closed loop, {workload.users} users" if isinstance(workload, ClosedLoop)
+            else ("all at t=0" if math.isinf(workload.mean_rate)
+                  else f"{workload.mean_rate:.2f} req/s over {workload.duration_s:.0f} s"))
+    tp = f" x tp{sc.settings.tp}" if sc.settings.tp > 1 else ""
+    rep = f", {sc.replicas} replicas" if sc.replicas > 1 else ""
+    return (f"{sc.model.name} on {sc.gpu.name}{tp}{rep} | trace {workload.name}: {n:,} "
+            f"requests, {kind}")
+
+
+# ---- commands ----------------------------------------------------------------------------
+def cmd_compare(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    sc = _scenario(a)
+    workload = _workload(a)
+    slo = _slo(a, False)
+    summaries, series, servers = [], {}, []
+    t0 = time.perf_counter()
+    for f in _formats(a):
+        srv = sc.server(f)
+        res, s = sc.run_summary(workload, f, slo, srv)
+        summaries.append(s)
+        series[f] = timeseries(res)
+        servers.append(srv.describe())
+    elapsed = time.perf_counter() - t0
+    print(table.compare_table(summaries, _header(sc, workload)), file=out)
+    for srv in servers:
+        if srv["kv_format"] == "diffkv":
+            print(f"\n{srv['kv_format_detail']}", file=out)
+    print(f"KV pool from SGLang's formula: mem_fraction_static={servers[0]['mem_fraction_static']},"
+          f" {servers[0]['memory']['kv_pool_gib']:.1f} GiB per GPU. Simulated in {elapsed:.1f} s.",
+          file=out)
+    payload = {"command": "compare", "scenario": sc.describe(), "servers": servers,
+               "summaries": summaries, "timeseries": series, "elapsed_s": elapsed}
+    if a.plot:
+        from simulator.report.plots import plot_timeseries
+
+        p = plot_timeseries(series, a.plot, _header(sc, workload))
+        print(f"plot: {p}", file=out)
+    return payload
+
+
+def cmd_replay(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    sc = _scenario(a)
+    workload = _workload(a)
+    srv = sc.server(a.format)
+    t0 = time.perf_counter()
+    res, s = sc.run_summary(workload, a.format, _slo(a, False), srv)
+    elapsed = time.perf_counter() - t0
+    print(_header(sc, workload), file=out)
+    print(table.summary_table(s), file=out)
+    n = len(workload)
+    print(f"Simulated {n:,} requests in {elapsed:.2f} s ({n / elapsed:,.0f} req/s).", file=out)
+    series = timeseries(res)
+    per_request = [{"id": r.rid, "arrival": r.arrival, "input": r.input_len,
+                    "output": r.gen, "first_token": r.first_token, "finish": r.finish,
+                    "retractions": r.retractions, "rejected": r.rejected}
+                   for r in res.requests]
+    if a.plot:
+        from simulator.report.plots import plot_timeseries
+
+        print(f"plot: {plot_timeseries({a.format: series}, a.plot, _header(sc, workload))}",
+              file=out)
+    return {"command": "replay", "scenario": sc.describe(), "server": srv.describe(),
+            "summary": s, "timeseries": series, "requests": per_request, "elapsed_s": elapsed}
+
+
+def cmd_sweep(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    sc = _scenario(a)
+    base = _workload(a)
+    if isinstance(base, ClosedLoop):
+        raise SimulatorInputError("sweep varies the arrival rate; it cannot use --closed-loop")
+    try:
+        rates = [float(x) for x in a.rates.split(",") if x.strip()]
+    except ValueError as e:
+        raise SimulatorInputError(f"--rates {a.rates!r} must be comma-separated numbers") from e
+    if not rates or any(not r > 0 for r in rates):
+        raise SimulatorInputError(f"--rates {a.rates!r} must be numbers > 0")
+    slo = _slo(a, False)
+    rows = []
+    for f in _formats(a):
+        srv = sc.server(f)
+        for rate in rates:
+            load = resample_arrivals(base, rate, a.seed, a.cv)
+            _, s = sc.run_summary(load, f, slo, srv)
+            row = {"format": f, "rate": rate, "output_throughput": s["output_throughput"],
+                   "request_throughput": s["request_throughput"], "mean_batch": s["mean_batch"],
+                   "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+                   "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p99_ms": s["tpot_ms"]["p99"],
+                   "retractions": s["retractions"]}
+            if slo:
+                row["slo_attainment"] = s["slo_attainment"]
+                row["goodput"] = s["goodput"]
+            rows.append(row)
+    headers = list(rows[0])
+    print(table.render(headers, [[r[h] for h in headers] for r in rows],
+                       _header(sc, base) + " | rates swept"), file=out)
+    if a.plot:
+        from simulator.report.plots import plot_sweep
+
+        for p in plot_sweep(rows, a.plot, f"{sc.model.name} on {sc.gpu.key}, {base.name}"):
+            print(f"plot: {p}", file=out)
+    return {"command": "sweep", "scenario": sc.describe(), "rows": rows}
+
+
+def cmd_capacity(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    sc = _scenario(a)
+    trace = _workload(a)
+    if isinstance(trace, ClosedLoop):
+        raise SimulatorInputError("capacity needs an open-loop trace, not --closed-loop")
+    slo = _slo(a, True)
+    assert slo is not None
+    try:
+        lo, hi = (float(x) for x in a.rate_bracket.split(","))
+    except ValueError as e:
+        raise SimulatorInputError(f"--rate-bracket {a.rate_bracket!r} must be LO,HI") from e
+    results = []
+    for f in _formats(a):
+        one = max_rate(sc.with_replicas(1), trace, f, slo, lo, hi, seed=a.seed)
+        need = gpus_needed(sc, trace, f, slo, a.max_replicas, seed=a.seed)
+        results.append({"format": f, "max_rate_per_replica": one["max_rate"],
+                        "replicas": need["replicas"], "gpus": need["gpus"],
+                        "max_rate_search": one, "gpus_search": need})
+    rows = [[r["format"], r["max_rate_per_replica"], r["replicas"], r["gpus"]] for r in results]
+    title = (f"{_header(sc, trace)}\nSLO: {slo.describe()}; trace rate "
+             f"{trace.mean_rate:.2f} req/s")
+    print(table.render(["format", "max req/s per replica", "replicas", "GPUs"], rows, title),
+          file=out)
+    return {"command": "capacity", "scenario": sc.describe(), "slo": slo.describe(),
+            "trace_rate": trace.mean_rate, "results": results}
+
+
+def cmd_export(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    a.max_new_tokens = getattr(a, "max_new_tokens", None)
+    w = _workload(a)
+    if isinstance(w, ClosedLoop):
+        raise SimulatorInputError("export writes timestamps; it cannot use --closed-loop")
+    p = write_mooncake_jsonl(w, a.out)
+    print(f"wrote {len(w):,} requests to {p}", file=out)
+    return {}
+
+
+def cmd_list(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    print("bundled traces:", file=out)
+    for name, (_, fmt, desc) in BUNDLED_TRACES.items():
+        print(f"  {name:24s} [{fmt}] {desc}", file=out)
+    print("length models (--synthetic): " + ", ".join(length_model_names()), file=out)
+    print("models: " + ", ".join(BUNDLED_MODELS), file=out)
+    print("GPUs: " + ", ".join(gpu_names()), file=out)
+    print("KV formats: " + ", ".join(FORMAT_NAMES), file=out)
+    return {}
+
+
+COMMANDS = {"compare": cmd_compare, "replay": cmd_replay, "sweep": cmd_sweep,
+            "capacity": cmd_capacity, "export": cmd_export, "list": cmd_list}
+
+
+def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
+    out = out or sys.stdout
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        args = build_parser().parse_args(["compare", *(argv or [])])
+    try:
+        payload = COMMANDS[args.command](args, out)
+        if getattr(args, "json", None):
+            path = table.write_json(args.json, payload)
+            print(f"json: {path}", file=out)
+    except SimulatorInputError as e:
+        print(f"diffkv-sim: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into head and closed early
+        return 0
+    return 0

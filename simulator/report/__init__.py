@@ -1,0 +1,1 @@
+"""Output: readable tables, JSON files and PNG plots."""

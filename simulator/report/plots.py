@@ -1,0 +1,76 @@
+"""PNG plots (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _plt():  # imported lazily: matplotlib costs ~0.5 s to import
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timeseries(series: dict[str, dict[str, list[float]]], out_dir: str | Path,
+                    title: str = "") -> Path:
+    """Decode batch size and KV-pool usage over time, one line per KV format."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name, ts in series.items():
+        ax1.plot(ts["t"], ts["batch"], label=name, lw=1)
+        ax2.plot(ts["t"], [100 * u for u in ts["kv_usage"]], label=name, lw=1)
+    ax1.set_ylabel("running requests")
+    ax2.set_ylabel("KV pool used (%)")
+    ax2.set_xlabel("time (s)")
+    ax1.legend()
+    ax1.set_title(title or "batch size and KV usage over time")
+    fig.tight_layout()
+    path = Path(out_dir) / "timeseries.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(rows: Sequence[dict[str, Any]], out_dir: str | Path, title: str = "") -> list[Path]:
+    """Throughput and TTFT/TPOT p99 against request rate, one line per KV format."""
+    plt = _plt()
+    formats = sorted({r["format"] for r in rows}, key=[r["format"] for r in rows].index)
+    out = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for f in formats:
+        pts = [r for r in rows if r["format"] == f]
+        ax.plot([r["rate"] for r in pts], [r["output_throughput"] for r in pts], "o-", label=f)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title or "throughput vs rate")
+    ax.legend()
+    fig.tight_layout()
+    p = Path(out_dir) / "throughput_vs_rate.png"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    out.append(p)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for f in formats:
+        pts = [r for r in rows if r["format"] == f]
+        a1.plot([r["rate"] for r in pts], [r["ttft_p99_ms"] for r in pts], "o-", label=f)
+        a2.plot([r["rate"] for r in pts], [r["tpot_p99_ms"] for r in pts], "o-", label=f)
+    a1.set_yscale("log")
+    a1.set_xlabel("request rate (req/s)")
+    a1.set_ylabel("TTFT p99 (ms)")
+    a2.set_xlabel("request rate (req/s)")
+    a2.set_ylabel("TPOT p99 (ms)")
+    a1.legend()
+    fig.suptitle(title or "latency vs rate")
+    fig.tight_layout()
+    p = Path(out_dir) / "latency_vs_rate.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    out.append(p)
+    return out

@@ -1,0 +1,63 @@
+"""A scenario: everything but the KV format and the load, so one scenario runs many of both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sglang_diffkv.config import DiffKVConfig
+from simulator.engine.cluster import RunResult, simulate
+from simulator.kv.formats import KVFormat, make_format
+from simulator.kv.mix import TierMix
+from simulator.metrics.slo import SLO
+from simulator.metrics.summary import summarize
+from simulator.serving.server import Deployment, ResolvedServer
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import Calibration
+from simulator.specs.gpu import GPUSpec
+from simulator.specs.model import ModelSpec
+from simulator.workload.generate import ClosedLoop
+from simulator.workload.schema import Trace
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: ModelSpec
+    gpu: GPUSpec
+    calibration: Calibration
+    settings: ServerSettings
+    diffkv_config: DiffKVConfig | None = None
+    mix: TierMix | None = None
+    replicas: int = 1
+    router: str = "round_robin"
+    seed: int = 0
+    progress: bool | None = False
+
+    def kv_format(self, name: str) -> KVFormat:
+        return make_format(name, self.model.head_dim, self.diffkv_config, self.mix)
+
+    def server(self, fmt: str) -> ResolvedServer:
+        return ResolvedServer(Deployment(self.model, self.gpu, self.kv_format(fmt),
+                                         self.settings, self.calibration))
+
+    def with_replicas(self, n: int) -> Scenario:
+        return replace(self, replicas=n)
+
+    def run(self, workload: Trace | ClosedLoop, fmt: str,
+            server: ResolvedServer | None = None) -> RunResult:
+        srv = server or self.server(fmt)
+        return simulate(workload, srv, replicas=self.replicas, router=self.router,
+                        seed=self.seed, progress=self.progress)
+
+    def run_summary(self, workload: Trace | ClosedLoop, fmt: str, slo: SLO | None = None,
+                    server: ResolvedServer | None = None) -> tuple[RunResult, dict[str, Any]]:
+        res = self.run(workload, fmt, server)
+        return res, summarize(res, slo)
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.model.name, "gpu": self.gpu.key, "gpu_name": self.gpu.name,
+                "tp": self.settings.tp, "replicas": self.replicas, "router": self.router,
+                "seed": self.seed, "settings": self.settings.to_dict(),
+                "calibration": self.calibration.source_file,
+                "diffkv_config": (self.diffkv_config.to_dict() if self.diffkv_config else None),
+                "mix": self.mix.describe() if self.mix else None}
