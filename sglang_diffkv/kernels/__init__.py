@@ -1,0 +1,27 @@
+"""GPU kernels (Triton; CUDA C++ for compaction) with their torch references.
+
+Each kernel ``f`` has a twin ``f_reference`` taking the same arguments, so a caller can
+switch between them (the backend's CPU path uses the references).
+"""
+
+from sglang_diffkv.kernels.decode_attention import (
+    DecodeAttentionPlan,
+    decode_attention,
+    decode_attention_reference,
+)
+from sglang_diffkv.kernels.store import (
+    store_decode,
+    store_decode_reference,
+    store_tokens,
+    store_tokens_reference,
+)
+
+__all__ = [
+    "DecodeAttentionPlan",
+    "decode_attention",
+    "decode_attention_reference",
+    "store_decode",
+    "store_decode_reference",
+    "store_tokens",
+    "store_tokens_reference",
+]

@@ -1,0 +1,492 @@
+"""Split-K decode attention over the compressed paged cache, with score accumulation.
+
+Two launches, shapes fixed by the plan (CUDA-graph capturable, no host synchronisation):
+
+1. ``_partition_kernel``, grid (B, Hkv, MAXP_HI + MAXP_LO). Program (b, h, s) owns a run of
+   ``pages_per_part`` pages of ONE tier (s < MAXP_HI: high pages from the left of the row,
+   else low pages from the right), so unpacking is uniform (bit widths are constexprs). It
+   handles the whole GQA group, so each page is read once. Keys are never dequantised
+   element-wise: with codes c, per-group scale s and zero z,
+   ``q . k = sum_groups s * (q . c) + z * sum(q)`` — exact fp32 dots on integer codes.
+   Values are dequantised to fp16 for the P.V dot. Packed bytes are not unpacked into
+   [T, D] tiles: sub-tensor j of a byte holds dims i*PER + j, so q and the output are read
+   and written with stride PER instead (no reshapes in the hot loop).
+   It writes the partition's running max m, sum l and unnormalised accumulator, plus, for
+   every token, its fp16 probability relative to the running max of its iteration and
+   that max (the score pass needs them once the global LSE is known).
+2. ``_merge_kernel``, grid (B, Hkv, MAXP): every program computes the (b, h) LSE from the
+   partitions' (m, l); program 0 also merges the outputs; program s adds, for its
+   partition's tokens, max over the group of exp(logit - lse) into the page score. One
+   program per (partition) touches each score once: no atomics, no cross-program race
+   (DiffKV's reduce_kernel bug, reference §9 pitfall 2).
+
+Everything runs in base 2 (exp2) internally; the returned LSE is natural-log.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_diffkv.attention import paged_decode_attention
+from sglang_diffkv.kernels._tier import page_views, tier_constexprs
+from sglang_diffkv.layout import PageGeometry
+from sglang_diffkv.pages import add_scores, token_locations
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tier_partition(
+    q, q_sb, q_sh, u8, f16, row, n_tok, b, h, part,
+    acc_ptr, ml_ptr, p_ptr, mit_ptr, slot_base, qk_scale, ppp,
+    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr,
+    ITERS_MAX: tl.constexpr, MAXP: tl.constexpr, RS: tl.constexpr,
+    KB: tl.constexpr, VB: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
+    N: tl.constexpr, BN: tl.constexpr, KOFF: tl.constexpr, KMOFF: tl.constexpr,
+    VOFF: tl.constexpr, VMOFF: tl.constexpr,
+):
+    KPER: tl.constexpr = 8 // KB
+    VPER: tl.constexpr = 8 // VB
+    KDB: tl.constexpr = D // KPER  # packed key bytes per token
+    VDB: tl.constexpr = D // VPER
+    KGS: tl.constexpr = KDB // KG  # a key group's columns within one sub-tensor
+    VGS: tl.constexpr = VDB // VG
+    R: tl.constexpr = PPI * BN
+    n_pages = tl.cdiv(n_tok, N)
+    first = part * ppp
+    last = tl.minimum(first + ppp, n_pages)
+    n_iters = tl.cdiv(last - first, PPI)
+
+    gi = tl.arange(0, BLOCK_G)
+    gmask = gi < G
+    kc = tl.arange(0, KDB)
+    vc = tl.arange(0, VDB)
+    r = tl.arange(0, R)
+    pg = r // BN
+    slot = r % BN
+    q_rows = q + b * q_sb + (h * G + gi) * q_sh
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc0 = tl.zeros([BLOCK_G, VDB], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, VDB], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, VDB], tl.float32)
+    acc3 = tl.zeros([BLOCK_G, VDB], tl.float32)
+    buf = (b * tl.num_programs(1) + h) * MAXP + slot_base + part
+    for it in range(0, n_iters):
+        page_local = first + it * PPI + pg
+        tok = page_local * N + slot
+        valid = (slot < N) & (page_local < last) & (tok < n_tok)
+        if LOW:
+            col = ROW_LEN - 1 - page_local
+        else:
+            col = page_local
+        page = tl.load(row + col, mask=valid, other=0)
+        base = page.to(tl.int64) * PAGE_BYTES
+        srow = slot.to(tl.int64)
+
+        # ---- logits: sum over key groups and bit sub-tensors of exact code dots ----
+        kbytes = tl.load(u8 + (base + KOFF + srow * KDB)[:, None] + kc[None, :],
+                         mask=valid[:, None], other=0).to(tl.int32)
+        logits = tl.zeros([BLOCK_G, R], tl.float32)
+        for gg in tl.static_range(KG):
+            dots = tl.zeros([BLOCK_G, R], tl.float32)
+            qsum = tl.zeros([BLOCK_G], tl.float32)
+            in_group = (kc // KGS) == gg
+            for j in tl.static_range(KPER):
+                qj = tl.load(q_rows[:, None] + kc[None, :] * KPER + j,
+                             mask=gmask[:, None] & in_group[None, :], other=0.0)
+                qsum += tl.sum(qj.to(tl.float32), axis=1)
+                cj = ((kbytes >> (j * KB)) & ((1 << KB) - 1)).to(tl.float16)
+                dots += tl.dot(qj.to(tl.float16), tl.trans(cj))
+            kmeta = (base + KMOFF) // 2 + srow * (2 * KG) + gg * 2
+            ks = tl.load(f16 + kmeta, mask=valid, other=0.0).to(tl.float32)
+            kz = tl.load(f16 + kmeta + 1, mask=valid, other=0.0).to(tl.float32)
+            logits += dots * ks[None, :] + qsum[:, None] * kz[None, :]
+        logits = tl.where(valid[None, :], logits * qk_scale, float("-inf"))
+
+        # ---- online softmax (base 2) ----
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(logits - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        m = m_new
+        p16 = p.to(tl.float16)
+        tl.store(p_ptr + ((buf * ITERS_MAX + it) * BLOCK_G + gi[:, None]) * RS + r[None, :],
+                 p16, mask=gmask[:, None] & valid[None, :])
+        tl.store(mit_ptr + (buf * ITERS_MAX + it) * BLOCK_G + gi, m_new)
+
+        # ---- values: dequantise to fp16, P.V per bit sub-tensor ----
+        vbytes = tl.load(u8 + (base + VOFF + srow * VDB)[:, None] + vc[None, :],
+                         mask=valid[:, None], other=0).to(tl.int32)
+        vs = tl.zeros([R, VDB], tl.float32)
+        vz = tl.zeros([R, VDB], tl.float32)
+        for gg in tl.static_range(VG):
+            vmeta = (base + VMOFF) // 2 + srow * (2 * VG) + gg * 2
+            s_g = tl.load(f16 + vmeta, mask=valid, other=0.0).to(tl.float32)
+            z_g = tl.load(f16 + vmeta + 1, mask=valid, other=0.0).to(tl.float32)
+            in_group = ((vc // VGS) == gg)[None, :]
+            vs = tl.where(in_group, s_g[:, None], vs)
+            vz = tl.where(in_group, z_g[:, None], vz)
+        acc0 = acc0 * alpha[:, None]
+        v0 = ((vbytes & ((1 << VB) - 1)).to(tl.float32) * vs + vz).to(tl.float16)
+        acc0 += tl.dot(p16, v0)
+        if VPER > 1:
+            acc1 = acc1 * alpha[:, None]
+            v1 = (((vbytes >> VB) & ((1 << VB) - 1)).to(tl.float32) * vs + vz).to(tl.float16)
+            acc1 += tl.dot(p16, v1)
+        if VPER > 2:
+            acc2 = acc2 * alpha[:, None]
+            v2 = (((vbytes >> (2 * VB)) & ((1 << VB) - 1)).to(tl.float32) * vs
+                  + vz).to(tl.float16)
+            acc2 += tl.dot(p16, v2)
+            acc3 = acc3 * alpha[:, None]
+            v3 = (((vbytes >> (3 * VB)) & ((1 << VB) - 1)).to(tl.float32) * vs
+                  + vz).to(tl.float16)
+            acc3 += tl.dot(p16, v3)
+
+    acc_rows = acc_ptr + (buf * BLOCK_G + gi[:, None]) * D + vc[None, :] * VPER
+    tl.store(acc_rows, acc0, mask=gmask[:, None])
+    if VPER > 1:
+        tl.store(acc_rows + 1, acc1, mask=gmask[:, None])
+    if VPER > 2:
+        tl.store(acc_rows + 2, acc2, mask=gmask[:, None])
+        tl.store(acc_rows + 3, acc3, mask=gmask[:, None])
+    tl.store(ml_ptr + (buf * 2) * BLOCK_G + gi, m)
+    tl.store(ml_ptr + (buf * 2 + 1) * BLOCK_G + gi, l_sum)
+
+
+@triton.jit
+def _partition_kernel(
+    q, q_sb, q_sh, u8, f16, table, t_sr, t_sh, counts, c_sr, c_sh, req,
+    acc_ptr, ml_ptr, p_ptr, mit_ptr, qk_scale, ppp_hi, ppp_lo,
+    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, G: tl.constexpr,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX: tl.constexpr,
+    MAXP_HI: tl.constexpr, MAXP: tl.constexpr, RS: tl.constexpr,
+    H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
+    H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
+    H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
+    L_KB: tl.constexpr, L_VB: tl.constexpr, L_KG: tl.constexpr, L_VG: tl.constexpr,
+    L_N: tl.constexpr, L_BN: tl.constexpr, L_KOFF: tl.constexpr, L_KMOFF: tl.constexpr,
+    L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    r = tl.load(req + b).to(tl.int64)
+    row = table + r * t_sr + h * t_sh
+    cnt = counts + r * c_sr + h * c_sh
+    if s < MAXP_HI:
+        n_hi = tl.load(cnt)
+        if s * ppp_hi < tl.cdiv(n_hi, H_N):
+            _tier_partition(q, q_sb, q_sh, u8, f16, row, n_hi, b, h, s, acc_ptr, ml_ptr,
+                            p_ptr, mit_ptr, 0, qk_scale, ppp_hi, PAGE_BYTES, ROW_LEN, False,
+                            G, BLOCK_G, D, PPI, ITERS_MAX, MAXP, RS, H_KB, H_VB, H_KG, H_VG, H_N,
+                            H_BN, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF)
+    else:
+        n_lo = tl.load(cnt + 1)
+        if (s - MAXP_HI) * ppp_lo < tl.cdiv(n_lo, L_N):
+            _tier_partition(q, q_sb, q_sh, u8, f16, row, n_lo, b, h, s - MAXP_HI, acc_ptr,
+                            ml_ptr, p_ptr, mit_ptr, MAXP_HI, qk_scale, ppp_lo, PAGE_BYTES,
+                            ROW_LEN, True, G, BLOCK_G, D, PPI, ITERS_MAX, MAXP, RS, L_KB, L_VB,
+                            L_KG, L_VG, L_N, L_BN, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF)
+
+
+@triton.jit
+def _tier_scores(
+    f32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp,
+    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr,
+    BLOCK_G: tl.constexpr, PPI: tl.constexpr, ITERS_MAX: tl.constexpr, RS: tl.constexpr,
+    N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr,
+):
+    R: tl.constexpr = PPI * BN
+    n_pages = tl.cdiv(n_tok, N)
+    first = part * ppp
+    last = tl.minimum(first + ppp, n_pages)
+    n_iters = tl.cdiv(last - first, PPI)
+    gi = tl.arange(0, BLOCK_G)
+    r = tl.arange(0, R)
+    pg = r // BN
+    slot = r % BN
+    for it in range(0, n_iters):
+        page_local = first + it * PPI + pg
+        tok = page_local * N + slot
+        valid = (slot < N) & (page_local < last) & (tok < n_tok)
+        if LOW:
+            col = ROW_LEN - 1 - page_local
+        else:
+            col = page_local
+        page = tl.load(row + col, mask=valid, other=0)
+        p16 = tl.load(p_ptr + ((buf * ITERS_MAX + it) * BLOCK_G + gi[:, None]) * RS + r[None, :],
+                      mask=gmask[:, None] & valid[None, :], other=0.0)
+        mit = tl.load(mit_ptr + (buf * ITERS_MAX + it) * BLOCK_G + gi, mask=gmask, other=0.0)
+        prob = p16.to(tl.float32) * tl.exp2(mit - lse2)[:, None]
+        prob = tl.max(tl.where(gmask[:, None], prob, 0.0), axis=0)
+        sptr = f32 + (page.to(tl.int64) * PAGE_BYTES + SOFF) // 4 + slot
+        old = tl.load(sptr, mask=valid, other=0.0)
+        tl.store(sptr, old + prob, mask=valid)
+
+
+@triton.jit
+def _merge_kernel(
+    f32, table, t_sr, t_sh, counts, c_sr, c_sh, req,
+    acc_ptr, ml_ptr, p_ptr, mit_ptr, out, o_sb, o_sh, lse_out, ppp_hi, ppp_lo,
+    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, G: tl.constexpr,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX: tl.constexpr,
+    MAXP_HI: tl.constexpr, MAXP: tl.constexpr, RS: tl.constexpr, BLOCK_P: tl.constexpr,
+    H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr,
+    L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    r = tl.load(req + b).to(tl.int64)
+    row = table + r * t_sr + h * t_sh
+    cnt = counts + r * c_sr + h * c_sh
+    n_hi = tl.load(cnt)
+    n_lo = tl.load(cnt + 1)
+    parts_hi = tl.cdiv(tl.cdiv(n_hi, H_N), ppp_hi)
+    parts_lo = tl.cdiv(tl.cdiv(n_lo, L_N), ppp_lo)
+    head_buf = (b * tl.num_programs(1) + h) * MAXP
+
+    gi = tl.arange(0, BLOCK_G)
+    gmask = gi < G
+    pi = tl.arange(0, BLOCK_P)
+    pvalid = (pi < parts_hi) | ((pi >= MAXP_HI) & (pi - MAXP_HI < parts_lo) & (pi < MAXP))
+    ml = ml_ptr + ((head_buf + pi[:, None]) * 2) * BLOCK_G + gi[None, :]
+    m = tl.load(ml, mask=pvalid[:, None], other=float("-inf"))
+    l_part = tl.load(ml + BLOCK_G, mask=pvalid[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.sum(l_part * tl.exp2(m - m_safe[None, :]), axis=0)
+    lse2 = m_safe + tl.log2(l_tot)  # -inf for an empty cache
+
+    if s == 0:
+        d = tl.arange(0, D)
+        o = tl.zeros([BLOCK_G, D], tl.float32)
+        for k in range(0, parts_hi + parts_lo):
+            p_idx = tl.where(k < parts_hi, k, MAXP_HI + k - parts_hi)
+            mk = tl.load(ml_ptr + ((head_buf + p_idx) * 2) * BLOCK_G + gi)
+            w = tl.exp2(mk - m_safe)
+            a = tl.load(acc_ptr + ((head_buf + p_idx) * BLOCK_G + gi[:, None]) * D + d[None, :],
+                        mask=gmask[:, None], other=0.0)
+            o += a * w[:, None]
+        o = o / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
+        tl.store(out + b * o_sb + (h * G + gi[:, None]) * o_sh + d[None, :],
+                 o.to(out.dtype.element_ty), mask=gmask[:, None])
+        tl.store(lse_out + b * tl.num_programs(1) * G + h * G + gi, lse2 * 0.6931471805599453,
+                 mask=gmask)
+
+    if s < MAXP_HI:
+        if s < parts_hi:
+            _tier_scores(f32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr, ppp_hi,
+                         PAGE_BYTES, ROW_LEN, False, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN, H_SOFF)
+    else:
+        if s - MAXP_HI < parts_lo:
+            _tier_scores(f32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr, mit_ptr,
+                         ppp_lo, PAGE_BYTES, ROW_LEN, True, BLOCK_G, PPI, ITERS_MAX, RS, L_N, L_BN,
+                         L_SOFF)
+
+
+@dataclass
+class DecodeAttentionPlan:
+    """Static launch shape and scratch for one (geometry, heads, batch, max_context).
+
+    Plan once per batch size (CUDA graphs capture ``run``); ``run`` checks shapes and
+    launches two kernels without any host synchronisation.
+    """
+
+    geometry: PageGeometry
+    num_q_heads: int
+    num_kv_heads: int
+    batch: int
+    max_context: int
+    device: torch.device
+    pages_per_iter: int
+    ppp_hi: int
+    ppp_lo: int
+    maxp_hi: int
+    maxp_lo: int
+    iters_max: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def build(
+        cls,
+        geometry: PageGeometry,
+        num_q_heads: int,
+        num_kv_heads: int,
+        batch: int,
+        max_context: int,
+        device: torch.device | str,
+        *,
+        pages_per_iter: int = 4,
+        target_programs: int | None = None,
+        num_warps: int = 4,
+        num_stages: int = 2,
+    ) -> DecodeAttentionPlan:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        if pages_per_iter < 1 or pages_per_iter & (pages_per_iter - 1):
+            raise ValueError(f"pages_per_iter={pages_per_iter} must be a power of two")
+        device = torch.device(device)
+        for t in geometry.tiers:
+            tier_constexprs(t, "")  # raises on unsupported bit widths
+        if target_programs is None:
+            sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                   if device.type == "cuda" else 4)
+            target_programs = 8 * sms
+        # Split each tier's worst-case row into enough partitions that the batch fills the
+        # GPU; a partition is a whole number of iterations.
+        parts = max(1, math.ceil(target_programs / max(1, batch * num_kv_heads)))
+        ppp, maxp = [], []
+        for t in geometry.tiers:
+            pages = max(1, math.ceil(max_context / t.tokens_per_page))
+            per = math.ceil(math.ceil(pages / parts) / pages_per_iter) * pages_per_iter
+            ppp.append(per)
+            maxp.append(math.ceil(pages / per))
+        iters_max = max(math.ceil(p / pages_per_iter) for p in ppp)
+        return cls(geometry, num_q_heads, num_kv_heads, batch, max_context, device,
+                   pages_per_iter, ppp[0], ppp[1], maxp[0], maxp[1], iters_max, num_warps,
+                   num_stages)
+
+    def __post_init__(self) -> None:
+        g = self.num_q_heads // self.num_kv_heads
+        self.group = g
+        self.block_g = max(16, triton.next_power_of_2(g))
+        maxp = self.maxp_hi + self.maxp_lo
+        bn = max(triton.next_power_of_2(t.tokens_per_page) for t in self.geometry.tiers)
+        heads = self.batch * self.num_kv_heads
+        d = self.geometry.head_dim
+        dev = self.device
+        self.acc = torch.empty(heads * maxp * self.block_g * d, dtype=torch.float32, device=dev)
+        self.ml = torch.empty(heads * maxp * 2 * self.block_g, dtype=torch.float32, device=dev)
+        r = self.row_stride = self.pages_per_iter * bn
+        self.pbuf = torch.empty(heads * maxp * self.iters_max * self.block_g * r,
+                                dtype=torch.float16, device=dev)
+        self.mit = torch.empty(heads * maxp * self.iters_max * self.block_g,
+                               dtype=torch.float32, device=dev)
+
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.acc, self.ml, self.pbuf, self.mit))
+
+    def run(
+        self,
+        q: torch.Tensor,
+        pages: torch.Tensor,
+        table: torch.Tensor,
+        counts: torch.Tensor,
+        req_idx: torch.Tensor,
+        layer: int,
+        sm_scale: float,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [B, Hq, D] over layer ``layer`` of the requests in ``req_idx``;
+        adds each token's max-over-group probability to its page score. Returns (out in
+        q's dtype unless ``out`` is given, natural-log lse fp32 [B, Hq])."""
+        geo = self.geometry
+        b, hq, d = self.batch, self.num_q_heads, geo.head_dim
+        if q.shape != (b, hq, d):
+            raise ValueError(f"q must be [{b}, {hq}, {d}] (the plan's batch), got "
+                             f"{tuple(q.shape)}")
+        if q.stride(-1) != 1:
+            raise ValueError("q's last dimension must be contiguous")
+        if table.dim() != 4 or table.shape[2] != self.num_kv_heads or table.stride(-1) != 1:
+            raise ValueError(f"table must be int32 [max_reqs, layers, {self.num_kv_heads}, "
+                             f"row_len] with contiguous rows, got {tuple(table.shape)}")
+        if counts.shape[:3] != table.shape[:3] or counts.shape[3] != 4:
+            raise ValueError(f"counts must be [{', '.join(map(str, table.shape[:3]))}, 4]")
+        if table.dtype != torch.int32 or counts.dtype != torch.int32:
+            raise ValueError("table and counts must be int32")
+        if req_idx.shape != (b,):
+            raise ValueError(f"req_idx must be [{b}]")
+        if pages.shape[1] != geo.page_bytes:
+            raise ValueError(f"pages must be [num_pages, {geo.page_bytes}]")
+        if out is None:
+            out = torch.empty_like(q)
+        if lse is None:
+            lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+        u8, f16, f32, _ = page_views(pages)
+        tab = table[:, layer]
+        cnt = counts[:, layer]
+        hi = tier_constexprs(geo.high, "H_")
+        lo = tier_constexprs(geo.low, "L_")
+        maxp = self.maxp_hi + self.maxp_lo
+        common = dict(PAGE_BYTES=geo.page_bytes, ROW_LEN=table.shape[-1], G=self.group,
+                      BLOCK_G=self.block_g, D=d, PPI=self.pages_per_iter,
+                      ITERS_MAX=self.iters_max, MAXP_HI=self.maxp_hi, MAXP=maxp,
+                      RS=self.row_stride)
+        grid = (b, self.num_kv_heads, maxp)
+        _partition_kernel[grid](
+            q, q.stride(0), q.stride(1), u8, f16, tab, tab.stride(0), tab.stride(1),
+            cnt, cnt.stride(0), cnt.stride(1), req_idx, self.acc, self.ml, self.pbuf,
+            self.mit, sm_scale * LOG2E, self.ppp_hi, self.ppp_lo, **common, **hi, **lo,
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+        _merge_kernel[grid](
+            f32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
+            req_idx, self.acc, self.ml, self.pbuf, self.mit, out, out.stride(0),
+            out.stride(1), lse, self.ppp_hi, self.ppp_lo, **common,
+            BLOCK_P=triton.next_power_of_2(maxp), H_N=hi["H_N"], H_BN=hi["H_BN"],
+            H_SOFF=hi["H_SOFF"], L_N=lo["L_N"], L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"],
+            num_warps=4,
+        )
+        return out, lse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    req_idx: torch.Tensor,
+    layer: int,
+    sm_scale: float,
+    *,
+    max_context: int | None = None,
+    plan: DecodeAttentionPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-shot convenience: builds a plan (from ``max_context``, default: what the table
+    row can address) unless one is given, then runs it."""
+    if plan is None:
+        if max_context is None:
+            max_context = (table.shape[-1] - 2) * geometry.min_tokens_per_page
+        plan = DecodeAttentionPlan.build(geometry, q.shape[1], table.shape[2], q.shape[0],
+                                         max_context, q.device)
+    return plan.run(q, pages, table, counts, req_idx, layer, sm_scale)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    req_idx: torch.Tensor,
+    layer: int,
+    sm_scale: float,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch oracle with the same effect: ``paged_decode_attention`` then ``add_scores``
+    (as ``CompressedKVCache.decode_layer_attend``)."""
+    res = paged_decode_attention(q, pages, geometry, table, counts, req_idx, layer, sm_scale)
+    rows = table[req_idx.long(), layer]
+    cnt = counts[req_idx.long(), layer].long()
+    for t, prob in enumerate((res.prob_high, res.prob_low)):
+        layout = geometry.tiers[t]
+        loc = token_locations(rows, cnt[..., t], layout.tokens_per_page, low=t == 1,
+                              capacity=prob.shape[-1])
+        mk = loc.mask
+        add_scores(pages, layout, loc.page_ids[mk], loc.slots[mk], prob[mk])
+    return res.out.to(q.dtype), res.lse
