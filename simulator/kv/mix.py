@@ -4,7 +4,8 @@ tier, or prunes, and how that varies across heads and across requests.
 Tokens inside the recent window (DiffKVConfig.window) are always high; the fractions apply to
 the tokens outside it. A mix is either fixed (every head, every request) or a distribution:
 ``head_spread`` splits the heads into HEAD_CLASSES equal-share classes whose kept fraction is
-the mean scaled by (1 + head_spread * z) at the class's normal quantile z; ``request_spread``
+the mean scaled by (1 + head_spread * z) at the class's normal quantile z (classes clipped at
+1 give their excess to the others, so the mean kept fraction stays the mix's); ``request_spread``
 scales each request's kept fraction by a draw from N(1, request_spread) clipped to [0.2, 1.8].
 Kept fractions are clipped to [0, 1]; the high:low ratio of a class is the mean's.
 """
@@ -21,6 +22,20 @@ from simulator.errors import SimulatorInputError
 HEAD_CLASSES = 4
 # normal quantiles at (i + 0.5) / 4: equal-share classes of a standard normal
 _CLASS_Z = (-1.1503493803760079, -0.31863936396437514, 0.31863936396437514, 1.1503493803760079)
+
+
+def _clip_keep_mean(kept: np.ndarray, mean: float) -> np.ndarray:
+    """Clip kept fractions to [0, 1] and scale the unclipped classes so the mean stays
+    ``mean`` (the mix's kept fraction is what the user asked for)."""
+    k = np.clip(kept, 0.0, 1.0)
+    for _ in range(len(k)):
+        free = k < 1.0
+        gap = mean * len(k) - k.sum()
+        if abs(gap) < 1e-12 or not free.any() or k[free].sum() == 0:
+            break
+        k[free] *= 1 + gap / k[free].sum()
+        k = np.clip(k, 0.0, 1.0)
+    return k
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,7 @@ class TierMix:
         if self.head_spread == 0:
             return np.array([[self.high], [self.low]], dtype=float)
         scale = np.clip(1 + self.head_spread * np.array(_CLASS_Z), 0.0, None)
-        kept = np.clip(self.kept * scale, 0.0, 1.0)
+        kept = _clip_keep_mean(self.kept * scale, self.kept)
         share_high = self.high / self.kept
         return np.stack([kept * share_high, kept * (1 - share_high)])
 

@@ -7,7 +7,8 @@ pool (bf16, fp8, uniform tiers) and pages for the DiffKV pool. The scheduler onl
                                  that already stored ``stored`` prompt tokens
   decode_units(kv, prof)         units held after prefill with ``kv`` tokens (vectorised)
   future_units(tokens)           the admission reservation for ``tokens`` future decode tokens
-  decode_step_need(kv)           worst-case units the next decode step may allocate
+  decode_step_need(kv)           worst-case units the next decode step may allocate, for
+                                 requests holding ``kv`` tokens before the step
   read_bytes_per_layer(kv, prof) attention bytes a decode step reads per layer (cost model)
 
 DiffKV rules (invariants):

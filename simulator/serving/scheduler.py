@@ -151,12 +151,12 @@ class Scheduler:
         if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None
         running_bs = len(self.run_reqs)
-        if running_bs >= lim.max_running_requests:
-            self.batch_is_full = True
+        if running_bs >= lim.max_running_requests and self.chunked is None:
+            self.batch_is_full = True        # a chunked request may always continue
             return None
         pool = self.pool
         mixed = lim.enable_mixed_chunk and running_bs > 0
-        mixed_units = pool.decode_step_need(self.kv + 1) if mixed else 0
+        mixed_units = pool.decode_step_need(self.kv) if mixed else 0
         mixed_tokens = running_bs if mixed else 0
         reserve = 0.0
         if running_bs:
@@ -302,7 +302,7 @@ class Scheduler:
         """Scheduler.update_running_batch: check_decode_mem, retract or decay, allocate."""
         pool = self.pool
         retracted = 0
-        if pool.decode_step_need(self.kv + 1) > pool.capacity - self.used:
+        if pool.decode_step_need(self.kv) > pool.capacity - self.used:
             retracted = self._retract()
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
@@ -318,7 +318,7 @@ class Scheduler:
         freed = 0
         popped: list[int] = []
         first = True
-        while first or self.pool.decode_step_need(self.kv[keep] + 1) > (
+        while first or self.pool.decode_step_need(self.kv[keep]) > (
                 self.pool.capacity - self.used + freed):
             if len(order) == 1:
                 break
@@ -339,7 +339,7 @@ class Scheduler:
         self.used -= freed
         self.retractions += len(popped)
         self._filter(keep)
-        if len(order) == 1 and self.pool.decode_step_need(self.kv + 1) > (
+        if len(order) == 1 and self.pool.decode_step_need(self.kv) > (
                 self.pool.capacity - self.used):
             r = self.run_reqs[0]               # out of memory even after retracting
             r.rejected = "out of memory even after retracting every other request"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from simulator.workload.generate import synthetic_trace
 from simulator.workload.lengths import length_model
-from simulator.workload.loaders import _azure_time
+from simulator.workload.loaders import _azure_day_seconds, _azure_time
 from simulator.workload.writer import write_mooncake_jsonl
 
 OUT = Path(__file__).resolve().parents[2] / "traces"
@@ -28,8 +28,9 @@ def _gz(path: Path, text: str) -> None:
 def _azure_window(src: Path, dest: Path, seconds: float) -> int:
     lines = [x for x in gzip.decompress(src.read_bytes()).decode().split("\n") if x]
     header, rows = lines[0], lines[1:]
-    t0 = _azure_time(rows[0].split(",")[0])
-    keep = [r for r in rows if _azure_time(r.split(",")[0]) - t0 < seconds]
+    ref = _azure_day_seconds(rows[0].split(",")[0])[0]
+    t0 = _azure_time(rows[0].split(",")[0], ref)
+    keep = [r for r in rows if _azure_time(r.split(",")[0], ref) - t0 < seconds]
     _gz(dest, "\n".join([header, *keep]) + "\n")
     return len(keep)
 

@@ -205,23 +205,32 @@ def _csv_rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict
             yield lineno, dict(zip(header, row, strict=True))
 
 
-def _azure_time(text: str) -> float:
-    """'2023-11-16 18:17:03.9799600' (7 fractional digits) -> seconds since the epoch."""
+def _azure_day_seconds(text: str) -> tuple[int, float]:
+    """'2023-11-16 18:17:03.9799600' (7 fractional digits) -> (day ordinal, second of day);
+    kept apart so differences keep sub-microsecond precision."""
     s = text.strip()
     try:
         day, clock = s.split(" ")
         h, m, sec = clock.split(":")
-        base = dt.date.fromisoformat(day).toordinal() * 86400.0
-        return base + int(h) * 3600 + int(m) * 60 + float(sec)
+        return dt.date.fromisoformat(day).toordinal(), int(h) * 3600 + int(m) * 60 + float(sec)
     except ValueError as e:
         raise _RowError(f"TIMESTAMP={text!r} is not 'YYYY-MM-DD HH:MM:SS.fffffff'") from e
 
 
+def _azure_time(text: str, ref_day: int = 0) -> float:
+    """Seconds since midnight of day ``ref_day`` (an ordinal)."""
+    day, sec = _azure_day_seconds(text)
+    return (day - ref_day) * 86400.0 + sec
+
+
 def _load_azure(path: Path) -> list[TraceRequest]:
     out, times = [], []
+    ref_day: int | None = None
     for lineno, row in _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens")):
         try:
-            times.append(_azure_time(row["TIMESTAMP"]))
+            if ref_day is None:
+                ref_day = _azure_day_seconds(row["TIMESTAMP"])[0]
+            times.append(_azure_time(row["TIMESTAMP"], ref_day))
             inp = _int(row["ContextTokens"], "ContextTokens", 1)
             outp = _int(row["GeneratedTokens"], "GeneratedTokens", 1)
         except _RowError as e:

@@ -1,0 +1,32 @@
+"""Small builders shared by the simulator tests (imported as a sibling module)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simulator.kv.pool import TokenPool
+from simulator.serving.request import SimRequest
+from simulator.serving.scheduler import Scheduler, SchedulerLimits
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import load_calibration
+from simulator.specs.gpu import load_gpu
+from simulator.specs.model import load_model
+from simulator.studies.scenario import Scenario
+
+
+def token_scheduler(capacity: int, chunk: int | None = None, max_prefill: int = 16384,
+                    max_running: int = 4096, context_len: int = 100_000,
+                    mixed: bool = False) -> Scheduler:
+    pool = TokenPool(capacity, 1, 512.0)
+    limits = SchedulerLimits(chunk, max_prefill, max_running, context_len,
+                             min(context_len, capacity) - 1, 1.0, mixed)
+    return Scheduler(pool, limits, np.random.default_rng(0))
+
+
+def req(rid: int, inp: int, out: int, max_new: int | None = None) -> SimRequest:
+    return SimRequest(rid, 0.0, inp, out, max_new if max_new is not None else out)
+
+
+def scenario(model: str = "llama-3-8b", gpu: str = "h100", **settings: object) -> Scenario:
+    g = load_gpu(gpu)
+    return Scenario(load_model(model), g, load_calibration(g.key), ServerSettings(**settings))
