@@ -1,0 +1,151 @@
+"""``ServerArgs`` fix-ups for ``--attention-backend diffkv``: forced settings and refusals.
+
+``ServerArgs.__post_init__`` runs in the process that parses the command line; scheduler
+children receive the pickled, already fixed-up object. The wrapper applies the stage-1
+settings before SGLang's own ``__post_init__`` (so its derived defaults see them) and again
+after it (so nothing it does undoes them), logging each forced setting once, with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sglang_diffkv.config import ConfigError, DiffKVConfig
+
+logger = logging.getLogger("sglang_diffkv")
+
+BACKEND_NAME = "diffkv"
+
+
+class DiffKVUnsupportedError(ValueError):
+    """A server option that ``--attention-backend diffkv`` (stage 1) does not support."""
+
+
+# (field, forced value, why): the one log line each forced setting gets.
+FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
+    ("page_size", 1,
+     "SGLang slots are per-token handles; DiffKV's own per-head pages sit behind them"),
+    ("disable_radix_cache", True,
+     "stage 1 keeps mutable per-request compressed state (chunk cache); prefix sharing of "
+     "compressed tokens is stage 2"),
+    ("chunked_prefill_size", -1,
+     "stage 1 scores and compresses whole prompts in one extend (chunk-wise prefill is stage 2)"),
+    ("disable_cuda_graph", True, "DiffKV decode has no CUDA-graph path yet (stage 2)"),
+    ("disable_piecewise_cuda_graph", True,
+     "piecewise prefill graphs pad the token count, which the DiffKV extend does not handle"),
+    ("disable_overlap_schedule", True,
+     "the scheduler reads DiffKV's free-page count synchronously between steps in stage 1"),
+)
+
+
+def uses_diffkv(args: Any) -> bool:
+    return BACKEND_NAME in (
+        args.attention_backend,
+        getattr(args, "prefill_attention_backend", None),
+        getattr(args, "decode_attention_backend", None),
+    )
+
+
+def unsupported_reasons(args: Any) -> list[str]:
+    """Every requested option diffkv refuses, as the message the user sees."""
+    reasons = []
+    for which in ("prefill_attention_backend", "decode_attention_backend"):
+        value = getattr(args, which, None)
+        if value is not None and value != BACKEND_NAME:
+            reasons.append(
+                f"--{which.replace('_', '-')} {value}: diffkv must run both prefill and decode "
+                "(its decode reads the pages its prefill wrote); drop the option"
+            )
+    if args.attention_backend not in (None, BACKEND_NAME):
+        reasons.append(
+            f"--attention-backend {args.attention_backend} with a diffkv prefill/decode "
+            "backend: use --attention-backend diffkv alone"
+        )
+    checks = (
+        (getattr(args, "speculative_algorithm", None) is not None,
+         "speculative decoding (--speculative-algorithm) is not supported"),
+        (getattr(args, "enable_dp_attention", False),
+         "DP attention (--enable-dp-attention) is not supported"),
+        (getattr(args, "enable_hierarchical_cache", False),
+         "hierarchical cache (--enable-hierarchical-cache) is not supported"),
+        (getattr(args, "disaggregation_mode", "null") not in (None, "null"),
+         "P/D disaggregation (--disaggregation-mode) is not supported"),
+        (getattr(args, "enable_mixed_chunk", False),
+         "--enable-mixed-chunk is not supported (prefill and decode run as separate steps)"),
+        (getattr(args, "tp_size", 1) > 1,
+         "tensor parallelism (--tp-size > 1) is not supported in stage 1"),
+        (getattr(args, "pp_size", 1) > 1,
+         "pipeline parallelism (--pp-size > 1) is not supported in stage 1"),
+        (getattr(args, "enforce_piecewise_cuda_graph", False),
+         "--enforce-piecewise-cuda-graph is not supported"),
+        (getattr(args, "kv_cache_dtype", "auto") not in ("auto", "bf16", "bfloat16"),
+         f"--kv-cache-dtype {getattr(args, 'kv_cache_dtype', None)}: the DiffKV config sets the "
+         "KV precision (SGLANG_DIFFKV_CONFIG); leave --kv-cache-dtype at auto"),
+    )
+    reasons += [f"--attention-backend diffkv: {msg}" for bad, msg in checks if bad]
+    return reasons
+
+
+def check_supported(args: Any) -> None:
+    reasons = unsupported_reasons(args)
+    if reasons:
+        raise DiffKVUnsupportedError("; ".join(reasons))
+
+
+def apply_forced_settings(args: Any, *, log: bool) -> None:
+    for name, value, why in FORCED_SETTINGS:
+        if log:
+            before = getattr(args, name, None)
+            was = "" if before in (None, value) else f" (was {before})"
+            logger.info("diffkv: forcing %s=%s%s: %s", name, value, was, why)
+        setattr(args, name, value)
+
+
+def load_config_for_startup() -> DiffKVConfig:
+    """Validate SGLANG_DIFFKV_CONFIG in the launching process, so a bad value fails before
+    any scheduler starts."""
+    try:
+        config = DiffKVConfig.from_env()
+    except ConfigError as e:
+        raise DiffKVUnsupportedError(f"--attention-backend diffkv: {e}") from e
+    logger.info(
+        "diffkv: config %r (high %s, low %s, alpha_h %s, alpha_l %s); choose another with "
+        "SGLANG_DIFFKV_CONFIG=<preset | inline JSON | path.json>",
+        config.name, config.high.name, config.low.name, config.alpha_h, config.alpha_l,
+    )
+    return config
+
+
+def check_model(args: Any) -> None:
+    """Refusals that need the model config (skipped for SGLang's 'dummy' model path)."""
+    if str(args.model_path).lower() in ("none", "dummy"):
+        return
+    if args.use_mla_backend():
+        raise DiffKVUnsupportedError(
+            "--attention-backend diffkv: MLA models (DeepSeek-V2/V3 style latent attention) "
+            "are not supported; DiffKV compresses per-KV-head keys and values"
+        )
+
+
+def wrap_post_init(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    if getattr(original, "_diffkv_wrapped", False):
+        return original
+
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        if not uses_diffkv(self):
+            original(self)
+            return
+        check_supported(self)
+        load_config_for_startup()
+        apply_forced_settings(self, log=True)
+        original(self)
+        check_supported(self)
+        apply_forced_settings(self, log=False)
+        check_model(self)
+
+    __post_init__._diffkv_wrapped = True  # type: ignore[attr-defined]
+    return __post_init__

@@ -1,0 +1,210 @@
+"""``DiffKVAttnBackend``: SGLang's attention backend for ``--attention-backend diffkv``.
+
+Modelled on SGLang's ``TritonAttnBackend``: one metadata object built once per batch in
+``init_forward_metadata`` (page allocation and index bookkeeping for every layer), then thin
+per-layer ``forward_extend`` / ``forward_decode``.
+
+- extend (stage 1: whole prompts, chunked prefill is forced off): exact causal attention on
+  the fresh K/V, then the reference cache scores, classifies, quantises and stores the layer;
+  after the last layer the pages compression freed go back to the free list.
+- decode: per layer the policy step stores the new token (evicting / demoting), then paged
+  mixed-precision attention over the compressed cache, which also accumulates scores.
+- padded rows (``out_cache_loc == 0``: slot 0 is never allocated) are skipped.
+
+The compute goes through ``sglang_diffkv.cache.CompressedKVCache`` (the torch reference);
+``sglang_diffkv.kernels`` replaces its steps behind that one object when the kernels land.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sglang_diffkv.sglang.pool import DiffKVPoolError, DiffKVTokenToKVPool
+
+logger = logging.getLogger("sglang_diffkv")
+
+
+@dataclass
+class DiffKVForwardMetadata:
+    """Per-batch indices shared by every layer. Only real (unpadded) requests appear."""
+
+    is_decode: bool
+    rows: torch.Tensor  # int64 [B]: row of each request in the forward batch (decode)
+    req_idx: torch.Tensor  # int64 [B]: req_pool_idx of each request
+    seq_lens: torch.Tensor  # int64 [B]: tokens after this step
+    positions: torch.Tensor | None = None  # decode: position of the new token
+    # extend only: prompt lengths, and where each flat token sits in the padded batch
+    lengths: torch.Tensor | None = None
+    num_tokens: int = 0
+    max_len: int = 0
+    token_b: torch.Tensor | None = None
+    token_i: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None  # bool [B, 1, Lmax, Lmax]: causal and in-prompt
+
+
+class DiffKVAttnBackend(AttentionBackend):
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__()
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, DiffKVTokenToKVPool):
+            raise DiffKVPoolError(
+                "the diffkv attention backend needs the DiffKV memory pool, got "
+                f"{type(pool).__name__}; is the sglang_diffkv import hook active "
+                "(SGLANG_DIFFKV_DISABLE unset)?"
+            )
+        self.pool = pool
+        self.cache = pool.cache
+        self.device = model_runner.device
+        self.start_layer = pool.start_layer
+        self.last_layer = pool.start_layer + pool.layer_num - 1
+        self.forward_metadata: DiffKVForwardMetadata | None = None
+        self.impl = "torch reference (sglang_diffkv.cache)"
+        logger.info("DiffKV attention backend: compute path = %s", self.impl)
+
+    # ---- metadata ------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+        elif mode.is_decode():
+            self.forward_metadata = self._decode_metadata(forward_batch)
+        elif mode.is_extend() and not mode.is_target_verify() and not mode.is_draft_extend():
+            self.forward_metadata = self._extend_metadata(forward_batch)
+        else:
+            raise NotImplementedError(f"diffkv: forward mode {mode.name} is not supported")
+
+    def _decode_metadata(self, fb: Any) -> DiffKVForwardMetadata:
+        # Padded rows (CUDA-graph style) carry out_cache_loc 0 and stale req_pool_indices.
+        rows = torch.nonzero(fb.out_cache_loc != 0).squeeze(1)
+        req = fb.req_pool_indices[rows].long()
+        seq = fb.seq_lens[rows].long()
+        res = self.cache.begin_decode(req)
+        if not bool(res.ok):
+            raise DiffKVPoolError(
+                f"DiffKV decode step for {req.numel()} requests needed {int(res.needed)} pages "
+                f"but only {int(res.free)} are free; check_decode_mem should have retracted"
+            )
+        for r, n in zip(req.tolist(), seq.tolist(), strict=True):
+            self.pool.seq_len[r] = n
+        return DiffKVForwardMetadata(True, rows, req, seq, positions=seq - 1)
+
+    def _extend_metadata(self, fb: Any) -> DiffKVForwardMetadata:
+        prefix = list(fb.extend_prefix_lens_cpu)
+        if any(p != 0 for p in prefix):
+            raise NotImplementedError(
+                "diffkv stage 1 compresses whole prompts: an extend with a cached prefix "
+                f"(prefix lengths {prefix}) needs chunked prefill or a prefix cache, which "
+                "--attention-backend diffkv turns off"
+            )
+        lengths_list = [int(n) for n in fb.extend_seq_lens_cpu]
+        req = fb.req_pool_indices.long()
+        lengths = torch.tensor(lengths_list, dtype=torch.int64, device=req.device)
+        self.pool.begin_prefill(req.tolist(), lengths_list)
+        b, lmax = len(lengths_list), max(lengths_list)
+        token_b = torch.repeat_interleave(torch.arange(b, device=req.device), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        token_i = torch.arange(int(lengths.sum()), device=req.device) - starts[token_b]
+        pos = torch.arange(lmax, device=req.device)
+        causal = pos[None, :] <= pos[:, None]  # [query, key]
+        in_prompt = pos[None, :] < lengths[:, None]  # [B, key]
+        mask = (causal[None] & in_prompt[:, None, :])[:, None]
+        return DiffKVForwardMetadata(
+            False,
+            torch.arange(b, device=req.device),
+            req,
+            lengths,
+            lengths=lengths,
+            num_tokens=int(lengths.sum()),
+            max_len=lmax,
+            token_b=token_b,
+            token_i=token_i,
+            attn_mask=mask,
+        )
+
+    # ---- per-layer forward ---------------------------------------------------------------
+
+    def _check_layer(self, layer: Any, save_kv_cache: bool) -> None:
+        if not save_kv_cache:
+            raise NotImplementedError(
+                "diffkv: save_kv_cache=False (K/V written by the model itself) is not supported"
+            )
+        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
+            raise NotImplementedError("diffkv: attention logit soft-capping is not supported")
+        if getattr(layer, "sliding_window_size", -1) not in (None, -1):
+            raise NotImplementedError("diffkv: sliding-window attention is not supported")
+        if getattr(layer, "is_cross_attention", False):
+            raise NotImplementedError("diffkv: cross-attention is not supported")
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                       forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any
+                       ) -> torch.Tensor:
+        self._check_layer(layer, save_kv_cache)
+        md = self.forward_metadata
+        hq, hkv, d, dv = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
+                          layer.v_head_dim)
+        q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, dv)
+        n, b, lmax = md.num_tokens, md.req_idx.numel(), md.max_len
+
+        def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, Lmax, D]
+            out = x.new_zeros(b, lmax, x.shape[1], x.shape[2])
+            out[md.token_b, md.token_i] = x[:n]
+            return out.transpose(1, 2)
+
+        qp, kp, vp = pad(q3), pad(k3), pad(v3)
+        group = hq // hkv
+        out = F.scaled_dot_product_attention(
+            qp,
+            kp.repeat_interleave(group, dim=1),
+            vp.repeat_interleave(group, dim=1),
+            attn_mask=md.attn_mask,
+            scale=layer.scaling,
+        )
+        o = q.new_zeros(q3.shape[0], hq, dv)
+        o[:n] = out.transpose(1, 2)[md.token_b, md.token_i].to(q.dtype)
+
+        layer_idx = layer.layer_id - self.start_layer
+        self.cache.prefill_layer(layer_idx, md.req_idx, md.lengths, qp, kp, vp, layer.scaling)
+        if layer.layer_id == self.last_layer:
+            self.cache.end_prefill(md.req_idx)
+            self._maybe_log(md, "prefill")
+        return o.view(-1, hq * dv)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                       forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any
+                       ) -> torch.Tensor:
+        self._check_layer(layer, save_kv_cache)
+        md = self.forward_metadata
+        hq, hkv, d, dv = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
+                          layer.v_head_dim)
+        q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, dv)
+        layer_idx = layer.layer_id - self.start_layer
+        rows = md.rows
+        self.cache.decode_layer_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])
+        res = self.cache.decode_layer_attend(layer_idx, md.req_idx, q3[rows], layer.scaling)
+        o = q.new_zeros(q3.shape[0], hq, dv)
+        o[rows] = res.out.to(q.dtype)
+        if layer.layer_id == self.last_layer:
+            self._maybe_log(md, "decode")
+        return o.view(-1, hq * dv)
+
+    def _maybe_log(self, md: DiffKVForwardMetadata, mode: str) -> None:
+        line = self.pool.stats.step_line(self.pool, md.req_idx, md.seq_lens, mode)
+        if line is not None:
+            logger.info(line)
+
+    # ---- CUDA graphs: not in stage 1 (forced off at start-up) -----------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        raise NotImplementedError(
+            "diffkv stage 1 has no CUDA-graph decode; it forces --disable-cuda-graph"
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1

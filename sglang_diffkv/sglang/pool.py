@@ -1,0 +1,405 @@
+"""The DiffKV memory pool behind SGLang's logical token slots (stage 1).
+
+SGLang keeps allocating one *logical* slot per token (page_size 1); slots are only handles
+(``req_to_token`` rows still hold them, and nothing is stored per slot). The K/V live in the
+reference ``CompressedKVCache``: per-(request, layer, KV head) unified pages, page tables
+and counters keyed by ``req_pool_idx``.
+
+Three SGLang objects are replaced:
+
+- ``DiffKVReqToTokenPool`` (``ReqToTokenPool``): the request lifecycle. ``alloc`` records
+  per-request thresholds, ``free`` / ``clear`` return the request's pages.
+- ``DiffKVTokenToKVPool`` (``KVCache``): owns the ``CompressedKVCache`` and the physical
+  accounting. Its ``dtype`` is uint8 so models never take SGLang's fused RoPE+set-KV path,
+  and ``get_key_buffer`` & co. raise so an unexpected consumer fails loudly.
+- ``DiffKVTokenToKVPoolAllocator`` (``TokenToKVPoolAllocator``): exact logical accounting;
+  ``available_size()`` is ``min(logical free slots, physical free pages minus a one-step
+  decode reserve, in planning tokens)``, so admission, ``check_decode_mem`` and retraction
+  react to real memory. Exact at idle: with no request holding pages it equals ``size``, so
+  SGLang's strict idle leak check holds whenever every page came back.
+
+Stage 1 runs without the overlap scheduler, so reading the device free-page counter on the
+host (a sync) is always consistent with the last forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
+
+from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.config import ConfigError, DiffKVConfig
+from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
+
+logger = logging.getLogger("sglang_diffkv")
+
+PLANNING_MIX_ENV = "SGLANG_DIFFKV_PLANNING_MIX"
+LOG_INTERVAL_ENV = "SGLANG_DIFFKV_LOG_INTERVAL"
+ALPHA_H_PARAM = "diffkv_alpha_h"  # per-request overrides in sampling_params.custom_params
+ALPHA_L_PARAM = "diffkv_alpha_l"
+
+
+class DiffKVPoolError(RuntimeError):
+    """The DiffKV pool cannot be built or used as asked."""
+
+
+# ---- capacity planning (host arithmetic only) -------------------------------------------
+
+
+def planning_mix(
+    config: DiffKVConfig, environ: dict[str, str] | None = None
+) -> tuple[float, float]:
+    """Expected (high, low) token fractions used to size the logical slot count; the rest is
+    pruned. ``SGLANG_DIFFKV_PLANNING_MIX="h,l"`` overrides. Defaults: all high without a low
+    tier, half/half with one. The physical term of ``available_size`` keeps any mix safe: the
+    mix only decides how many logical slots SGLang may hand out."""
+    env = os.environ if environ is None else environ
+    text = env.get(PLANNING_MIX_ENV, "").strip()
+    if text:
+        try:
+            hi, lo = (float(x) for x in text.split(","))
+        except ValueError as e:
+            raise ConfigError(
+                f"{PLANNING_MIX_ENV}={text!r}: expected two fractions 'high,low', e.g. '0.5,0.5'"
+            ) from e
+        if hi <= 0 or lo < 0 or hi + lo > 1 + 1e-9:
+            raise ConfigError(
+                f"{PLANNING_MIX_ENV}={text!r}: need high > 0, low >= 0 and high + low <= 1"
+            )
+        return hi, lo
+    return (0.5, 0.5) if config.has_low_tier else (1.0, 0.0)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """How a KV memory budget becomes pages and logical slots for one model."""
+
+    config: DiffKVConfig
+    geometry: PageGeometry
+    num_layers: int
+    num_kv_heads: int
+    mix: tuple[float, float]
+
+    @classmethod
+    def build(
+        cls, config: DiffKVConfig, head_dim: int, num_layers: int, num_kv_heads: int
+    ) -> CapacityPlan:
+        try:
+            geometry = PageGeometry.for_config(config, head_dim)
+        except ConfigError as e:
+            raise DiffKVPoolError(f"--attention-backend diffkv: {e}") from e
+        return cls(config, geometry, num_layers, num_kv_heads, planning_mix(config))
+
+    @property
+    def rows_per_request(self) -> int:
+        """(layer, KV head) rows one request owns: every token occupies one entry in each."""
+        return self.num_layers * self.num_kv_heads
+
+    @property
+    def planning_tokens_per_page(self) -> float:
+        """Tokens of one (layer, head) row a page holds at the planning mix."""
+        hi, lo = self.mix
+        return (hi + lo) * self.geometry.page_bytes / self.geometry.bytes_per_token(hi, lo)
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes per logical token over all layers and heads at the planning mix: what
+        SGLang's ``get_cell_size_per_token`` returns for diffkv."""
+        return math.ceil(
+            self.rows_per_request * self.geometry.page_bytes / self.planning_tokens_per_page
+        )
+
+    def request_state_bytes(self, max_reqs: int, max_context: int) -> int:
+        """Per-request device state of the reference cache: page table (int32), counters
+        (int32 x4), prompt tier counts (int64 x2) and thresholds."""
+        rows = max_reqs * self.rows_per_request
+        return rows * (self.geometry.row_len(max_context) * 4 + 16 + 16) + max_reqs * 9
+
+    def num_pages(self, budget_bytes: int, max_reqs: int, max_context: int) -> int:
+        free_list_bytes_per_page = 4
+        usable = budget_bytes - self.request_state_bytes(max_reqs, max_context)
+        return max(0, usable // (self.geometry.page_bytes + free_list_bytes_per_page))
+
+    def logical_slots(self, num_pages: int) -> int:
+        return int(num_pages * self.planning_tokens_per_page) // self.rows_per_request
+
+
+def capacity_report(plan: CapacityPlan, num_pages: int, slots: int, max_reqs: int,
+                    context_len: int) -> list[str]:
+    """The start-up block (like vLLM's KV-cache report)."""
+    g, rows = plan.geometry, plan.rows_per_request
+    fp16_tokens = num_pages * g.page_bytes // (rows * fp16_bytes_per_token(g.head_dim))
+    all_high = num_pages * g.high.tokens_per_page // rows
+    all_low = num_pages * g.low.tokens_per_page // rows
+    c = plan.config
+    lines = [
+        f"DiffKV KV cache: config {c.name!r} high={c.high.name} low={c.low.name} "
+        f"alpha_h={c.alpha_h} alpha_l={c.alpha_l} window={c.window} "
+        f"(set with SGLANG_DIFFKV_CONFIG=<preset name | inline JSON | path.json>)",
+        f"DiffKV KV cache: page {g.page_bytes} B; tokens per page: high {g.high.tokens_per_page}, "
+        f"low {g.low.tokens_per_page}; {rows} (layer, KV head) rows per request",
+        f"DiffKV KV cache: {num_pages} pages = {num_pages * g.page_bytes / 2**30:.2f} GiB; "
+        f"capacity {all_high} tokens all-high, {all_low} all-low; "
+        f"the same memory holds {fp16_tokens} fp16/bf16 tokens",
+        f"DiffKV KV cache: planning mix high {plan.mix[0]:.2f} / low {plan.mix[1]:.2f} -> "
+        f"{slots} logical token slots ({slots / max(fp16_tokens, 1):.2f}x fp16); "
+        f"expected max concurrency at context {context_len}: "
+        f"{min(max_reqs, slots / max(context_len, 1)):.2f} requests "
+        f"(max running requests {max_reqs})",
+    ]
+    return lines
+
+
+# ---- the three pool objects -------------------------------------------------------------
+
+
+class DiffKVTokenToKVPool(KVCache):
+    """Compressed pages behind logical slots. ``size`` is the logical slot count."""
+
+    def __init__(
+        self,
+        cache: CompressedKVCache,
+        plan: CapacityPlan,
+        size: int,
+        layer_num: int,
+        device: str,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+    ) -> None:
+        super().__init__(
+            size, 1, torch.uint8, layer_num, device, False, start_layer, end_layer
+        )
+        self.cache = cache
+        self.plan = plan
+        self.num_pages = cache.spec.num_pages
+        # Requests whose pages are allocated (begin_prefill happened, free not yet).
+        self.active: set[int] = set()
+        # Per-request thresholds set at ReqToTokenPool.alloc, consumed at begin_prefill.
+        self.req_alpha: dict[int, tuple[float, float]] = {}
+        # Tokens each active request holds (prompt + decoded), for the per-request metrics.
+        self.seq_len: dict[int, int] = {}
+        self.stats = PoolStats()
+        self._finalize_allocation_log(size)
+
+    # -- physical accounting (host) --------------------------------------------------------
+
+    def free_pages(self) -> int:
+        # Exact: a sync on CUDA (stage 1 runs without the overlap scheduler).
+        return int(self.cache.manager.num_free_pages())
+
+    def decode_reserve_pages(self, num_reqs: int) -> int:
+        return self.cache.spec.pages_needed_for_decode(num_reqs)
+
+    def physical_available_tokens(self) -> int:
+        """Free pages minus the next decode step's worst case for the requests holding
+        pages, in logical tokens at the planning density (``size`` when idle)."""
+        spare = self.free_pages() - self.decode_reserve_pages(len(self.active))
+        return max(0, spare) * self.size // self.num_pages
+
+    def prefill_pages(self, prompt_len: int) -> int:
+        return self.cache.spec.pages_needed_for_prefill([max(1, prompt_len)])
+
+    def admits(self, pending_pages: int, pending_reqs: int) -> bool:
+        """Whether a prefill taking ``pending_pages`` for ``pending_reqs`` new requests fits,
+        leaving the next decode step's reserve for all of them and the running ones."""
+        reserve = self.decode_reserve_pages(len(self.active) + pending_reqs)
+        return self.free_pages() >= pending_pages + reserve
+
+    def fits_empty_pool(self, prompt_len: int) -> bool:
+        return self.prefill_pages(prompt_len) + self.decode_reserve_pages(1) <= self.num_pages
+
+    # -- request lifecycle -----------------------------------------------------------------
+
+    def set_request_thresholds(self, req_idx: int, custom_params: dict[str, Any] | None) -> None:
+        c = self.cache.config
+        alpha_h, alpha_l = c.alpha_h, c.alpha_l
+        if custom_params:
+            alpha_h = float(custom_params.get(ALPHA_H_PARAM, alpha_h))
+            alpha_l = float(custom_params.get(ALPHA_L_PARAM, alpha_l))
+            if not (0 <= alpha_l <= alpha_h) or math.isinf(alpha_h):
+                raise ConfigError(
+                    f"custom_params {ALPHA_H_PARAM}={alpha_h}, {ALPHA_L_PARAM}={alpha_l}: "
+                    "need finite 0 <= alpha_l <= alpha_h"
+                )
+        self.req_alpha[req_idx] = (alpha_h, alpha_l)
+
+    def begin_prefill(self, req_idx: list[int], lengths: list[int]) -> None:
+        c = self.cache.config
+        alphas = [self.req_alpha.get(r, (c.alpha_h, c.alpha_l)) for r in req_idx]
+        res = self.cache.begin_prefill(
+            req_idx, lengths, [a[0] for a in alphas], [a[1] for a in alphas]
+        )
+        if not bool(res.ok):
+            # Admission (PrefillAdder hook) guarantees room, so this is a bug, not a load
+            # condition: say exactly what did not fit.
+            raise DiffKVPoolError(
+                f"DiffKV prefill of {len(req_idx)} request(s), lengths {lengths}: needed "
+                f"{int(res.needed)} pages but only {int(res.free)} are free "
+                f"(active requests {len(self.active)})"
+            )
+        self.active.update(req_idx)
+        self.seq_len.update(zip(req_idx, lengths, strict=True))
+
+    def release(self, req_idx: int) -> None:
+        self.req_alpha.pop(req_idx, None)
+        if req_idx not in self.active:
+            return  # freed before its prefill ran (e.g. aborted while waiting)
+        self.stats.record_finished(self.cache, req_idx, self.seq_len.pop(req_idx, 0))
+        self.cache.free([req_idx])
+        self.active.discard(req_idx)
+
+    def release_all(self) -> None:
+        for r in sorted(self.active):
+            self.cache.free([r])
+        self.active.clear()
+        self.req_alpha.clear()
+        self.seq_len.clear()
+
+    # -- KVCache interface -----------------------------------------------------------------
+
+    def _no_dense_buffer(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"DiffKVTokenToKVPool.{what}: the diffkv pool stores compressed per-head pages, "
+            "not a dense K/V buffer; only the diffkv attention backend can read or write it"
+        )
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        raise self._no_dense_buffer("get_key_buffer")
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        raise self._no_dense_buffer("get_value_buffer")
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise self._no_dense_buffer("get_kv_buffer")
+
+    def set_kv_buffer(self, layer: Any, loc: torch.Tensor, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        raise self._no_dense_buffer("set_kv_buffer")
+
+    def get_kv_size_bytes(self) -> int:
+        m = self.cache.manager
+        state = [self.cache.pages, m.table, m.counts, m.free_pages, self.cache._prompt_kept]
+        return sum(t.numel() * t.element_size() for t in state)
+
+
+class DiffKVReqToTokenPool(ReqToTokenPool):
+    """``ReqToTokenPool`` that tells the DiffKV pool when request slots come and go."""
+
+    def __init__(self, kv_pool: DiffKVTokenToKVPool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.kv_pool = kv_pool
+
+    def alloc(self, reqs: list[Any]) -> list[int] | None:
+        out = super().alloc(reqs)
+        if out is not None:
+            for r in reqs:
+                params = getattr(getattr(r, "sampling_params", None), "custom_params", None)
+                self.kv_pool.set_request_thresholds(r.req_pool_idx, params)
+        return out
+
+    def free(self, req: Any) -> None:
+        idx = req.req_pool_idx
+        super().free(req)
+        self.kv_pool.release(idx)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_pool.release_all()
+
+
+class DiffKVTokenToKVPoolAllocator(TokenToKVPoolAllocator):
+    """Exact logical slots (page_size 1) capped by the physical page term."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: str,
+                 kvcache: DiffKVTokenToKVPool) -> None:
+        super().__init__(size, dtype, device, kvcache, need_sort=False)
+
+    @property
+    def diffkv_pool(self) -> DiffKVTokenToKVPool:
+        return self._kvcache
+
+    def logical_available_size(self) -> int:
+        return super().available_size()
+
+    def available_size(self) -> int:
+        return min(self.logical_available_size(), self._kvcache.physical_available_tokens())
+
+    def clear(self) -> None:
+        super().clear()
+        # __init__ calls clear() before anything was allocated; flush_cache calls it later.
+        kv = getattr(self, "_kvcache", None)
+        if isinstance(kv, DiffKVTokenToKVPool):
+            kv.release_all()
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+
+class PoolStats:
+    """Tier fractions over finished requests and per-step logging."""
+
+    def __init__(self) -> None:
+        self.finished_reqs = 0
+        self.finished_tokens = torch.zeros(3, dtype=torch.float64)  # high, low, pruned
+        self.steps = 0
+        interval = os.environ.get(LOG_INTERVAL_ENV, "").strip()
+        self.log_interval = int(interval) if interval else 50
+
+    def record_finished(self, cache: CompressedKVCache, req_idx: int, seq_len: int) -> None:
+        if seq_len <= 0:
+            return
+        cnt = cache.counts[req_idx].to(torch.float64)  # [L, H, 4]
+        hi, lo = (cnt[..., 0].mean() / seq_len).item(), (cnt[..., 1].mean() / seq_len).item()
+        self.finished_reqs += 1
+        self.finished_tokens += torch.tensor([hi, lo, 1.0 - hi - lo], dtype=torch.float64)
+        logger.debug(
+            "DiffKV request slot %d finished at %d tokens: high %.1f%% / low %.1f%% / "
+            "pruned %.1f%%", req_idx, seq_len, 100 * hi, 100 * lo, 100 * (1 - hi - lo)
+        )
+
+    def finished_line(self) -> str:
+        n = max(self.finished_reqs, 1)
+        hi, lo, pr = (float(x) / n for x in self.finished_tokens)
+        return (
+            f"DiffKV finished requests: {self.finished_reqs}, mean tokens high {hi:.1%} / "
+            f"low {lo:.1%} / pruned {pr:.1%}"
+        )
+
+    def step_line(self, pool: DiffKVTokenToKVPool, req_idx: torch.Tensor,
+                  seq_lens: torch.Tensor, mode: str) -> str | None:
+        """One log line every ``log_interval`` forward steps (0 turns it off)."""
+        self.steps += 1
+        if self.log_interval <= 0 or self.steps % self.log_interval:
+            return None
+        return step_summary(pool, req_idx, seq_lens, mode)
+
+
+def step_summary(pool: DiffKVTokenToKVPool, req_idx: torch.Tensor, seq_lens: torch.Tensor,
+                 mode: str) -> str:
+    """Fractions of the batch's tokens kept high / low / pruned and pages in use."""
+    frac = batch_tier_fractions(pool.cache, req_idx, seq_lens)
+    used = pool.num_pages - pool.free_pages()
+    return (
+        f"DiffKV {mode}: batch {int(req_idx.numel())}, tokens high {frac[0]:.1%} / "
+        f"low {frac[1]:.1%} / pruned {frac[2]:.1%}; pages in use {used}/{pool.num_pages} "
+        f"({used / pool.num_pages:.1%}), active requests {len(pool.active)}"
+    )
+
+
+def batch_tier_fractions(cache: CompressedKVCache, req_idx: torch.Tensor,
+                         seq_lens: torch.Tensor) -> tuple[float, float, float]:
+    """Token-weighted (high, low, pruned) fractions over every (request, layer, head) row."""
+    if req_idx.numel() == 0:
+        return (0.0, 0.0, 0.0)
+    frac = cache.tier_fractions(req_idx, seq_lens)  # [B, L, H, 3]
+    weight = seq_lens.to(frac.device, torch.float64).view(-1, 1, 1, 1)
+    total = (frac * weight).sum(dim=(0, 1, 2)) / (weight.sum() * frac.shape[1] * frac.shape[2])
+    hi, lo, pr = (float(x) for x in total)
+    return hi, lo, pr
