@@ -7,11 +7,15 @@ tier a store kernel writes).
 
 from __future__ import annotations
 
+import os
+
 import triton
 
 from sglang_diffkv.layout import TierLayout
 
 KERNEL_BITS = (2, 4, 8)  # widths the unpacking in the kernels handles
+# Under TRITON_INTERPRET=1 (CPU CI) some kernels take an fp32 path around interpreter gaps.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def tier_constexprs(layout: TierLayout, prefix: str) -> dict[str, int]:

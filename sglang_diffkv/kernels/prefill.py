@@ -1,0 +1,368 @@
+"""Prompt significance from the log-sum-exp, and prompt compression (count + compact + store).
+
+Scoring (``prefill_scores``): token i's significance is, per query head, the softmax mass it
+gets from the last Q = min(score_queries, L) queries, maxed over the GQA group (DESIGN §2).
+Given those queries' natural-log LSE (from the prefill attention, or from ``_lse_kernel``,
+a flash-style pass over K that keeps only the running max and sum), ``_colsum_kernel``
+recomputes exp(q.k * scale - lse) tile by tile and column-sums it: nothing [Q, L]-sized ever
+reaches HBM and any prompt length works.
+
+Compression (``compress_prefill``): ``_classify_kernel`` decides every token's tier and
+counts each block's members; an exclusive prefix sum over blocks (torch, on the device)
+gives each block its first rank; ``_store_prefill_kernel`` ranks members inside the block
+with a cumsum (a stable compaction: no sort) and quantises them into row pages exactly
+where ``CompressedKVCache.store_prefill`` puts them (high pages [0, hp), low pages right
+after), ready for ``PageManager.reclaim_prefill``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_diffkv.kernels._quant import quantize_store, store_score_pos
+from sglang_diffkv.kernels._tier import INTERPRET, page_views, tier_constexprs
+from sglang_diffkv.layout import PageGeometry
+from sglang_diffkv.pages import write_tokens
+from sglang_diffkv.policy import (
+    PromptClassification,
+    Tier,
+    classify_prompt,
+    group_max,
+    prompt_attention_mass,
+    thresholds,
+    virtual_positions,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _qk(qt, kt, DOT_F32: tl.constexpr):
+    # bf16 products are exact in fp32 either way; the interpreter's bf16 dot is broken
+    # (triton 3.9), so it computes in fp32 with IEEE precision.
+    if DOT_F32:
+        return tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(qt, tl.trans(kt))
+
+
+@triton.jit
+def _lse_kernel(
+    q, q_sb, q_sh, q_sl, k, k_sb, k_sh, k_sl, lengths, lse, qk_scale,
+    G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """lse[b, hq, r] (base 2) of query L - nq + r over its causal keys, r < nq."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    n = tl.load(lengths + b)
+    nq = tl.minimum(n, Q)
+    r = tl.arange(0, QB)
+    qpos = n - nq + r
+    rmask = r < nq
+    d = tl.arange(0, D)
+    qt = tl.load(q + b * q_sb + hq * q_sh + qpos[:, None] * q_sl + d[None, :],
+                 mask=rmask[:, None], other=0.0)
+    kbase = k + b * k_sb + (hq // G) * k_sh
+    m = tl.full([QB], float("-inf"), tl.float32)
+    acc = tl.zeros([QB], tl.float32)
+    for start in range(0, n, BK):
+        kpos = start + tl.arange(0, BK)
+        kt = tl.load(kbase + kpos[:, None] * k_sl + d[None, :], mask=(kpos < n)[:, None],
+                     other=0.0)
+        s = _qk(qt, kt, DOT_F32) * qk_scale
+        ok = (kpos[None, :] <= qpos[:, None]) & rmask[:, None]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
+        m = m_new
+    tl.store(lse + (b * tl.num_programs(1) + hq) * QB + r, m + tl.log2(acc), mask=rmask)
+
+
+@triton.jit
+def _colsum_kernel(
+    q, q_sb, q_sh, q_sl, k, k_sb, k_sh, k_sl, lengths, lse, sig, Lmax, qk_scale,
+    G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """sig[b, h, i] = max over the group of sum_r exp2(s[r, i] - lse[r]) for one key tile."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.program_id(2) * BK
+    n = tl.load(lengths + b)
+    kpos = start + tl.arange(0, BK)
+    best = tl.zeros([BK], tl.float32)
+    if start < n:
+        nq = tl.minimum(n, Q)
+        r = tl.arange(0, QB)
+        qpos = n - nq + r
+        rmask = r < nq
+        d = tl.arange(0, D)
+        kt = tl.load(k + b * k_sb + h * k_sh + kpos[:, None] * k_sl + d[None, :],
+                     mask=(kpos < n)[:, None], other=0.0)
+        ok = (kpos[None, :] <= qpos[:, None]) & rmask[:, None]
+        for g in range(0, G):
+            hq = h * G + g
+            qt = tl.load(q + b * q_sb + hq * q_sh + qpos[:, None] * q_sl + d[None, :],
+                         mask=rmask[:, None], other=0.0)
+            l2 = tl.load(lse + (b * tl.num_programs(1) * G + hq) * QB + r, mask=rmask,
+                         other=0.0)
+            s = _qk(qt, kt, DOT_F32) * qk_scale
+            p = tl.where(ok, tl.exp2(s - l2[:, None]), 0.0)
+            best = tl.maximum(best, tl.sum(p, axis=0))
+    tl.store(sig + (b * tl.num_programs(1) + h) * Lmax + kpos, best, mask=kpos < Lmax)
+
+
+def _check_prompt(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError("q must be [B, Hq, Lmax, D] and k [B, Hkv, Lmax, D]")
+    b, hq, lmax, d = q.shape
+    if k.shape[0] != b or k.shape[2] != lmax or k.shape[3] != d or hq % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match "
+                         "(same B, Lmax, D; Hq a multiple of Hkv)")
+    if q.dtype != k.dtype or q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"q and k must both be fp16 or bf16, got {q.dtype} / {k.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q and k need a contiguous last dimension")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [{b}]")
+
+
+def prefill_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lengths: torch.Tensor,
+    sm_scale: float,
+    score_queries: int,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Significance sums [B, Hkv, Lmax] fp32 (maxed over the group; 0 past a prompt's end).
+
+    q [B, Hq, Lmax, D], k [B, Hkv, Lmax, D] (any strides with a contiguous last dim);
+    ``lse``: optional natural-log LSE [B, Hq, score_queries] of each prompt's last
+    min(score_queries, L) queries (row r is query L - nq + r), as the prefill attention
+    returns it; computed here when absent.
+    """
+    _check_prompt(q, k, lengths)
+    b, hq, lmax, d = q.shape
+    hkv = k.shape[1]
+    qb = max(16, triton.next_power_of_2(score_queries))
+    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    lse2 = torch.empty(b, hq, qb, dtype=torch.float32, device=q.device)
+    if lse is None:
+        _lse_kernel[(b, hq)](
+            q, *q.stride()[:3], k, *k.stride()[:3], lengths, lse2, sm_scale * LOG2E,
+            G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=64, DOT_F32=INTERPRET, num_warps=4,
+        )
+    else:
+        if lse.shape != (b, hq, score_queries):
+            raise ValueError(f"lse must be [{b}, {hq}, {score_queries}]")
+        lse2[..., :score_queries] = lse.float() * LOG2E
+    sig = torch.empty(b, hkv, lmax, dtype=torch.float32, device=q.device)
+    bk = 64
+    _colsum_kernel[(b, hkv, triton.cdiv(lmax, bk))](
+        q, *q.stride()[:3], k, *k.stride()[:3], lengths, lse2, sig, lmax, sm_scale * LOG2E,
+        G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=bk, DOT_F32=INTERPRET,
+        num_warps=4,
+    )
+    return sig
+
+
+def prefill_scores_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lengths: torch.Tensor,
+    sm_scale: float,
+    score_queries: int,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense oracle, prompt by prompt (as ``CompressedKVCache.prefill_layer``)."""
+    b, _, lmax, _ = q.shape
+    hkv = k.shape[1]
+    sig = torch.zeros(b, hkv, lmax, device=q.device)
+    for i, n in enumerate(lengths.tolist()):
+        mass = prompt_attention_mass(q[i, :, :n], k[i, :, :n], sm_scale, score_queries)
+        sig[i, :, :n] = group_max(mass, hkv)
+    return sig
+
+
+# ---- compression -------------------------------------------------------------------------
+
+
+@triton.jit
+def _classify_kernel(
+    sig, lengths, t_high, t_low, tier_out, block_counts, Lmax, NB,
+    WINDOW: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    n = tl.load(lengths + b)
+    i = blk * BL + tl.arange(0, BL)
+    inside = i < Lmax
+    s = tl.load(sig + (b * tl.num_programs(1) + h) * Lmax + i, mask=inside, other=0.0)
+    count = tl.maximum(tl.minimum(n - i, Q), 1).to(tl.float32)
+    mean = tl.math.div_rn(s, count)
+    th = tl.load(t_high + b)
+    tlow = tl.load(t_low + b)
+    valid = i < n
+    high = ((mean >= th) | (i >= n - WINDOW)) & valid
+    low = (mean >= tlow) & ~high & valid
+    tier = tl.where(high, 0, tl.where(low, 1, 2)).to(tl.int8)
+    tl.store(tier_out + (b * tl.num_programs(1) + h) * Lmax + i, tier, mask=inside)
+    cbase = block_counts + ((b * tl.num_programs(1) + h) * NB + blk) * 2
+    tl.store(cbase, tl.sum(high.to(tl.int32), axis=0))
+    tl.store(cbase + 1, tl.sum(low.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _store_prefill_kernel(
+    u8, f16, f32, i32, key, k_sb, k_sh, k_sl, value, v_sb, v_sh, v_sl,
+    sig, tier_in, first_rank, n_high, lengths, table, t_sr, t_sh, req, Lmax, NB,
+    PAGE_BYTES: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
+    H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
+    H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
+    H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
+    L_KB: tl.constexpr, L_VB: tl.constexpr, L_KG: tl.constexpr, L_VG: tl.constexpr,
+    L_N: tl.constexpr, L_BN: tl.constexpr, L_KOFF: tl.constexpr, L_KMOFF: tl.constexpr,
+    L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    n = tl.load(lengths + b)
+    if blk * BL < n:
+        head = b * tl.num_programs(1) + h
+        i = blk * BL + tl.arange(0, BL)
+        inside = i < n
+        tier = tl.load(tier_in + head * Lmax + i, mask=inside, other=2)
+        row = table + tl.load(req + b).to(tl.int64) * t_sr + h * t_sh
+        hp = tl.cdiv(tl.load(n_high + head), H_N)
+        d = tl.arange(0, D)
+        kx = tl.load(key + b * k_sb + h * k_sh + i[:, None] * k_sl + d[None, :],
+                     mask=inside[:, None], other=0.0).to(tl.float32)
+        vx = tl.load(value + b * v_sb + h * v_sh + i[:, None] * v_sl + d[None, :],
+                     mask=inside[:, None], other=0.0).to(tl.float32)
+        score = tl.load(sig + head * Lmax + i, mask=inside, other=0.0)
+        pos = n - tl.minimum(Q, n - i)  # virtual position (policy.virtual_positions)
+        # high tier: rank -> page rank // N_hi at row position rank // N_hi
+        member = tier == 0
+        rank = tl.load(first_rank + (head * NB + blk) * 2) + tl.cumsum(member.to(tl.int32), 0) - 1
+        page = tl.load(row + rank // H_N, mask=member, other=0)
+        base = page.to(tl.int64) * PAGE_BYTES
+        slot = rank % H_N
+        quantize_store(u8, f16, kx, base, slot, member, BL, D, H_KB, H_KG, H_KOFF, H_KMOFF)
+        quantize_store(u8, f16, vx, base, slot, member, BL, D, H_VB, H_VG, H_VOFF, H_VMOFF)
+        store_score_pos(f32, i32, base, slot, member, score, pos, H_SOFF, H_POFF)
+        # low tier: the pages right after the high ones (reclaim_prefill reverses them later)
+        member = tier == 1
+        rank = (tl.load(first_rank + (head * NB + blk) * 2 + 1)
+                + tl.cumsum(member.to(tl.int32), 0) - 1)
+        page = tl.load(row + hp + rank // L_N, mask=member, other=0)
+        base = page.to(tl.int64) * PAGE_BYTES
+        slot = rank % L_N
+        quantize_store(u8, f16, kx, base, slot, member, BL, D, L_KB, L_KG, L_KOFF, L_KMOFF)
+        quantize_store(u8, f16, vx, base, slot, member, BL, D, L_VB, L_VG, L_VOFF, L_VMOFF)
+        store_score_pos(f32, i32, base, slot, member, score, pos, L_SOFF, L_POFF)
+
+
+def compress_prefill(
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    table: torch.Tensor,
+    req_idx: torch.Tensor,
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    significance: torch.Tensor,
+    lengths: torch.Tensor,
+    alpha_h: torch.Tensor,
+    alpha_l: torch.Tensor,
+    window: int,
+    score_queries: int,
+) -> PromptClassification:
+    """Classify, count and compact one layer's prompts into their row pages.
+
+    key/value [B, Hkv, Lmax, D] (fp16/bf16/fp32, contiguous last dim); significance
+    [B, Hkv, Lmax] (from :func:`prefill_scores`); lengths, alpha_h, alpha_l [B]; table is
+    the manager's [max_reqs, layers, Hkv, row_len] after ``allocate_prefill``. Returns the
+    classification (its n_high / n_low feed ``PageManager.reclaim_prefill``)."""
+    b, hkv, lmax, d = key.shape
+    if value.shape != key.shape or significance.shape != (b, hkv, lmax):
+        raise ValueError(f"value {tuple(value.shape)} / significance "
+                         f"{tuple(significance.shape)} do not match key {tuple(key.shape)}")
+    if d != geometry.head_dim or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"key/value need head_dim {geometry.head_dim} and a contiguous "
+                         "last dimension")
+    if req_idx.shape != (b,) or table.shape[2] != hkv:
+        raise ValueError("req_idx must be [B] and table [max_reqs, layers, Hkv, row_len]")
+    dev = key.device
+    lengths_i = lengths.to(device=dev, dtype=torch.int32)
+    t_h = thresholds(alpha_h.to(dev), lengths_i)
+    t_l = thresholds(alpha_l.to(dev), lengths_i)
+    bl = 64
+    nb = triton.cdiv(lmax, bl)
+    tier = torch.empty(b, hkv, lmax, dtype=torch.int8, device=dev)
+    block_counts = torch.empty(b, hkv, nb, 2, dtype=torch.int32, device=dev)
+    sig = significance.float().contiguous()
+    _classify_kernel[(b, hkv, nb)](
+        sig, lengths_i, t_h, t_l, tier, block_counts, lmax, nb, WINDOW=window,
+        Q=score_queries, BL=bl, num_warps=2,
+    )
+    totals = block_counts.sum(2, dtype=torch.int32)  # [B, Hkv, 2]
+    first_rank = (torch.cumsum(block_counts, 2, dtype=torch.int32) - block_counts).contiguous()
+    n_high = totals[..., 0].contiguous()
+    u8, f16, f32, i32 = page_views(pages)
+    tab = table[:, layer]
+    _store_prefill_kernel[(b, hkv, nb)](
+        u8, f16, f32, i32, key, *key.stride()[:3], value, *value.stride()[:3], sig, tier,
+        first_rank, n_high, lengths_i, tab, tab.stride(0), tab.stride(1), req_idx, lmax, nb,
+        PAGE_BYTES=geometry.page_bytes, D=d, Q=score_queries, BL=bl,
+        **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"),
+        num_warps=4, enable_fp_fusion=False,
+    )
+    valid = torch.arange(lmax, device=dev)[None, :] < lengths_i[:, None]
+    return PromptClassification(
+        tier=tier,
+        score=sig * valid[:, None, :],
+        pos=virtual_positions(lengths_i, lmax, score_queries),
+        n_high=n_high,
+        n_low=totals[..., 1].contiguous(),
+    )
+
+
+def compress_prefill_reference(
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    table: torch.Tensor,
+    req_idx: torch.Tensor,
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    significance: torch.Tensor,
+    lengths: torch.Tensor,
+    alpha_h: torch.Tensor,
+    alpha_l: torch.Tensor,
+    window: int,
+    score_queries: int,
+) -> PromptClassification:
+    """``classify_prompt`` then the placement of ``CompressedKVCache.store_prefill``."""
+    cls = classify_prompt(significance, lengths, alpha_h, alpha_l, window, score_queries)
+    rows = table[req_idx.long(), layer]
+    hp = -(-cls.n_high.long() // geometry.high.tokens_per_page)
+    for tier, layout in zip((Tier.HIGH, Tier.LOW), geometry.tiers, strict=True):
+        member = cls.tier == tier
+        rank = member.long().cumsum(-1) - 1
+        page_index = rank // layout.tokens_per_page
+        if tier == Tier.LOW:
+            page_index = page_index + hp[..., None]
+        page_ids = torch.gather(rows, -1, page_index.clamp(min=0))
+        slots = rank % layout.tokens_per_page
+        bi, hi, li = member.nonzero(as_tuple=True)
+        write_tokens(pages, layout, page_ids[bi, hi, li], slots[bi, hi, li].int(),
+                     key[bi, hi, li], value[bi, hi, li], cls.score[bi, hi, li],
+                     cls.pos[bi, li])
+    return cls
