@@ -1,0 +1,149 @@
+"""End-to-end runs: analytic cases, determinism, completeness, metric definitions, replicas
+and the capacity searches."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers import scenario
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simulator.engine.cluster import simulate
+from simulator.kv.mix import TierMix
+from simulator.metrics.slo import SLO
+from simulator.metrics.summary import per_request_arrays, summarize
+from simulator.serving.cost import StepShape
+from simulator.studies.search import gpus_needed, max_rate
+from simulator.workload.bundled import load_named_trace
+from simulator.workload.generate import ClosedLoop, resample_arrivals, synthetic_trace
+from simulator.workload.lengths import length_model
+from simulator.workload.schema import Trace, TraceRequest
+
+
+def _decode_time(srv, bs: int, kv: int) -> float:
+    kvs = np.full(bs, kv)
+    return srv.cost.step_time(StepShape(decode_reqs=bs, decode_kv_tokens=bs * kv,
+                                        decode_read_bytes=srv.pool.read_bytes_per_layer(kvs,
+                                                                                        None)))
+
+
+def _prefill_time(srv, chunks: list[int]) -> float:
+    return srv.cost.step_time(StepShape(prefill_tokens=sum(chunks),
+                                        prefill_pairs=sum(c * c / 2 for c in chunks),
+                                        prefill_seqs=len(chunks)))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "diffkv"])
+def test_single_request_ttft_is_its_prefill_time(fmt):
+    sc = scenario()
+    srv = sc.server(fmt)
+    res = simulate(Trace((TraceRequest(0.0, 1000, 10),)), srv)
+    r = res.requests[0]
+    assert r.first_token == pytest.approx(_prefill_time(srv, [1000]), rel=1e-12)
+    # decode steps: KV holds 1000 + j tokens at step j (the step writes token j's KV)
+    e2e = r.first_token + sum(_decode_time(srv, 1, 1000 + j) for j in range(1, 10))
+    assert r.finish == pytest.approx(e2e, rel=1e-12)
+    s = summarize(res)
+    assert s["ttft_ms"]["mean"] == pytest.approx(1e3 * r.first_token)
+    assert s["tpot_ms"]["mean"] == pytest.approx(1e3 * (r.finish - r.first_token) / 9)
+
+
+def test_closed_loop_throughput_is_batch_over_step_time():
+    sc = scenario()
+    srv = sc.server("bf16")
+    users, waves, inp, out = 8, 4, 64, 33
+    reqs = tuple(TraceRequest(0.0, inp, out) for _ in range(users * waves))
+    res = simulate(ClosedLoop(reqs, users), srv)
+    # each wave: one prefill of 8 x 64 tokens, then 32 decode steps of batch 8
+    wave = _prefill_time(srv, [inp] * users) + sum(
+        _decode_time(srv, users, inp + j) for j in range(1, out))
+    assert res.end_time == pytest.approx(waves * wave, rel=1e-9)
+    s = summarize(res)
+    assert s["mean_batch"] == users and s["peak_batch"] == users
+    assert s["output_throughput"] == pytest.approx(users * waves * out / (waves * wave), rel=1e-9)
+    # in the decode phase tokens arrive at B / step time
+    itl = np.concatenate(res.replicas[0].itl)
+    assert itl.min() == pytest.approx(_decode_time(srv, users, inp + 1), rel=1e-9)
+
+
+def test_fixed_seed_gives_identical_results():
+    base = scenario()
+    sc = replace(base, mix=TierMix(0.3, 0.5, head_spread=0.3, request_spread=0.2), seed=7)
+    trace = synthetic_trace(length_model("sharegpt"), 300, 40.0, seed=11, cv=2.0)
+    a = summarize(sc.run(trace, "diffkv"))
+    b = summarize(sc.run(trace, "diffkv"))
+    assert a == b
+    trace2 = synthetic_trace(length_model("sharegpt"), 300, 40.0, seed=12, cv=2.0)
+    assert summarize(sc.run(trace2, "diffkv")) != a
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "k4v2", "diffkv"])
+def test_every_request_completes_or_is_rejected_under_memory_pressure(fmt):
+    sc = scenario(max_total_tokens=40_000)
+    trace = resample_arrivals(load_named_trace("azure-conv").head(400), 200.0, seed=1)
+    trace = Trace(trace.requests + (TraceRequest(trace.requests[-1].arrival_s, 39_990, 5),),
+                  name="pressure")
+    res = sc.run(trace, fmt)
+    s = summarize(res)
+    assert s["completed"] + s["rejected"] == s["requests"] == 401
+    assert s["rejected"] >= 1 and s["unfinished"] == 0
+    assert s["retractions"] > 0
+    sched = res.replicas[0].scheduler
+    assert sched.used == 0 and sched.idle            # every unit returned to the pool
+    assert s["peak_kv_usage"] <= 1.0
+    arrs = per_request_arrays(res)
+    # bench_serving: one ITL per token after the first, pooled over requests
+    itl_count = sum(a.size for a in res.replicas[0].itl) + sum(
+        len(r.itl) for r in res.requests if r.itl)
+    assert itl_count == int((arrs["output"] - 1).sum())
+    done = [r for r in res.requests if r.rejected is None]
+    assert all(r.gen == r.output_len for r in done)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.floats(0, 2), st.integers(1, 3000), st.integers(1, 400)),
+                min_size=1, max_size=25),
+       st.sampled_from(["bf16", "diffkv"]), st.integers(2000, 20000))
+def test_property_pool_accounting_never_leaks(rows, fmt, pool_tokens):
+    sc = scenario(max_total_tokens=pool_tokens, chunked_prefill_size=1024)
+    trace = Trace(tuple(TraceRequest(t, i, o) for t, i, o in rows))
+    res = sc.run(trace, fmt)
+    s = summarize(res)
+    assert s["completed"] + s["rejected"] == len(rows)
+    assert res.replicas[0].scheduler.used == 0
+    assert max(res.replicas[0].log.usage, default=0) <= 1.0
+
+
+def test_replicas_share_the_load():
+    sc = scenario()
+    trace = resample_arrivals(load_named_trace("sharegpt").head(400), 20.0, seed=3)
+    rr = sc.with_replicas(2).run(trace, "bf16")
+    counts = [sum(r.replica == k for r in rr.requests) for k in range(2)]
+    assert counts == [200, 200]
+    lo = replace(sc, router="least_outstanding", replicas=3).run(trace, "bf16")
+    assert {r.replica for r in lo.requests} == {0, 1, 2}
+    one = summarize(sc.run(trace, "bf16"))
+    two = summarize(sc.with_replicas(2).run(resample_arrivals(trace, 40.0, seed=3), "bf16"))
+    # twice the rate on twice the replicas: the same work in about half the time
+    assert two["duration_s"] < 0.75 * one["duration_s"]
+    assert two["ttft_ms"]["p50"] < 2 * one["ttft_ms"]["p50"]
+
+
+def test_capacity_searches_bracket_the_slo():
+    sc = scenario()
+    trace = load_named_trace("sharegpt").head(300)
+    slo = SLO(ttft_s=0.3, tpot_s=0.03, attainment=0.9)
+    found = max_rate(sc, trace, "bf16", slo, lo=1.0, hi=1024.0, rel_tol=0.2)
+    assert found["max_rate"] > 1.0
+    probes = found["probes"]
+    assert all(p["met"] for p in probes if p["rate"] <= found["max_rate"])
+    failing = [p["rate"] for p in probes if not p["met"]]
+    assert failing and min(failing) <= found["max_rate"] * 1.2 + 1e-9
+    heavy = resample_arrivals(trace, 3 * found["max_rate"], seed=0)
+    need = gpus_needed(sc, heavy, "bf16", slo, max_replicas=16)
+    assert need["replicas"] >= 2
+    by_n = {p["replicas"]: p["met"] for p in need["probes"]}
+    assert by_n[need["replicas"]] and not by_n.get(need["replicas"] - 1, False)
