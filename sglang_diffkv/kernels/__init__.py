@@ -9,6 +9,13 @@ from sglang_diffkv.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
+from sglang_diffkv.kernels.decode_policy import decode_policy_step, decode_policy_step_reference
+from sglang_diffkv.kernels.prefill import (
+    compress_prefill,
+    compress_prefill_reference,
+    prefill_scores,
+    prefill_scores_reference,
+)
 from sglang_diffkv.kernels.store import (
     store_decode,
     store_decode_reference,
@@ -18,8 +25,14 @@ from sglang_diffkv.kernels.store import (
 
 __all__ = [
     "DecodeAttentionPlan",
+    "compress_prefill",
+    "compress_prefill_reference",
     "decode_attention",
     "decode_attention_reference",
+    "decode_policy_step",
+    "decode_policy_step_reference",
+    "prefill_scores",
+    "prefill_scores_reference",
     "store_decode",
     "store_decode_reference",
     "store_tokens",

@@ -1,0 +1,69 @@
+"""Decode policy step kernel vs CompressedKVCache.decode_layer_store, step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.kernels.decode_policy import decode_policy_step, decode_policy_step_reference
+
+CONFIG = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 6.0, "alpha_l": 1.5,
+                                 "window": 4, "score_queries": 8})
+
+
+def prefilled(lengths, hkv, d, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cache = CompressedKVCache(CONFIG, head_dim=d, num_layers=2, num_kv_heads=hkv,
+                              num_pages=400, max_reqs=4, max_context=160, device=device)
+    cache.pages.copy_(torch.randint(0, 256, cache.pages.shape, generator=g, dtype=torch.uint8))
+    req = torch.tensor([2, 0, 3][: len(lengths)], device=device)
+    lens = torch.tensor(lengths)
+    cache.begin_prefill(req, lens).raise_if_failed()
+    lmax = max(lengths)
+    for layer in range(2):
+        q = torch.randn(len(lengths), 2 * hkv, lmax, d, generator=g).to(device)
+        k = torch.randn(len(lengths), hkv, lmax, d, generator=g).to(device)
+        v = torch.randn(len(lengths), hkv, lmax, d, generator=g).to(device)
+        cache.prefill_layer(layer, req, lens, q, k, v, d**-0.5)
+    cache.end_prefill(req)
+    return cache, req, lens
+
+
+def run_steps(device, dtype, steps, lengths=(40, 23, 61), hkv=2, d=64):
+    seen = set()
+    a, req, lens = prefilled(list(lengths), hkv, d, device, seed=11)
+    b, _, _ = prefilled(list(lengths), hkv, d, device, seed=11)
+    g = torch.Generator(device="cpu").manual_seed(12)
+    alpha = a.alpha[req]
+    for step in range(steps):
+        for c in (a, b):
+            c.begin_decode(req).raise_if_failed()
+        assert torch.equal(a.manager.table, b.manager.table)
+        positions = lens.to(device) + step
+        for layer in range(2):
+            key = torch.randn(len(lengths), hkv, d, generator=g).to(dtype).to(device)
+            value = torch.randn(len(lengths), hkv, d, generator=g).to(dtype).to(device)
+            ref = decode_policy_step_reference(a.pages, a.geometry, a.manager.table,
+                                               a.manager.counts, req, layer, positions, alpha,
+                                               CONFIG.window, key, value)
+            got = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts,
+                                     req, layer, positions, alpha, CONFIG.window, key, value)
+            assert torch.equal(got.action, ref.action.to(torch.int8))
+            assert torch.equal(got.hmin, ref.hmin) and torch.equal(got.lmin, ref.lmin)
+            assert torch.equal(a.manager.counts, b.manager.counts)
+            assert torch.equal(a.pages, b.pages)
+            seen.update(got.action.flatten().tolist())
+    return seen
+
+
+def test_decode_policy_cpu():
+    seen = run_steps("cpu", torch.bfloat16, steps=3)
+    assert len(seen) >= 3, f"actions seen: {seen}"  # evict, demote-append, demote-replace
+
+
+@pytest.mark.gpu
+def test_decode_policy_gpu():
+    seen = run_steps("cuda", torch.float16, steps=12, lengths=(90, 64, 120), hkv=8, d=128)
+    assert len(seen) >= 3
