@@ -1,0 +1,126 @@
+"""Decode-step compaction (``PageManager.ensure_decode_room``) for a whole batch in one CUDA
+launch: ``cuda/compaction.cu``.
+
+The CUDA source is plain CUDA C++ (no torch headers): on first use nvcc builds it into a
+shared library cached under ``$SGLANG_DIFFKV_CACHE`` (default ``~/.cache/sglang_diffkv``),
+keyed by the source's hash, and ctypes launches it on the current stream (capturable in a
+CUDA graph; no host synchronisation). Where nvcc or CUDA is missing the torch reference runs
+instead (:func:`compaction_backend` says which).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from sglang_diffkv.memory import AllocResult, PageManager, PageTableRowFull
+from sglang_diffkv.memory.inputs import Phase, check_shape
+
+SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "compaction.cu"
+ARCH_FLAGS = ("-gencode=arch=compute_90,code=sm_90",)
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SGLANG_DIFFKV_CACHE", Path.home() / ".cache" / "sglang_diffkv"))
+
+
+def nvcc_path() -> str | None:
+    home = os.environ.get("CUDA_HOME")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build_library(out_dir: Path | None = None) -> Path:
+    """Compile cuda/compaction.cu into a shared library (cached by source hash)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    if not SOURCE.exists():
+        raise RuntimeError(f"{SOURCE} is missing (not an editable checkout?)")
+    src = SOURCE.read_bytes()
+    digest = hashlib.sha256(src + " ".join(ARCH_FLAGS).encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"libdiffkv_compaction_{digest}.so"
+    if lib.exists():
+        return lib
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", *ARCH_FLAGS, str(SOURCE), "-o",
+           str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
+    tmp.replace(lib)  # atomic: concurrent builders never load a half-written file
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    try:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+        lib = ctypes.CDLL(str(build_library()))
+        fn = lib.diffkv_decode_room_launch
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int32] * 2 + [
+            ctypes.c_void_p]
+        _lib = lib
+    except (RuntimeError, OSError) as e:
+        _error = str(e)
+    return _lib
+
+
+def compaction_backend() -> str:
+    """'cuda' when the one-launch kernel is in use, else 'torch (<why>)'."""
+    return "cuda" if _load() is not None else f"torch ({_error})"
+
+
+def decode_compaction(
+    manager: PageManager, req_idx: torch.Tensor, tiers: torch.Tensor
+) -> AllocResult:
+    """``manager.ensure_decode_room(req_idx, tiers)`` in one launch; same state changes and
+    result. With ``manager.validate`` the same host checks run (and sync)."""
+    lib = _load() if manager.device.type == "cuda" else None
+    if lib is None:
+        return manager.ensure_decode_room(req_idx, tiers)
+    op = "ensure_decode_room"
+    req = manager._req(req_idx, op, (Phase.DECODING,)).contiguous()
+    want = torch.as_tensor(tiers, device=manager.device).to(torch.uint8).contiguous()
+    if manager.validate:
+        check_shape("tiers", want, (req.shape[0], 2))
+    for name, t in (("table", manager.table), ("counts", manager.counts)):
+        if not t.is_contiguous():
+            raise ValueError(f"manager.{name} must be contiguous")
+    result = torch.empty(4, dtype=torch.int64, device=manager.device)
+    fl = manager.free_list
+    s = manager.spec
+    rc = lib.diffkv_decode_room_launch(
+        req.data_ptr(), want.data_ptr(), manager.counts.data_ptr(), manager.table.data_ptr(),
+        fl.free_pages.data_ptr(), fl.head.data_ptr(), fl.tail.data_ptr(), result.data_ptr(),
+        req.shape[0], s.num_layers * s.num_kv_heads, s.row_len, s.num_pages,
+        s.high_tokens_per_page, s.low_tokens_per_page,
+        torch.cuda.current_stream(manager.device).cuda_stream,
+    )
+    if rc != 0:
+        raise RuntimeError(f"decode compaction launch failed: CUDA error {rc}")
+    res = AllocResult(op, result[0].bool(), result[1], result[2], result[3].bool())
+    if manager.validate and not bool(res.rows_ok):
+        raise PageTableRowFull(f"{op}: a page-table row would exceed row_len={s.row_len}")
+    return res
+
+
+def decode_compaction_reference(
+    manager: PageManager, req_idx: torch.Tensor, tiers: torch.Tensor
+) -> AllocResult:
+    return manager.ensure_decode_room(req_idx, tiers)
