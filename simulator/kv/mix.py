@@ -78,7 +78,7 @@ class TierMix:
             ) from e
         if len(parts) not in (2, 3):
             raise SimulatorInputError(f"mix {text!r} must have 2 or 3 numbers: high,low[,pruned]")
-        if sum(parts) > 1.5:  # percentages
+        if any(p > 1 for p in parts):  # percentages
             parts = [p / 100 for p in parts]
         if len(parts) == 3 and abs(sum(parts) - 1) > 1e-6:
             raise SimulatorInputError(f"mix {text!r}: high + low + pruned must be 1 (or 100)")

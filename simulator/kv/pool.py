@@ -61,6 +61,10 @@ class KVPool(ABC):
     @abstractmethod
     def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float: ...
 
+    def decode_state(self, kv: np.ndarray, prof: np.ndarray | None) -> tuple[np.ndarray, float]:
+        """(decode_units(kv, prof), read_bytes_per_layer(kv, prof)) in one pass."""
+        return self.decode_units(kv, prof), self.read_bytes_per_layer(kv, prof)
+
     @property
     @abstractmethod
     def write_bytes_per_token_layer(self) -> float: ...
@@ -118,6 +122,10 @@ class TokenPool(KVPool):
     def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float:
         return float(kv.sum()) * self.read_bytes_per_token_layer
 
+    def read_bytes_for_tokens(self, total_kv: int) -> float:
+        """The same for a known token total (token pools are linear in tokens)."""
+        return total_kv * self.read_bytes_per_token_layer
+
     @property
     def write_bytes_per_token_layer(self) -> float:
         return self.read_bytes_per_token_layer
@@ -155,6 +163,12 @@ class DiffKVPool(KVPool):
         self._tiers_growing = 1 + int(self.mix.low > 0)
         self._high_bpt = self.geometry.high.bytes_per_token
         self._low_bpt = self.geometry.low.bytes_per_token
+        h, low = self._mean_prof
+        self._pages_per_token = float((self.class_counts * (h / self.n_high
+                                                            + low / self.n_low)).sum())
+        # shared-mix lookup tables indexed by KV length: pages held and bytes read per layer
+        self._pages_tab = np.zeros(0, dtype=np.int64)
+        self._read_tab = np.zeros(0, dtype=np.float64)
 
     @classmethod
     def from_rest_bytes(cls, rest_bytes: float, geometry: PageGeometry, window: int,
@@ -165,14 +179,16 @@ class DiffKVPool(KVPool):
     @property
     def pages_per_token(self) -> float:
         """Mean pages one long-context token costs at the mean mix, over all heads."""
-        h, low = self._mean_prof
-        return float((self.class_counts * (h / self.n_high + low / self.n_low)).sum())
+        return self._pages_per_token
 
     @property
     def token_capacity(self) -> int:
         return int(self.capacity / self.pages_per_token)
 
-    def request_profile(self, rng: np.random.Generator) -> np.ndarray:
+    def request_profile(self, rng: np.random.Generator) -> np.ndarray | None:
+        """None when every request shares the mean mix (the fast path below)."""
+        if self.mix.request_spread == 0:
+            return None
         return self.mix.request_fractions(rng)
 
     def prompt_units(self, stored: int, extend: int) -> int:
@@ -192,9 +208,29 @@ class DiffKVPool(KVPool):
         return high, low
 
     def decode_units(self, kv: np.ndarray, prof: np.ndarray | None) -> np.ndarray:
+        return self.decode_state(kv, prof)[0]
+
+    def _grow_tables(self, max_kv: int) -> None:
+        """Tabulate the shared-mix page count and bytes read for every KV length <= max_kv
+        (doubling, so a run builds them O(log context) times)."""
+        n = max(2 * len(self._pages_tab), max_kv + 1, 4096)
+        kv = np.arange(n)[:, None]
+        high, low = self._tier_tokens(kv[:, 0], None)
+        pages = np.ceil(high / self.n_high) + np.ceil(low / self.n_low)
+        self._pages_tab = (pages @ self.class_counts).astype(np.int64)
+        self._read_tab = ((high * self._high_bpt + low * self._low_bpt) @ self.class_counts
+                          / self.layers)
+
+    def decode_state(self, kv: np.ndarray, prof: np.ndarray | None) -> tuple[np.ndarray, float]:
+        if prof is None:
+            if kv.size and int(kv.max()) >= len(self._pages_tab):
+                self._grow_tables(int(kv.max()))
+            return self._pages_tab[kv], float(self._read_tab[kv].sum())
         high, low = self._tier_tokens(kv, prof)
         pages = np.ceil(high / self.n_high) + np.ceil(low / self.n_low)
-        return (pages @ self.class_counts).astype(np.int64)
+        per_class = high * self._high_bpt + low * self._low_bpt
+        read = float((per_class @ self.class_counts).sum()) / self.layers
+        return (pages @ self.class_counts).astype(np.int64), read
 
     def future_units(self, tokens: float) -> float:
         return tokens * self.pages_per_token
@@ -203,9 +239,7 @@ class DiffKVPool(KVPool):
         return int(kv.size) * self.head_count * self._tiers_growing
 
     def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float:
-        high, low = self._tier_tokens(kv, prof)
-        per_class = high * self._high_bpt + low * self._low_bpt
-        return float((per_class @ self.class_counts).sum()) / self.layers
+        return self.decode_state(kv, prof)[1]
 
     @property
     def write_bytes_per_token_layer(self) -> float:

@@ -69,6 +69,7 @@ class CostModel:
         self.graph_sizes = graph_sizes
         self.graphs_enabled = graphs_enabled and bool(graph_sizes)
         self.graph_max = graph_sizes[-1] if graph_sizes else 0
+        self._dense_cache: dict[int, float] = {}
 
     def padded_batch(self, bs: int) -> int:
         """CUDA-graph batch padding: the smallest captured size >= bs."""
@@ -80,15 +81,26 @@ class CostModel:
         nbytes = wbytes + tokens * (n_in + n_out) * ACT_BYTES
         return max(nbytes / self.mem_rate, 2.0 * tokens * params / self.comp_rate)
 
+    def _dense_layer(self, tokens: int) -> float:
+        """GEMMs and all-reduces of one layer for ``tokens`` tokens (memoised: decode steps
+        repeat the same padded batch sizes)."""
+        t = self._dense_cache.get(tokens)
+        if t is None:
+            t = sum(self._gemm(tokens, op) for op in self.gemms)
+            if self.tp > 1:
+                frac = 2.0 * (self.tp - 1) / self.tp
+                t += 2 * (tokens * self.hidden * ACT_BYTES * frac / self.net_rate
+                          + self.calib.allreduce_latency_s)
+            self._dense_cache[tokens] = t
+        return t
+
     def step_time(self, s: StepShape) -> float:
         c = self.calib
         decode_only = s.prefill_tokens == 0
         graphed = decode_only and self.graphs_enabled and s.decode_reqs <= self.graph_max
         tokens = s.decode_reqs + s.prefill_tokens
         lin_tokens = self.padded_batch(s.decode_reqs) if graphed else tokens
-        per_layer = 0.0
-        for op in self.gemms:
-            per_layer += self._gemm(lin_tokens, op)
+        per_layer = self._dense_layer(lin_tokens)
         if s.decode_reqs:
             q_bytes = s.decode_reqs * self.q_heads * self.head_dim * ACT_BYTES * 2
             nbytes = s.decode_read_bytes + s.decode_reqs * self.write_bpt + q_bytes
@@ -98,10 +110,6 @@ class CostModel:
             nbytes = (s.prefill_past_tokens + s.prefill_tokens) * self.write_bpt
             fl = 4.0 * self.q_heads * self.head_dim * s.prefill_pairs
             per_layer += max(nbytes / self.mem_rate, fl / self.pf_comp_rate)
-        if self.tp > 1:
-            frac = 2.0 * (self.tp - 1) / self.tp
-            per_layer += 2 * (lin_tokens * self.hidden * ACT_BYTES * frac / self.net_rate
-                              + c.allreduce_latency_s)
         per_layer += c.layer_overhead_s if graphed else c.eager_layer_overhead_s
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self._gemm(sampled, self.lm_head)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import compress
 
 import numpy as np
 
@@ -95,6 +96,10 @@ class Scheduler:
         self.last = np.zeros(0, dtype=np.float64)
         self.prof: np.ndarray | None = None
         self._with_prof = pool.request_profile(np.random.default_rng(0)) is not None
+        self._read_bytes = 0.0        # attention bytes per layer of the last decode allocation
+        self._linear_read = hasattr(pool, "read_bytes_for_tokens")
+        # page size 1: a decode step adds exactly one unit per request (no array maths)
+        self._unit_growth = pool.unit == "tokens" and self.page == 1
 
     # ---- arrivals ------------------------------------------------------------------------
     def submit(self, r: SimRequest) -> bool:
@@ -142,8 +147,11 @@ class Scheduler:
         if not self.run_reqs:
             return None
         b = Batch(decode=True, retracted=retracted)
-        b.shape = StepShape(decode_reqs=len(self.run_reqs), decode_kv_tokens=int(self.kv.sum()),
-                            decode_read_bytes=self.pool.read_bytes_per_layer(self.kv, self.prof))
+        kv_total = int(self.kv.sum())
+        read = (self.pool.read_bytes_for_tokens(kv_total) if self._linear_read
+                else self._read_bytes)
+        b.shape = StepShape(decode_reqs=len(self.run_reqs), decode_kv_tokens=kv_total,
+                            decode_read_bytes=read)
         return b
 
     def _prefill_batch(self) -> Batch | None:
@@ -283,7 +291,8 @@ class Scheduler:
         if mixed:
             self._allocate_decode()
             dec_reqs, dec_kv = len(self.run_reqs), int(self.kv.sum())
-            dec_bytes = pool.read_bytes_per_layer(self.kv, self.prof)
+            dec_bytes = (pool.read_bytes_for_tokens(dec_kv) if self._linear_read
+                         else self._read_bytes)
         b.shape = StepShape(decode_reqs=dec_reqs, decode_kv_tokens=dec_kv,
                             decode_read_bytes=dec_bytes, prefill_tokens=tokens,
                             prefill_pairs=pairs, prefill_past_tokens=past,
@@ -294,7 +303,11 @@ class Scheduler:
     def _allocate_decode(self) -> None:
         """prepare_for_decode: one more KV token per running request."""
         self.kv = self.kv + 1
-        new_held = self.pool.decode_units(self.kv, self.prof)
+        if self._unit_growth:
+            self.held = self.held + 1
+            self.used += len(self.run_reqs)
+            return
+        new_held, self._read_bytes = self.pool.decode_state(self.kv, self.prof)
         self.used += int(new_held.sum() - self.held.sum())
         self.held = new_held
 
@@ -355,7 +368,7 @@ class Scheduler:
         return len(popped)
 
     def _filter(self, keep: np.ndarray) -> None:
-        self.run_reqs = [r for r, k in zip(self.run_reqs, keep, strict=True) if k]
+        self.run_reqs = list(compress(self.run_reqs, keep.tolist()))
         self.kv, self.gen, self.out = self.kv[keep], self.gen[keep], self.out[keep]
         self.maxnew, self.held, self.last = self.maxnew[keep], self.held[keep], self.last[keep]
         if self.prof is not None:
