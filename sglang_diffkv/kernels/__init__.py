@@ -4,6 +4,11 @@ Each kernel ``f`` has a twin ``f_reference`` taking the same arguments, so a cal
 switch between them (the backend's CPU path uses the references).
 """
 
+from sglang_diffkv.kernels.compaction import (
+    compaction_backend,
+    decode_compaction,
+    decode_compaction_reference,
+)
 from sglang_diffkv.kernels.decode_attention import (
     DecodeAttentionPlan,
     decode_attention,
@@ -25,10 +30,13 @@ from sglang_diffkv.kernels.store import (
 
 __all__ = [
     "DecodeAttentionPlan",
+    "compaction_backend",
     "compress_prefill",
     "compress_prefill_reference",
     "decode_attention",
     "decode_attention_reference",
+    "decode_compaction",
+    "decode_compaction_reference",
     "decode_policy_step",
     "decode_policy_step_reference",
     "prefill_scores",

@@ -47,7 +47,7 @@ def _tier_partition(
     acc_ptr, ml_ptr, p_ptr, mit_ptr, slot_base, qk_scale, ppp,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr,
-    ITERS_MAX: tl.constexpr, MAXP: tl.constexpr, RS: tl.constexpr,
+    ITERS_MAX, MAXP, RS: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, KOFF: tl.constexpr, KMOFF: tl.constexpr,
     VOFF: tl.constexpr, VMOFF: tl.constexpr,
@@ -79,7 +79,7 @@ def _tier_partition(
     acc1 = tl.zeros([BLOCK_G, VDB], tl.float32)
     acc2 = tl.zeros([BLOCK_G, VDB], tl.float32)
     acc3 = tl.zeros([BLOCK_G, VDB], tl.float32)
-    buf = (b * tl.num_programs(1) + h) * MAXP + slot_base + part
+    buf = ((b * tl.num_programs(1) + h) * MAXP + slot_base + part).to(tl.int64)
     for it in range(0, n_iters):
         page_local = first + it * PPI + pg
         tok = page_local * N + slot
@@ -119,9 +119,9 @@ def _tier_partition(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m = m_new
         p16 = p.to(tl.float16)
-        tl.store(p_ptr + ((buf * ITERS_MAX + it) * BLOCK_G + gi[:, None]) * RS + r[None, :],
+        tl.store(p_ptr + ((buf * ITERS_MAX + it) * G + gi[:, None]) * RS + r[None, :],
                  p16, mask=gmask[:, None] & valid[None, :])
-        tl.store(mit_ptr + (buf * ITERS_MAX + it) * BLOCK_G + gi, m_new)
+        tl.store(mit_ptr + (buf * ITERS_MAX + it) * G + gi, m_new, mask=gmask)
 
         # ---- values: dequantise to fp16, P.V per bit sub-tensor ----
         vbytes = tl.load(u8 + (base + VOFF + srow * VDB)[:, None] + vc[None, :],
@@ -168,8 +168,8 @@ def _partition_kernel(
     q, q_sb, q_sh, u8, f16, table, t_sr, t_sh, counts, c_sr, c_sh, req,
     acc_ptr, ml_ptr, p_ptr, mit_ptr, qk_scale, ppp_hi, ppp_lo,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, G: tl.constexpr,
-    BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX: tl.constexpr,
-    MAXP_HI: tl.constexpr, MAXP: tl.constexpr, RS: tl.constexpr,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX,
+    MAXP_HI, MAXP, RS: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
     H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
@@ -202,8 +202,8 @@ def _partition_kernel(
 @triton.jit
 def _tier_scores(
     f32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp,
-    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr,
-    BLOCK_G: tl.constexpr, PPI: tl.constexpr, ITERS_MAX: tl.constexpr, RS: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr, G: tl.constexpr,
+    BLOCK_G: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr,
 ):
     R: tl.constexpr = PPI * BN
@@ -224,9 +224,9 @@ def _tier_scores(
         else:
             col = page_local
         page = tl.load(row + col, mask=valid, other=0)
-        p16 = tl.load(p_ptr + ((buf * ITERS_MAX + it) * BLOCK_G + gi[:, None]) * RS + r[None, :],
+        p16 = tl.load(p_ptr + ((buf * ITERS_MAX + it) * G + gi[:, None]) * RS + r[None, :],
                       mask=gmask[:, None] & valid[None, :], other=0.0)
-        mit = tl.load(mit_ptr + (buf * ITERS_MAX + it) * BLOCK_G + gi, mask=gmask, other=0.0)
+        mit = tl.load(mit_ptr + (buf * ITERS_MAX + it) * G + gi, mask=gmask, other=0.0)
         prob = p16.to(tl.float32) * tl.exp2(mit - lse2)[:, None]
         prob = tl.max(tl.where(gmask[:, None], prob, 0.0), axis=0)
         sptr = f32 + (page.to(tl.int64) * PAGE_BYTES + SOFF) // 4 + slot
@@ -239,8 +239,8 @@ def _merge_kernel(
     f32, table, t_sr, t_sh, counts, c_sr, c_sh, req,
     acc_ptr, ml_ptr, p_ptr, mit_ptr, out, o_sb, o_sh, lse_out, ppp_hi, ppp_lo,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, G: tl.constexpr,
-    BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX: tl.constexpr,
-    MAXP_HI: tl.constexpr, MAXP: tl.constexpr, RS: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX,
+    MAXP_HI, MAXP, RS: tl.constexpr, BLOCK_P: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr,
     L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr,
 ):
@@ -254,7 +254,7 @@ def _merge_kernel(
     n_lo = tl.load(cnt + 1)
     parts_hi = tl.cdiv(tl.cdiv(n_hi, H_N), ppp_hi)
     parts_lo = tl.cdiv(tl.cdiv(n_lo, L_N), ppp_lo)
-    head_buf = (b * tl.num_programs(1) + h) * MAXP
+    head_buf = ((b * tl.num_programs(1) + h) * MAXP).to(tl.int64)
 
     gi = tl.arange(0, BLOCK_G)
     gmask = gi < G
@@ -287,11 +287,11 @@ def _merge_kernel(
     if s < MAXP_HI:
         if s < parts_hi:
             _tier_scores(f32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr, ppp_hi,
-                         PAGE_BYTES, ROW_LEN, False, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN, H_SOFF)
+                         PAGE_BYTES, ROW_LEN, False, G, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN, H_SOFF)
     else:
         if s - MAXP_HI < parts_lo:
             _tier_scores(f32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr, mit_ptr,
-                         ppp_lo, PAGE_BYTES, ROW_LEN, True, BLOCK_G, PPI, ITERS_MAX, RS, L_N, L_BN,
+                         ppp_lo, PAGE_BYTES, ROW_LEN, True, G, BLOCK_G, PPI, ITERS_MAX, RS, L_N, L_BN,
                          L_SOFF)
 
 
@@ -371,9 +371,9 @@ class DecodeAttentionPlan:
         self.acc = torch.empty(heads * maxp * self.block_g * d, dtype=torch.float32, device=dev)
         self.ml = torch.empty(heads * maxp * 2 * self.block_g, dtype=torch.float32, device=dev)
         r = self.row_stride = self.pages_per_iter * bn
-        self.pbuf = torch.empty(heads * maxp * self.iters_max * self.block_g * r,
+        self.pbuf = torch.empty(heads * maxp * self.iters_max * g * r,
                                 dtype=torch.float16, device=dev)
-        self.mit = torch.empty(heads * maxp * self.iters_max * self.block_g,
+        self.mit = torch.empty(heads * maxp * self.iters_max * g,
                                dtype=torch.float32, device=dev)
 
     def scratch_bytes(self) -> int:

@@ -111,9 +111,9 @@ def random_decode_case(
             tier_of[ids[cur:cur + lp]] = 1
         cur += lp
     dev = torch.device(device)
-    pages = torch.randint(0, 256, (num_pages, geometry.page_bytes), generator=gen,
-                          dtype=torch.uint8).to(dev)
     tgen = torch.Generator(device=dev).manual_seed(seed + 1)
+    pages = torch.randint(0, 256, (num_pages, geometry.page_bytes), generator=tgen,
+                          dtype=torch.uint8, device=dev)
     tier_t = torch.from_numpy(tier_of).to(dev)
     for t, layout in enumerate(geometry.tiers):
         _fill_meta(pages, torch.nonzero(tier_t == t).flatten(), layout, tgen)

@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Kernel benchmarks on the GPU (issue 5): decode attention, prefill scoring + compression,
+decode-step compaction. Prints markdown tables and writes them (and JSON) under --out.
+
+Decode attention: batch x context x tier mix, 32 query / 8 KV heads, head_dim 128. Bytes
+are the page bytes the step's tokens occupy (whole pages: metadata, score, position and the
+unused tail included), bandwidth is relative to a measured device-to-device copy (bytes read
++ written). Baseline: SGLang 0.5.10's Triton decode kernel (decode_attention_fwd) on a bf16
+cache of the same context, loaded from the wheel in .whl/ when present; otherwise torch
+SDPA on bf16 (the table says which).
+
+    python scripts/bench_kernels.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+import time
+import types
+import zipfile
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_diffkv.config import K4V2, K8V4  # noqa: E402
+from sglang_diffkv.kernels import (  # noqa: E402
+    DecodeAttentionPlan,
+    compaction_backend,
+    compress_prefill,
+    decode_compaction,
+    decode_compaction_reference,
+    prefill_scores,
+)
+from sglang_diffkv.kernels.testing import random_decode_case  # noqa: E402
+from sglang_diffkv.layout import PageGeometry  # noqa: E402
+from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
+
+DEV = "cuda"
+HQ, HKV, D = 32, 8, 128
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    """Median milliseconds (CUDA events, triton.testing.do_bench)."""
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus written."""
+    n = 2 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = bench(partial(dst.copy_, src))
+    return 2 * n / (ms * 1e-3)
+
+
+def sglang_decode():
+    """SGLang's decode_attention_fwd from the carried wheel (only its module, no deps)."""
+    wheels = sorted(glob.glob(".whl/sglang-*.whl"))
+    if not wheels:
+        return None, "no .whl/sglang-*.whl"
+    try:
+        with zipfile.ZipFile(wheels[-1]) as z:
+            src = z.read("sglang/srt/layers/attention/triton_ops/decode_attention.py").decode()
+        src = src.replace("from sglang.srt.utils import is_hip", "def is_hip():\n    return False")
+        path = Path("/tmp/sglang_decode_attention.py")  # triton.jit needs a real source file
+        path.write_text(src)
+        mod = types.ModuleType("sglang_decode_attention")
+        mod.__file__ = str(path)
+        exec(compile(src, str(path), "exec"), mod.__dict__)
+        return mod.decode_attention_fwd, Path(wheels[-1]).name
+    except Exception as e:  # noqa: BLE001 - any failure means: fall back to SDPA
+        return None, f"{type(e).__name__}: {e}"
+
+
+def baseline_time(fwd, b: int, ctx: int) -> float:
+    """Decode over a bf16 cache of the same context (all tokens kept)."""
+    q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+    if fwd is not None:
+        k = torch.randn(b * ctx, HKV, D, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(b * ctx, HKV, D, device=DEV, dtype=torch.bfloat16)
+        o = torch.empty(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+        indptr = torch.arange(b + 1, device=DEV, dtype=torch.int32) * ctx
+        indices = torch.arange(b * ctx, device=DEV, dtype=torch.int64)
+        splits = 16
+        logits = torch.empty(b, HQ, splits, D, device=DEV, dtype=torch.float32)
+        lse = torch.empty(b, HQ, splits, device=DEV, dtype=torch.float32)
+        nsplit = torch.full((b,), splits, device=DEV, dtype=torch.int32)
+        ms = bench(partial(fwd, q, k, v, o, indptr, indices, logits, lse, nsplit, splits,
+                           D**-0.5, 1.0, 1.0))
+    else:
+        k = torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
+        qq = q.unsqueeze(2)
+        ms = bench(partial(torch.nn.functional.scaled_dot_product_attention, qq, k, v,
+                           enable_gqa=True))
+    return ms
+
+
+MIXES = {"K8V4": (1.0, 0.0), "K4V2": (0.0, 1.0), "30/50/20": (0.3, 0.5)}
+
+
+def decode_rows(copy_bw: float, quick: bool) -> tuple[list[dict], str]:
+    fwd, base_name = sglang_decode()
+    base_label = f"SGLang Triton decode ({base_name})" if fwd else f"torch SDPA ({base_name})"
+    geo = PageGeometry.build(D, K8V4, K4V2)
+    rows = []
+    batches = (8, 32) if quick else (8, 32, 128)
+    contexts = (1024, 4096) if quick else (1024, 4096, 16384)
+    base_cache: dict[tuple[int, int], float] = {}
+    for b in batches:
+        for ctx in contexts:
+            base_cache[(b, ctx)] = baseline_time(fwd, b, ctx)
+            torch.cuda.empty_cache()
+            for mix, (fh, fl) in MIXES.items():
+                case = random_decode_case(geo, [ctx] * b, HKV, high_frac=fh, low_frac=fl,
+                                          device=DEV, seed=b + ctx)
+                plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV)
+                q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+                ms = bench(partial(plan.run, q, case.pages, case.table, case.counts,
+                                   case.req_idx, 0, D**-0.5))
+                stored = case.stored_bytes(0)
+                bf16 = b * ctx * HKV * D * 2 * 2
+                bw = stored / (ms * 1e-3)
+                ratio = bf16 / stored
+                speedup = base_cache[(b, ctx)] / ms
+                rows.append(dict(batch=b, context=ctx, mix=mix, ms=ms, stored_mb=stored / 1e6,
+                                 bw_tbs=bw / 1e12, bw_frac=bw / copy_bw,
+                                 base_ms=base_cache[(b, ctx)], speedup=speedup,
+                                 byte_ratio=ratio, speedup_vs_ratio=speedup / ratio,
+                                 tokens=b * ctx, scratch_mb=plan.scratch_bytes() / 1e6))
+                print(f"decode B{b} ctx{ctx} {mix}: {ms * 1e3:.1f} us, {bw / 1e12:.2f} TB/s "
+                      f"({bw / copy_bw:.0%} of copy), speedup {speedup:.2f}x "
+                      f"(byte ratio {ratio:.2f})", flush=True)
+                del case, plan
+                torch.cuda.empty_cache()
+    return rows, base_label
+
+
+def fresh_manager(spec: MemorySpec, req: torch.Tensor, lens: torch.Tensor) -> PageManager:
+    m = PageManager(spec, DEV, validate=False)
+    m.allocate_prefill(req, lens)
+    return m
+
+
+def prefill_rows(quick: bool) -> list[dict]:
+    rows = []
+    geo = PageGeometry.build(D, K8V4, K4V2)
+    for n in (1024, 4096) if quick else (1024, 4096, 16384):
+        q = torch.randn(1, n, HQ, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(1, n, HKV, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn(1, n, HKV, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+        lens = torch.tensor([n], device=DEV)
+        qc, kc, vc = (x.contiguous() for x in (q, k, v))
+        attn = bench(partial(torch.nn.functional.scaled_dot_product_attention, qc, kc, vc,
+                             is_causal=True, enable_gqa=True))
+        score = bench(partial(prefill_scores, q, k, lens, D**-0.5, 64))
+        lse = torch.randn(1, HQ, 64, device=DEV) + 8
+        score_lse = bench(partial(prefill_scores, q, k, lens, D**-0.5, 64, lse=lse))
+        sig = prefill_scores(q, k, lens, D**-0.5, 64)
+        spec = MemorySpec.from_geometry(geo, num_pages=HKV * (n // 32 + 2) + 8, max_reqs=1,
+                                        num_layers=1, num_kv_heads=HKV, max_context=n)
+        pages = torch.empty(spec.num_pages, geo.page_bytes, dtype=torch.uint8, device=DEV)
+        ah, al = torch.tensor([1.0], device=DEV), torch.tensor([0.02], device=DEV)
+        req = torch.tensor([0], device=DEV)
+
+        m = fresh_manager(spec, req, lens)
+        compress = bench(partial(compress_prefill, pages, geo, m.table, req, 0, k, v, sig, lens,
+                                 ah, al, 64, 64))
+        cls = compress_prefill(pages, geo, m.table, req, 0, k, v, sig, lens, ah, al, 64, 64)
+        times = []
+        for _ in range(20):
+            m = fresh_manager(spec, req, lens)
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            m.reclaim_prefill(req, cls.n_high.view(1, 1, HKV), cls.n_low.view(1, 1, HKV))
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1))
+        reclaim = sorted(times)[len(times) // 2]
+        total = score + compress + reclaim
+        rows.append(dict(length=n, attn_ms=attn, score_ms=score, score_given_lse_ms=score_lse,
+                         compress_ms=compress, reclaim_ms=reclaim, total_ms=total,
+                         frac=total / attn, frac_given_lse=(score_lse + compress + reclaim)
+                         / attn))
+        print(f"prefill L{n}: attn {attn:.3f} ms, score {score:.3f} (given lse "
+              f"{score_lse:.3f}), compress {compress:.3f}, reclaim {reclaim:.3f} -> "
+              f"{total / attn:.1%}", flush=True)
+    return rows
+
+
+def compaction_rows() -> list[dict]:
+    b, layers, heads = 128, 32, 8
+    spec = MemorySpec(num_pages=b * layers * heads * 12, max_reqs=b, num_layers=layers,
+                      num_kv_heads=heads, high_tokens_per_page=32, low_tokens_per_page=60,
+                      max_context=4096)
+    req = torch.arange(b, device=DEV)
+    lengths = torch.full((b,), 300)
+    m = PageManager(spec, DEV, validate=False)
+    m.allocate_prefill(req, lengths)
+    m.reclaim_prefill(req, torch.full((b, layers, heads), 160), torch.full((b, layers, heads),
+                                                                           120))
+    c = m.counts.long()
+    m.set_counts(req, torch.stack([c[..., 2] * 32, c[..., 3] * 60], -1))  # every tier full
+    snap = m.snapshot()
+    tiers = torch.ones(b, 2, dtype=torch.bool, device=DEV)
+    out = []
+    for name, fn in (("cuda one-launch", decode_compaction),
+                     ("torch reference", decode_compaction_reference)):
+        times = []
+        for i in range(60):
+            m.table.copy_(snap["table"])
+            m.counts.copy_(snap["counts"])
+            m.free_list.head.copy_(snap["head"])
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            r = fn(m, req, tiers)
+            e1.record()
+            torch.cuda.synchronize()
+            if i >= 10:
+                times.append(e0.elapsed_time(e1) * 1e3)
+        assert bool(r.ok) and int(r.needed) == b * layers * heads * 2
+        us = sorted(times)[len(times) // 2]
+        out.append(dict(impl=name, us=us, pages=int(r.needed)))
+        print(f"compaction {name}: {us:.1f} us for {int(r.needed)} pages", flush=True)
+    return out
+
+
+def md_tables(meta, decode, base_label, prefill, compaction) -> str:
+    lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}; "
+             f"measured copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write); "
+             f"baseline: {base_label}.", ""]
+    lines += ["| batch | context | mix | time (us) | stored MB | TB/s | % of copy BW | "
+              "baseline (us) | speedup | byte ratio | speedup / ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in decode:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['mix']} | {r['ms'] * 1e3:.1f} | "
+                     f"{r['stored_mb']:.1f} | {r['bw_tbs']:.2f} | {r['bw_frac']:.0%} | "
+                     f"{r['base_ms'] * 1e3:.1f} | {r['speedup']:.2f} | {r['byte_ratio']:.2f} | "
+                     f"{r['speedup_vs_ratio']:.2f} |")
+    lines += ["", "| prompt length | prefill attention (ms) | scoring incl. LSE pass (ms) | "
+              "scoring given LSE (ms) | compression (ms) | reclaim (ms) | total / attention "
+              "| total given LSE / attention |", "|---|---|---|---|---|---|---|---|"]
+    for r in prefill:
+        lines.append(f"| {r['length']} | {r['attn_ms']:.3f} | {r['score_ms']:.3f} | "
+                     f"{r['score_given_lse_ms']:.3f} | {r['compress_ms']:.3f} | "
+                     f"{r['reclaim_ms']:.3f} | {r['frac']:.1%} | {r['frac_given_lse']:.1%} |")
+    lines += ["", "| compaction, 128 req x 32 layers x 8 heads x 2 tiers | time (us) | pages "
+              "taken |", "|---|---|---|"]
+    for r in compaction:
+        lines.append(f"| {r['impl']} | {r['us']:.1f} | {r['pages']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="results/bench_kernels")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="decode,prefill,compaction")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, compaction_backend=compaction_backend())
+    meta["copy_tbs"] = copy_bandwidth() / 1e12
+    print(f"copy bandwidth {meta['copy_tbs']:.2f} TB/s", flush=True)
+    only = set(args.only.split(","))
+    decode, base_label = decode_rows(meta["copy_tbs"] * 1e12, args.quick) if "decode" in only \
+        else ([], "n/a")
+    prefill = prefill_rows(args.quick) if "prefill" in only else []
+    compaction = compaction_rows() if "compaction" in only else []
+    meta["seconds"] = time.time() - t0
+    md = md_tables(meta, decode, base_label, prefill, compaction)
+    (out / "bench.md").write_text(md + "\n")
+    (out / "bench.json").write_text(json.dumps(dict(meta=meta, baseline=base_label,
+                                                    decode=decode, prefill=prefill,
+                                                    compaction=compaction), indent=1))
+    print("\n" + md)
+    big = [r for r in decode if r["tokens"] >= 128 * 1024]
+    if big:
+        worst = min(r["bw_frac"] for r in big)
+        print(f"\nbatch*context >= 128k: bandwidth {worst:.0%}..."
+              f"{max(r['bw_frac'] for r in big):.0%} of copy; speedup/ratio "
+              f"{min(r['speedup_vs_ratio'] for r in big):.2f}..."
+              f"{max(r['speedup_vs_ratio'] for r in big):.2f}")
+    print(f"total {meta['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

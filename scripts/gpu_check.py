@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Every kernel against its torch reference on the GPU at real sizes, in one go.
+
+Fresh random inputs per check, outputs and scratch poisoned before each run. Prints one
+table row per check (PASS/FAIL, the error measured, the time the check took) and exits
+non-zero if any check fails.
+
+    python scripts/gpu_check.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_diffkv.cache import CompressedKVCache  # noqa: E402
+from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED, DiffKVConfig  # noqa: E402
+from sglang_diffkv.kernels import (  # noqa: E402
+    DecodeAttentionPlan,
+    compaction_backend,
+    compress_prefill,
+    compress_prefill_reference,
+    decode_attention_reference,
+    decode_compaction,
+    decode_compaction_reference,
+    decode_policy_step,
+    decode_policy_step_reference,
+    prefill_scores,
+    prefill_scores_reference,
+    store_tokens,
+    store_tokens_reference,
+)
+from sglang_diffkv.kernels.testing import random_decode_case, rel_err  # noqa: E402
+from sglang_diffkv.layout import PageGeometry  # noqa: E402
+from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
+
+DEV = "cuda"
+ROWS: list[tuple[str, str, str, bool, float]] = []
+
+
+def check(name: str, config: str, fn: Callable[[], tuple[str, bool]]) -> None:
+    t0 = time.perf_counter()
+    try:
+        metric, ok = fn()
+    except Exception as e:  # a crashing check is a failed check; keep going
+        traceback.print_exc()
+        metric, ok = f"error: {type(e).__name__}: {str(e)[:80]}", False
+    torch.cuda.synchronize()
+    ROWS.append((name, config, metric, ok, time.perf_counter() - t0))
+    print(f"{'PASS' if ok else 'FAIL'}  {name:18s} {config:44s} {metric}", flush=True)
+
+
+def decode_attention_check(geo, contexts, hkv, group, mix, seed):
+    def run():
+        case = random_decode_case(geo, contexts, hkv, num_layers=2, high_frac=mix[0],
+                                  low_frac=mix[1], jitter=True, spare_reqs=3, device=DEV,
+                                  seed=seed)
+        b, d = len(contexts), geo.head_dim
+        q = torch.randn(b, hkv * group, d, device=DEV).bfloat16()
+        plan = DecodeAttentionPlan.build(geo, hkv * group, hkv, b, case.max_context, DEV)
+        for buf in (plan.acc, plan.ml, plan.mit, plan.pbuf):
+            buf.fill_(float("nan"))
+        out = torch.full((b, hkv * group, d), float("nan"), device=DEV)
+        lse = torch.full((b, hkv * group), float("nan"), device=DEV)
+        ref_pages = case.pages.clone()
+        plan.run(q, case.pages, case.table, case.counts, case.req_idx, 1, d**-0.5, out=out,
+                 lse=lse)
+        ro, rl = decode_attention_reference(q, ref_pages, geo, case.table, case.counts,
+                                            case.req_idx, 1, d**-0.5)
+        s, sr = case.pages.view(torch.float32), ref_pages.view(torch.float32)
+        moved = (s != sr) & ~(torch.isnan(s) & torch.isnan(sr))
+        changed = (case.pages != ref_pages).view(-1, 4).any(-1).view_as(s)
+        e_out, e_lse = rel_err(out, ro.float()), rel_err(lse, rl)
+        e_score = rel_err(s[moved], sr[moved]) if moved.any() else 0.0
+        ok = (e_out < 5e-3 and e_lse < 1e-5 and e_score < 2e-3
+              and torch.equal(changed, moved))
+        return f"out {e_out:.1e} lse {e_lse:.1e} score {e_score:.1e}", ok
+    return run
+
+
+def store_check(d, tiers, dtype):
+    def run():
+        geo = PageGeometry.build(d, *tiers)
+        worst = 0
+        for layout in geo.tiers:
+            n_pages, t = 4000, 50_000
+            flat = torch.randperm(n_pages * layout.tokens_per_page, device=DEV)[:t]
+            ids = (flat // layout.tokens_per_page).int()
+            slots = (flat % layout.tokens_per_page).int()
+            k = (torch.randn(t, d, device=DEV) * 3).to(dtype)
+            v = torch.randn(t, d, device=DEV).to(dtype)
+            score, pos = torch.rand(t, device=DEV), torch.randint(0, 1 << 20, (t,), device=DEV)
+            pages = torch.randint(0, 256, (n_pages, geo.page_bytes), dtype=torch.uint8,
+                                  device=DEV)
+            ref = pages.clone()
+            store_tokens(pages, layout, ids, slots, k, v, score, pos.int())
+            store_tokens_reference(ref, layout, ids, slots, k, v, score, pos.int())
+            worst = max(worst, int((pages != ref).sum()))
+        return f"{worst} differing bytes (50k tokens per tier)", worst == 0
+    return run
+
+
+def prefill_check(lengths, hq, hkv, d):
+    def run():
+        b, lmax = len(lengths), max(lengths)
+        q = torch.randn(b, lmax, hq, d, device=DEV).bfloat16().transpose(1, 2)
+        k = torch.randn(b, lmax, hkv, d, device=DEV).bfloat16().transpose(1, 2)
+        lens = torch.tensor(lengths, device=DEV)
+        sig = prefill_scores(q, k, lens, d**-0.5, 64)
+        ref = prefill_scores_reference(q, k, lens, d**-0.5, 64)
+        e = rel_err(sig, ref)
+        return f"significance rel err {e:.1e}", e < 1e-4
+    return run
+
+
+def compress_check(lengths, hkv, d):
+    def run():
+        config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 1.0,
+                                         "alpha_l": 0.1})
+        b, lmax = len(lengths), max(lengths)
+        q = torch.randn(b, lmax, 4 * hkv, d, device=DEV).bfloat16().transpose(1, 2)
+        k = torch.randn(b, lmax, hkv, d, device=DEV).bfloat16().transpose(1, 2)
+        v = torch.randn(b, lmax, hkv, d, device=DEV).bfloat16().transpose(1, 2)
+        lens = torch.tensor(lengths, device=DEV)
+        sig = prefill_scores(q, k, lens, d**-0.5, 64)
+        caches, cls = [], []
+        poison = None
+        for fn in (compress_prefill, compress_prefill_reference):
+            c = CompressedKVCache(config, head_dim=d, num_layers=1, num_kv_heads=hkv,
+                                  num_pages=3 * b * hkv * (lmax // 32 + 2), max_reqs=b + 2,
+                                  max_context=lmax, device=DEV, validate=False)
+            if poison is None:
+                poison = torch.randint(0, 256, c.pages.shape, dtype=torch.uint8, device=DEV)
+            c.pages.copy_(poison)
+            req = torch.arange(b, device=DEV) + 1
+            c.begin_prefill(req, lens)
+            a = c.alpha[req]
+            cls.append(fn(c.pages, c.geometry, c.manager.table, req, 0, k, v, sig, lens,
+                          a[:, 0], a[:, 1], config.window, config.score_queries))
+            c.manager.reclaim_prefill(req, cls[-1].n_high.view(b, 1, hkv),
+                                      cls[-1].n_low.view(b, 1, hkv))
+            caches.append(c)
+        same = (torch.equal(caches[0].pages, caches[1].pages)
+                and torch.equal(caches[0].manager.table, caches[1].manager.table)
+                and torch.equal(caches[0].manager.counts, caches[1].manager.counts))
+        kept = cls[0].n_high.sum().item(), cls[0].n_low.sum().item()
+        return f"pages/table/counts equal={same}; kept hi/lo {kept}", same
+    return run
+
+
+def policy_check(lengths, hkv, d, steps):
+    def run():
+        config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 6.0,
+                                         "alpha_l": 1.5, "window": 8, "score_queries": 16})
+        g = torch.Generator(device="cpu").manual_seed(5)
+        caches = []
+        lens = torch.tensor(lengths)
+        req = torch.arange(len(lengths), device=DEV)
+        poison = None
+        for _ in range(2):
+            c = CompressedKVCache(config, head_dim=d, num_layers=1, num_kv_heads=hkv,
+                                  num_pages=4 * len(lengths) * hkv * (max(lengths) // 32 + 8),
+                                  max_reqs=len(lengths), max_context=max(lengths) + steps,
+                                  device=DEV, validate=False)
+            if poison is None:
+                poison = torch.randint(0, 256, c.pages.shape, dtype=torch.uint8, device=DEV)
+            c.pages.copy_(poison)
+            c.begin_prefill(req, lens)
+            caches.append(c)
+        lmax = max(lengths)
+        q = torch.randn(len(lengths), 2 * hkv, lmax, d, generator=g).to(DEV)
+        k = torch.randn(len(lengths), hkv, lmax, d, generator=g).to(DEV)
+        v = torch.randn(len(lengths), hkv, lmax, d, generator=g).to(DEV)
+        for c in caches:
+            c.prefill_layer(0, req, lens, q, k, v, d**-0.5)
+            c.end_prefill(req)
+        a, b = caches
+        seen, same = set(), True
+        for step in range(steps):
+            for c in caches:
+                c.begin_decode(req)
+            pos = lens.to(DEV) + step
+            key = torch.randn(len(lengths), hkv, d, generator=g).bfloat16().to(DEV)
+            val = torch.randn(len(lengths), hkv, d, generator=g).bfloat16().to(DEV)
+            alpha = a.alpha[req]
+            r = decode_policy_step_reference(a.pages, a.geometry, a.manager.table,
+                                             a.manager.counts, req, 0, pos, alpha,
+                                             config.window, key, val)
+            o = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts, req,
+                                   0, pos, alpha, config.window, key, val)
+            same &= (torch.equal(o.action, r.action.to(torch.int8))
+                     and torch.equal(o.hmin, r.hmin) and torch.equal(o.lmin, r.lmin)
+                     and torch.equal(a.pages, b.pages)
+                     and torch.equal(a.manager.counts, b.manager.counts))
+            seen |= set(o.action.flatten().tolist())
+        return f"{steps} steps equal={same}; actions seen {sorted(seen)}", same
+    return run
+
+
+def compaction_check(batch, layers, heads):
+    def run():
+        spec = MemorySpec(num_pages=batch * layers * heads * 8, max_reqs=batch,
+                          num_layers=layers, num_kv_heads=heads, high_tokens_per_page=32,
+                          low_tokens_per_page=60, max_context=4096)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        req = torch.randperm(batch, generator=g)
+        lengths = torch.randint(1, 200, (batch,), generator=g)
+        shape = (batch, layers, heads)
+        n_hi = (lengths.view(-1, 1, 1) * torch.rand(shape, generator=g) * 0.6).long()
+        n_lo = ((lengths.view(-1, 1, 1) - n_hi) * torch.rand(shape, generator=g)).long()
+        full = torch.rand(*shape, 2, generator=g) < 0.5
+        tiers = (torch.rand(batch, 2, generator=g) < 0.8).to(DEV)
+        ms = []
+        for _ in range(2):
+            m = PageManager(spec, DEV, validate=False)
+            m.allocate_prefill(req, lengths)
+            m.reclaim_prefill(req, n_hi, n_lo)
+            c = m.counts[req.to(DEV)].long()
+            cap = c[..., 2:] * torch.tensor([32, 60], device=DEV)
+            m.set_counts(req, torch.where(full.to(DEV), cap, c[..., :2]))
+            ms.append(m)
+        r = decode_compaction_reference(ms[0], req.to(DEV), tiers)
+        k = decode_compaction(ms[1], req.to(DEV), tiers)
+        sa, sb = ms[0].snapshot(), ms[1].snapshot()
+        same = all(torch.equal(sa[x], sb[x]) for x in sa) and all(
+            torch.equal(getattr(r, f), getattr(k, f)) for f in ("ok", "needed", "free",
+                                                              "rows_ok"))
+        return f"state equal={same}, pages taken {int(r.needed)} ({compaction_backend()})", same
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    long_ctx = 1024 if args.quick else 4096
+    for d, tiers, name in ((128, (K8V4, K4V2), "K8V4/K4V2"),
+                           (128, (K8V4_GROUPED, K4V2_GROUPED), "K8V4g12/K4V2g24"),
+                           (64, (K8V4, K4V2), "K8V4/K4V2")):
+        geo = PageGeometry.build(d, *tiers)
+        for mix in ((0.98, 0.01), (0.01, 0.98), (0.3, 0.5)):
+            ctx = [long_ctx, 1000, 3001, 17, 2048, 513, 64, long_ctx - 5]
+            check("decode_attention", f"D{d} {name} hi/lo {mix} B8 <= {long_ctx}",
+                  decode_attention_check(geo, ctx, 8, 4, mix, seed=d + int(mix[0] * 100)))
+    for d in (64, 128, 256):
+        for tiers in ((K8V4, K4V2), (K8V4_GROUPED, K4V2_GROUPED)):
+            for dtype in (torch.float16, torch.bfloat16):
+                check("store_tokens", f"D{d} {tiers[0].name}/{tiers[1].name} {dtype}",
+                      store_check(d, tiers, dtype))
+    plens = [1000, 3000] if args.quick else [1000, 4096, 16384]
+    for n in plens:
+        check("prefill_scores", f"L={n} Hq32 Hkv8 D128 Q64", prefill_check([n, n // 3 + 1],
+                                                                            32, 8, 128))
+    check("compress_prefill", "L=(1000, 4096) Hkv8 D128", compress_check([1000, 4096], 8, 128))
+    check("decode_policy", "B3 Hkv8 D128, 24 steps", policy_check([300, 150, 513], 8, 128, 24))
+    check("compaction(cuda)", "B128 x 32 layers x 8 heads", compaction_check(128, 32, 8))
+    check("compaction(cuda)", "B7 x 3 layers x 2 heads", compaction_check(7, 3, 2))
+
+    print("\n| check | config | result | pass | s |\n|---|---|---|---|---|")
+    for name, cfg, metric, ok, sec in ROWS:
+        print(f"| {name} | {cfg} | {metric} | {'PASS' if ok else 'FAIL'} | {sec:.1f} |")
+    failed = sum(not r[3] for r in ROWS)
+    print(f"\n{len(ROWS) - failed}/{len(ROWS)} checks passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
