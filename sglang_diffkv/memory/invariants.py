@@ -1,4 +1,8 @@
-"""Host-side check of every PageManager invariant (tests and debugging; it syncs)."""
+"""Host-side check of every PageManager invariant (tests and debugging; it syncs).
+
+Vectorised with numpy so property tests can call it after every step; the slow per-page
+descriptions are built only once something is already wrong.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,14 @@ if TYPE_CHECKING:
     from sglang_diffkv.memory.manager import PageManager
 
 
-def _fail(msg: str) -> None:
-    raise AssertionError(msg)
+def _first(mask: np.ndarray) -> tuple[int, ...] | None:
+    if not mask.any():
+        return None
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def _where(idx: tuple[int, ...]) -> str:
+    return f"request slot {idx[0]}, layer {idx[1]}, head {idx[2]}"
 
 
 def check_invariants(m: PageManager) -> None:
@@ -21,53 +31,69 @@ def check_invariants(m: PageManager) -> None:
     P, R = s.num_pages, s.row_len
     head, tail = int(m.head), int(m.tail)
     if not 0 <= head <= tail <= head + P:
-        _fail(f"free-list counters out of order: head={head}, tail={tail}, num_pages={P}")
+        raise AssertionError(
+            f"free-list counters out of order: head={head}, tail={tail}, num_pages={P}"
+        )
+    ring_counters = np.arange(head, tail)
+    ring_ids = m.free_pages.cpu().numpy()[ring_counters % P].astype(np.int64)
 
-    owners: list[tuple[int, str]] = []  # (page id, who holds it)
-    ring = m.free_pages.cpu().numpy()
-    for c in range(head, tail):
-        owners.append((int(ring[c % P]), f"free ring counter {c} (slot {c % P})"))
-
-    table = m.table.cpu().numpy()
+    table = m.table.cpu().numpy().astype(np.int64)
     counts = m.counts.cpu().numpy().astype(np.int64)
-    phase = m.phase.cpu().numpy()
-    tpp = np.array(s.tokens_per_page)
-    for r, l, h in np.ndindex(*table.shape[:3]):
-        where = f"request slot {r}, layer {l}, head {h}"
-        n_hi, n_lo, p_hi, p_lo = counts[r, l, h]
-        row = table[r, l, h]
-        if min(n_hi, n_lo, p_hi, p_lo) < 0:
-            _fail(f"{where}: negative counts {counts[r, l, h].tolist()}")
-        if p_hi + p_lo > R:
-            _fail(f"{where}: {p_hi} high + {p_lo} low pages exceed row_len={R}")
-        for t, (n, p) in enumerate(((n_hi, p_hi), (n_lo, p_lo))):
-            if n > p * tpp[t]:
-                _fail(f"{where}: tier {t} holds {n} tokens in {p} pages of {tpp[t]}")
-        if n_hi + n_lo > s.max_context:
-            _fail(f"{where}: {n_hi}+{n_lo} tokens exceed max_context={s.max_context}")
-        if phase[r] == Phase.FREE and counts[r, l, h].any():
-            _fail(f"{where}: FREE slot has counts {counts[r, l, h].tolist()}")
-        if phase[r] == Phase.PREFILLED and (n_lo or p_lo):
-            _fail(f"{where}: PREFILLED slot has low counts {counts[r, l, h].tolist()}")
-        owned = np.zeros(R, dtype=bool)
-        owned[:p_hi] = True
-        owned[R - p_lo:] = True
-        empty_bad = np.flatnonzero(~owned & (row != -1))
-        if empty_bad.size:
-            j = int(empty_bad[0])
-            _fail(f"{where}: row position {j} should be -1 but holds page {row[j]}")
-        for j in np.flatnonzero(owned):
-            tier, k = ("high", j) if j < p_hi else ("low", R - 1 - j)
-            owners.append((int(row[j]), f"table[{where}, {tier} page {k} at position {j}]"))
+    phase = m.phase.cpu().numpy()[:, None, None]
+    n_hi, n_lo, p_hi, p_lo = np.moveaxis(counts, -1, 0)
+    n_hi_page, n_lo_page = s.tokens_per_page
+    count_rules = (
+        ("negative counts", counts.min(-1) < 0),
+        (f"high + low pages exceed row_len={R}", p_hi + p_lo > R),
+        (f"more high tokens than high_pages * {n_hi_page}", n_hi > p_hi * n_hi_page),
+        (f"more low tokens than low_pages * {n_lo_page}", n_lo > p_lo * n_lo_page),
+        (f"more tokens than max_context={s.max_context}", n_hi + n_lo > s.max_context),
+        ("FREE slot with non-zero counts", (phase == Phase.FREE) & counts.any(-1)),
+        ("PREFILLED slot with low-tier counts", (phase == Phase.PREFILLED) & (n_lo + p_lo > 0)),
+    )
+    for what, bad in count_rules:
+        hit = _first(bad)
+        if hit is not None:
+            raise AssertionError(f"{_where(hit)}: {what}; counts={counts[hit].tolist()}")
 
+    pos = np.arange(R)
+    owned = (pos < p_hi[..., None]) | (pos >= R - p_lo[..., None])
+    hit = _first(~owned & (table != -1))
+    if hit is not None:
+        raise AssertionError(
+            f"{_where(hit)}: row position {hit[3]} should be -1 but holds page {table[hit]} "
+            f"(counts={counts[hit[:3]].tolist()})"
+        )
+
+    ids = np.concatenate([ring_ids, table[owned]])
+    out_of_range = (ids < 0) | (ids >= P)
+    uses = np.bincount(ids[~out_of_range], minlength=P)
+    if out_of_range.any() or (uses != 1).any():
+        _explain_ownership(ring_counters, ring_ids, table, owned, counts, P, R)
+
+
+def _explain_ownership(
+    ring_counters: np.ndarray,
+    ring_ids: np.ndarray,
+    table: np.ndarray,
+    owned: np.ndarray,
+    counts: np.ndarray,
+    P: int,
+    R: int,
+) -> None:
     holders: dict[int, list[str]] = {}
-    for page, who in owners:
+    for c, page in zip(ring_counters.tolist(), ring_ids.tolist(), strict=True):
+        holders.setdefault(page, []).append(f"free ring counter {c} (slot {c % P})")
+    for idx in map(tuple, np.argwhere(owned).tolist()):
+        j = idx[3]
+        tier, k = ("high", j) if j < counts[idx[:3]][2] else ("low", R - 1 - j)
+        holders.setdefault(int(table[idx]), []).append(
+            f"table[{_where(idx)}, {tier} page {k} at position {j}]"
+        )
+    for page, who in sorted(holders.items()):
         if not 0 <= page < P:
-            _fail(f"{who} holds page id {page}, outside [0, num_pages={P})")
-        holders.setdefault(page, []).append(who)
-    for page, who in holders.items():
+            raise AssertionError(f"{who[0]} holds page id {page}, outside [0, num_pages={P})")
         if len(who) > 1:
-            _fail(f"page {page} is owned {len(who)} times: " + "; ".join(who))
+            raise AssertionError(f"page {page} is owned {len(who)} times: " + "; ".join(who))
     missing = sorted(set(range(P)) - holders.keys())
-    if missing:
-        _fail(f"{len(missing)} page(s) leaked (owned by nobody), first: {missing[:8]}")
+    raise AssertionError(f"{len(missing)} page(s) leaked (owned by nobody), first: {missing[:8]}")
