@@ -85,7 +85,8 @@ class MemoryBudget:
 
 def kv_memory_budget(gpu: GPUSpec, model: ModelSpec, tp: int, mfs: float,
                      calib: Calibration) -> MemoryBudget:
-    before = gpu.memory_bytes - calib.cuda_context_gib * GIB
+    # free memory torch reports before the weights load (SGLang's pre_model_load_memory)
+    before = gpu.usable_bytes - calib.cuda_context_gib * GIB
     weights = model.weight_bytes(tp)
     after = before - weights - calib.post_load_overhead_gib * GIB
     rest = after - before * (1 - mfs)

@@ -22,6 +22,7 @@ class GPUSpec:
     fp8_flops: float
     interconnect_bandwidth: float  # bytes/s each way, between GPUs of one host
     provenance: str
+    usable_mib: int = 0        # what the driver exposes to torch; 0: same as memory_mib
 
     def __post_init__(self) -> None:
         for f in ("memory_mib", "hbm_bandwidth", "bf16_flops", "fp8_flops",
@@ -34,6 +35,11 @@ class GPUSpec:
     def memory_bytes(self) -> float:
         return self.memory_mib * 2**20
 
+    @property
+    def usable_bytes(self) -> float:
+        """Total memory torch sees (free-before-load = this minus the CUDA context)."""
+        return (self.usable_mib or self.memory_mib) * 2**20
+
     @classmethod
     def from_dict(cls, key: str, d: dict[str, Any]) -> GPUSpec:
         fields = ("name", "memory_mib", "hbm_bandwidth", "bf16_flops", "fp8_flops",
@@ -41,9 +47,13 @@ class GPUSpec:
         missing = [f for f in fields if f not in d]
         if missing:
             raise SimulatorInputError(f"GPU spec {key!r} lacks field(s) {missing}")
+        usable = int(d.get("usable_mib", 0))
+        if usable < 0 or usable > int(d["memory_mib"]):
+            raise SimulatorInputError(f"GPU spec {key!r}: usable_mib={usable} must be in "
+                                      f"[0, memory_mib={d['memory_mib']}]")
         return cls(key, str(d["name"]), int(d["memory_mib"]), float(d["hbm_bandwidth"]),
                    float(d["bf16_flops"]), float(d["fp8_flops"]),
-                   float(d["interconnect_bandwidth"]), str(d["provenance"]))
+                   float(d["interconnect_bandwidth"]), str(d["provenance"]), usable)
 
 
 @lru_cache(maxsize=1)

@@ -43,7 +43,7 @@ def test_kv_pool_size_equals_sglang_formula():
     srv = sc.server("bf16")
     cal, gpu, m = sc.calibration, sc.gpu, sc.model
     mfs = 0.83
-    before = gpu.memory_mib * 2**20 - cal.cuda_context_gib * GIB
+    before = gpu.usable_mib * 2**20 - cal.cuda_context_gib * GIB
     after = before - m.total_params * 2 - cal.post_load_overhead_gib * GIB
     rest = after - before * (1 - mfs)
     cell = m.num_kv_heads * (128 + 128) * m.num_layers * 2     # get_cell_size_per_token
