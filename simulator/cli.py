@@ -105,6 +105,11 @@ def _server_options(p: argparse.ArgumentParser) -> None:
                    help="cap on running requests (default: SGLang's rule from the pool size)")
     g.add_argument("--context-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
+    g.add_argument("--disable-radix-cache", action="store_true",
+                   help="no radix cache: with ignore_eos requests SGLang then admits with "
+                        "add_one_req_ignore_eos (replays every request to max_new_tokens)")
+    g.add_argument("--no-ignore-eos", action="store_true",
+                   help="clients do not send ignore_eos (bench_serving --disable-ignore-eos)")
 
 
 def _workload_options(p: argparse.ArgumentParser, default_trace: str) -> None:
@@ -276,7 +281,8 @@ def _scenario(a: argparse.Namespace) -> Scenario:
         enable_mixed_chunk=a.enable_mixed_chunk,
         schedule_conservativeness=a.schedule_conservativeness,
         mem_fraction_static=a.mem_fraction_static, max_total_tokens=a.max_total_tokens,
-        max_running_requests=a.max_running_requests, context_len=a.context_len)
+        max_running_requests=a.max_running_requests, context_len=a.context_len,
+        disable_radix_cache=a.disable_radix_cache, ignore_eos=not a.no_ignore_eos)
     try:
         dcfg = DiffKVConfig.from_spec(a.diffkv_config)
     except ConfigError as e:

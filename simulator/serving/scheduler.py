@@ -52,6 +52,9 @@ class SchedulerLimits:
     max_req_len: int                   # min(context_len, pool tokens) - 1
     conservativeness: float = 1.0
     enable_mixed_chunk: bool = False
+    # SGLang admits with add_one_req_ignore_eos when the radix cache is disabled and the
+    # request carries ignore_eos (bench_serving's default)
+    ignore_eos_admission: bool = False
 
 
 @dataclass
@@ -191,7 +194,8 @@ class Scheduler:
                 if running_bs + len(chunks) >= lim.max_running_requests:
                     self.batch_is_full = True
                     break
-                res, extend = self._add_one(r, bool(chunks))
+                res, extend = (self._add_one_ignore_eos(r, chunks, running_bs)
+                               if lim.ignore_eos_admission else self._add_one(r, bool(chunks)))
                 if extend > 0:
                     chunks.append((r, extend))
                     taken += 1
@@ -270,6 +274,47 @@ class Scheduler:
         trunc = self._rem_chunk // self.page * self.page
         if trunc <= 0:
             return OTHER, 0
+        self._charge(pool.prompt_units(r.prefilled, trunc), trunc, 0)
+        return self._budget_state(), trunc
+
+    def _add_one_ignore_eos(self, r: SimRequest, admitted: list[tuple[SimRequest, int]],
+                            running_bs: int) -> tuple[int, int]:
+        """PrefillAdder.add_one_req_ignore_eos: admit only if, replaying every running and
+        admitted request to its max_new_tokens (shortest first), free memory never drops to
+        one step's reserve per request. No new_token_ratio: ignore_eos requests use 1.0."""
+        pool = self.pool
+        extend = r.fill_len - r.prefilled
+        units = pool.prompt_units(r.prefilled, extend)
+        if units > min(self._cur_rem, self._rem_total):
+            return NO_TOKEN, 0
+        states: list[tuple[float, float]] = []   # (units still to grow, units held)
+
+        def add(left_tokens: float, held: float) -> None:
+            if left_tokens > 0:
+                states.append((pool.future_units(left_tokens), held))
+
+        add(r.max_new - r.gen, pool.prompt_units(0, r.fill_len))
+        if running_bs:
+            for left, held in zip((self.maxnew - self.gen).tolist(), self.held.tolist(),
+                                  strict=True):
+                add(left, held)
+        for q, _ in admitted:
+            add(q.max_new - q.gen, pool.prompt_units(0, q.fill_len))
+        states.sort(key=lambda x: x[0])
+        per_req_reserve = pool.decode_step_need(np.zeros(1, dtype=np.int64))
+        cur = self._cur_rem - units
+        freed = 0.0
+        for i, (left, held) in enumerate(states):
+            bs = len(states) - i
+            if cur + freed - left * bs <= per_req_reserve * bs:
+                return NO_TOKEN, 0
+            freed += held
+        if self._rem_chunk is None or extend <= self._rem_chunk:
+            self._charge(units, extend, min(r.max_new, CLIP_MAX_NEW_TOKENS))
+            return self._budget_state(), extend
+        if self._rem_chunk <= 0:
+            return OTHER, 0
+        trunc = self._rem_chunk
         self._charge(pool.prompt_units(r.prefilled, trunc), trunc, 0)
         return self._budget_state(), trunc
 

@@ -70,6 +70,7 @@ class ResolvedServer:
             max_req_len=min(self.context_len - 1, tokens - 1),
             conservativeness=s.schedule_conservativeness,
             enable_mixed_chunk=s.enable_mixed_chunk,
+            ignore_eos_admission=s.disable_radix_cache and s.ignore_eos,
         )
         self.graph_sizes = cuda_graph_batch_sizes(self.cuda_graph_max_bs)
         self.cost = CostModel(model, gpu, d.calibration, pool, d.kv_format.calibration_key,

@@ -32,6 +32,8 @@ class ServerSettings:
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
     context_len: int | None = None              # None: the model's max_position_embeddings
+    disable_radix_cache: bool = False
+    ignore_eos: bool = True                     # clients send ignore_eos (bench_serving)
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = True, allow_neg1: bool = False) -> None:

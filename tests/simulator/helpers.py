@@ -16,10 +16,10 @@ from simulator.studies.scenario import Scenario
 
 def token_scheduler(capacity: int, chunk: int | None = None, max_prefill: int = 16384,
                     max_running: int = 4096, context_len: int = 100_000,
-                    mixed: bool = False) -> Scheduler:
+                    mixed: bool = False, ignore_eos_admission: bool = False) -> Scheduler:
     pool = TokenPool(capacity, 1, 512.0)
     limits = SchedulerLimits(chunk, max_prefill, max_running, context_len,
-                             min(context_len, capacity) - 1, 1.0, mixed)
+                             min(context_len, capacity) - 1, 1.0, mixed, ignore_eos_admission)
     return Scheduler(pool, limits, np.random.default_rng(0))
 
 

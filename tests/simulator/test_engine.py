@@ -103,6 +103,14 @@ def test_every_request_completes_or_is_rejected_under_memory_pressure(fmt):
     assert all(r.gen == r.output_len for r in done)
 
 
+def test_ignore_eos_admission_never_retracts():
+    sc = scenario(max_total_tokens=40_000, disable_radix_cache=True)
+    trace = resample_arrivals(load_named_trace("azure-conv").head(300), 200.0, seed=1)
+    s = summarize(sc.run(trace, "bf16"))
+    assert s["completed"] == 300 and s["retractions"] == 0
+    assert summarize(scenario(max_total_tokens=40_000).run(trace, "bf16"))["retractions"] > 0
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.floats(0, 2), st.integers(1, 3000), st.integers(1, 400)),
                 min_size=1, max_size=25),

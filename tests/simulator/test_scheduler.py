@@ -157,3 +157,20 @@ def test_submit_rejects_and_clamps_like_sglang():
     assert s.submit(r)
     # max_req_len = min(10000, 300) - 1 = 299: max_new clamped to 299 - 200 - 1 = 98
     assert r.max_new == 98 and r.output_len == 98
+
+
+@pytest.mark.parametrize("max_new,admitted", [(300, True), (400, False)])
+def test_ignore_eos_admission_replays_requests_to_max_new(max_new, admitted):
+    s = token_scheduler(1000, ignore_eos_admission=True)
+    r0 = req(0, 100, 500)
+    s.submit(r0)
+    s.complete(s.next_batch(), 1.0, SINK)           # r0 holds 100 slots, 1 of 500 outputs
+    s.batch_is_full = False
+    r1 = req(1, 200, max_new)
+    s.submit(r1)
+    b = s.next_batch()
+    # free after r1's prompt: 1000 - 100 - 200 = 700. Replay shortest-first:
+    #   max_new 300: 700 - 300*2 = 100 > 2, then 700 + 200 - 499 = 401 > 1 -> admitted
+    #   max_new 400: 700 - 400*2 = -100 <= 2 -> NO_TOKEN
+    assert (b.kind == "prefill") == admitted
+    assert s.batch_is_full != admitted
