@@ -148,6 +148,8 @@ class StepRecord:
     layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     positions: torch.Tensor
     seq_lens: list[int]
+    req_pool_indices: list[int]
+    counts_after: torch.Tensor | None = None  # DiffKV counters of these requests after the step
 
 
 @dataclass
@@ -164,6 +166,11 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
     records: list[StepRecord] = field(default_factory=list)
     retractions: int = 0
     new_token_ratio: float = 0.7
+    # decode rows appended as CUDA-graph padding does: out_cache_loc 0, stale req_pool_idx
+    pad_decode_rows: int = 0
+    padded_rows_seen: int = 0
+    padded_outputs: list[torch.Tensor] = field(default_factory=list)
+    max_peak_logical_used: int = 0
 
     def __post_init__(self) -> None:
         self.server_args = ServerArgs(model_path="dummy", attention_backend="diffkv")
@@ -264,24 +271,49 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
     def _run(self, batch: ScheduleBatch) -> None:
         mwb = batch.get_model_worker_batch()
         fb = fbi.ForwardBatch.init_new(mwb, self.runner)
+        real = fb.batch_size
+        if self.pad_decode_rows and fb.forward_mode.is_decode():
+            self._pad(fb, self.pad_decode_rows)
         self.runner.attn_backend.init_forward_metadata(fb)
+        n_real_tokens = real if fb.forward_mode.is_decode() else int(fb.input_ids.shape[0])
         record = StepRecord(
             "decode" if fb.forward_mode.is_decode() else "extend",
-            [r.rid for r in batch.reqs], [], fb.positions.clone(), fb.seq_lens.tolist(),
+            [r.rid for r in batch.reqs], [], fb.positions[:n_real_tokens].clone(),
+            fb.seq_lens[:real].tolist(), fb.req_pool_indices[:real].tolist(),
         )
         ids = fb.input_ids
         for layer in self.layers:
             q, k, v = fake_qkv(ids, fb.positions, layer.layer_id, self.shape)
             o = layer(q, k, v, fb)
-            record.layers.append((q, k, v, o))
+            record.layers.append(
+                (q[:n_real_tokens], k[:n_real_tokens], v[:n_real_tokens], o[:n_real_tokens])
+            )
+            if o.shape[0] > n_real_tokens:
+                self.padded_outputs.append(o[n_real_tokens:])
+        record.counts_after = self.kv_pool.cache.counts[fb.req_pool_indices[:real].long()].clone()
         self.records.append(record)
+        alloc = self.token_to_kv_pool_allocator
+        self.max_peak_logical_used = max(
+            self.max_peak_logical_used, alloc.size - alloc.logical_available_size()
+        )
         # sampling stand-in: next token from the last token of each request
         if fb.forward_mode.is_decode():
-            last = ids
+            last = ids[:real]
         else:
             ends = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu), 0) - 1
             last = ids[ends]
         batch.output_ids = torch.tensor([next_token(int(t)) for t in last], dtype=torch.int64)
+
+    def _pad(self, fb: Any, n: int) -> None:
+        stale = fb.req_pool_indices[:1].repeat(n)  # names a live request, as stale rows can
+        fb.req_pool_indices = torch.cat([fb.req_pool_indices, stale])
+        fb.seq_lens = torch.cat([fb.seq_lens, torch.ones(n, dtype=fb.seq_lens.dtype)])
+        fb.seq_lens_cpu = torch.cat([fb.seq_lens_cpu, torch.ones(n, dtype=fb.seq_lens_cpu.dtype)])
+        fb.out_cache_loc = torch.cat([fb.out_cache_loc, fb.out_cache_loc.new_zeros(n)])
+        fb.positions = torch.cat([fb.positions, fb.positions.new_zeros(n)])
+        fb.input_ids = torch.cat([fb.input_ids, fb.input_ids.new_zeros(n)])
+        fb.batch_size += n
+        self.padded_rows_seen += n
 
     def _process(self, batch: ScheduleBatch) -> None:
         for req, tok in zip(batch.reqs, batch.output_ids.tolist(), strict=True):

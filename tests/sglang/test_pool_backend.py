@@ -1,0 +1,213 @@
+"""SGLang's ScheduleBatch-driven extend and decode through the DiffKV pool and backend.
+
+Every step the harness runs is replayed request by request on an independent reference
+``CompressedKVCache`` fed the same q/k/v: outputs and compressed state must agree. Prefill
+outputs are also checked against exact causal attention computed here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import harness as H
+import pytest
+import torch
+
+from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.sglang.pool import CapacityPlan
+
+COMPRESSING = {"preset": "llama-3-8b", "alpha_h": 1.5, "alpha_l": 0.4, "window": 8,
+               "score_queries": 8}
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    H.cpu_sglang_helpers(monkeypatch)
+
+
+def budget_for_pages(shape: H.ModelShape, pages: int, max_reqs: int) -> int:
+    plan = CapacityPlan.build(DiffKVConfig.from_env(), shape.head_dim, shape.num_layers,
+                              shape.num_kv_heads)
+    state = plan.request_state_bytes(max_reqs, shape.context_len + 4)
+    # + one cell: the runner rounds the budget down to whole logical tokens
+    return state + pages * (plan.geometry.page_bytes + 4) + plan.cell_bytes
+
+
+def exact_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: H.ModelShape
+                 ) -> torch.Tensor:
+    """[n, Hq*D] from [n, H*D] inputs, in float64."""
+    n, d, g = q.shape[0], shape.head_dim, shape.num_q_heads // shape.num_kv_heads
+    qh = q.double().view(n, shape.num_q_heads, d).transpose(0, 1)
+    kh = k.double().view(n, shape.num_kv_heads, d).transpose(0, 1).repeat_interleave(g, 0)
+    vh = v.double().view(n, shape.num_kv_heads, d).transpose(0, 1).repeat_interleave(g, 0)
+    logits = qh @ kh.transpose(1, 2) * shape.scaling
+    logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(logits, -1) @ vh).transpose(0, 1).reshape(n, -1)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double()))
+
+
+def replay_on_reference(s: H.MiniScheduler, alphas: dict[str, tuple[float, float]] | None = None
+                        ) -> dict[str, int]:
+    """Re-run every recorded step per request on a fresh reference cache; return how many
+    extend / decode rows were compared."""
+    shape, cfg = s.shape, s.kv_pool.cache.config
+    ref = CompressedKVCache(
+        cfg, head_dim=shape.head_dim, num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads, num_pages=20_000, max_reqs=64,
+        max_context=shape.context_len + 4,
+    )
+    slot: dict[str, int] = {}
+    compared = {"extend": 0, "decode": 0}
+    d = shape.head_dim
+    for rec in s.records:
+        if rec.mode == "extend":
+            start = 0
+            for b, rid in enumerate(rec.rids):
+                n = rec.seq_lens[b]
+                slot[rid] = len(slot) + compared["extend"]  # a fresh slot per (re)prefill
+                ah, al = (alphas or {}).get(rid, (cfg.alpha_h, cfg.alpha_l))
+                assert bool(ref.begin_prefill([slot[rid]], [n], [ah], [al]).ok)
+                for layer, (q, k, v, o) in enumerate(rec.layers):
+                    qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+                    assert rel_err(o[start:start + n], exact_causal(qs, ks, vs, shape)) < 1e-5
+                    ref.prefill_layer(
+                        layer, [slot[rid]], torch.tensor([n]),
+                        qs.view(1, n, -1, d).transpose(1, 2),
+                        ks.view(1, n, -1, d).transpose(1, 2),
+                        vs.view(1, n, -1, d).transpose(1, 2), shape.scaling,
+                    )
+                ref.end_prefill([slot[rid]])
+                assert torch.equal(rec.counts_after[b], ref.counts[slot[rid]]), (rid, "prefill")
+                start += n
+                compared["extend"] += 1
+        else:
+            for b, rid in enumerate(rec.rids):
+                assert bool(ref.begin_decode([slot[rid]]).ok)
+                for layer, (q, k, v, o) in enumerate(rec.layers):
+                    ref.decode_layer_store(layer, [slot[rid]], rec.positions[b:b + 1],
+                                           k[b].view(1, -1, d), v[b].view(1, -1, d))
+                    res = ref.decode_layer_attend(layer, [slot[rid]], q[b].view(1, -1, d),
+                                                  shape.scaling)
+                    assert rel_err(o[b], res.out.reshape(-1)) < 1e-5, (rid, layer)
+                assert torch.equal(rec.counts_after[b], ref.counts[slot[rid]]), (rid, "decode")
+                compared["decode"] += 1
+    return compared
+
+
+def assert_back_to_initial_state(s: H.MiniScheduler) -> None:
+    kv, cache = s.kv_pool, s.kv_pool.cache
+    assert not kv.active
+    cache.manager.check_invariants()
+    assert cache.manager.num_free_pages_host() == kv.num_pages
+    assert bool((cache.manager.table == -1).all()) and not bool(cache.manager.counts.any())
+    alloc = s.token_to_kv_pool_allocator
+    assert alloc.logical_available_size() == alloc.available_size() == alloc.size
+    leak, msg = s.idle_leak_check()  # SGLang's own strict idle check
+    assert not leak, msg
+    assert not s.req_pool_leak()
+
+
+def test_extend_and_decode_match_the_reference_through_compression(monkeypatch):
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, budget_for_pages(shape, 600, 8))
+    s.add_request("a", [(7 * i) % 997 + 1 for i in range(70)], 40)
+    s.add_request("b", [(3 * i) % 991 + 2 for i in range(33)], 25)
+    s.run_until_idle()
+    s.add_request("c", [(11 * i) % 983 + 3 for i in range(50)], 30)  # joins an idle server
+    s.add_request("d", list(range(1, 20)), 12)
+    s.run_until_idle()
+    assert [r.rid for r in s.finished] == ["b", "a", "d", "c"]
+    assert all(len(r.output_ids) == r.sampling_params.max_new_tokens for r in s.finished)
+    compared = replay_on_reference(s)
+    assert compared["extend"] == 4 and compared["decode"] == 39 + 24 + 29 + 11
+    # compression really happened: some tokens went low and some were pruned
+    assert s.kv_pool.stats.finished_reqs == 4
+    hi, lo, pr = (float(x) for x in s.kv_pool.stats.finished_tokens / 4)
+    assert lo > 0.02 and pr > 0.02 and hi < 0.96
+    assert_back_to_initial_state(s)
+
+
+def test_padded_decode_rows_are_skipped(monkeypatch):
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, budget_for_pages(shape, 400, 8))
+    # padded rows: out_cache_loc 0 and a stale req_pool_idx naming a live request
+    s.pad_decode_rows = 2
+    s.add_request("a", list(range(1, 41)), 20)
+    s.add_request("b", list(range(5, 30)), 20)
+    s.run_until_idle()
+    assert s.padded_rows_seen > 0
+    assert all(bool((o == 0).all()) for o in s.padded_outputs)
+    replay_on_reference(s)  # a padded row that wrote into the live request would diverge here
+    assert_back_to_initial_state(s)
+
+
+def test_page_exhaustion_retracts_instead_of_failing(monkeypatch):
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "no-compression")
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, budget_for_pages(shape, 60, 8))
+    s.new_token_ratio = 0.05  # a decayed ratio: SGLang admits optimistically
+    for i in range(3):
+        s.add_request(f"r{i}", [(i * 13 + j) % 900 + 1 for j in range(40)], 200)
+    s.run_until_idle()
+    assert s.retractions >= 1
+    assert sorted(r.rid for r in s.finished) == ["r0", "r1", "r2"]
+    assert all(len(r.output_ids) == 200 and not r.is_retracted or len(r.output_ids) == 200
+               for r in s.finished)
+    # the physical term, not the logical slots, is what ran out
+    assert s.max_peak_logical_used < s.token_to_kv_pool_allocator.size
+    replay_on_reference(s)  # retracted requests recompute to the same state and outputs
+    assert_back_to_initial_state(s)
+
+
+def test_per_request_thresholds_from_custom_params(monkeypatch):
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, budget_for_pages(shape, 400, 8))
+    s.add_request("keep", list(range(1, 61)), 2,
+                  custom_params={"diffkv_alpha_h": 0.0, "diffkv_alpha_l": 0.0})
+    s.add_request("squeeze", list(range(1, 61)), 2)
+    s.step()  # prefill both
+    kept = s.records[-1].counts_after
+    assert bool((kept[0, ..., 0] == 60).all()), "alpha 0/0 keeps every prompt token high"
+    assert bool((kept[1, ..., 0] < 60).any())
+    s.run_until_idle()
+    replay_on_reference(s, {"keep": (0.0, 0.0)})
+    assert_back_to_initial_state(s)
+
+
+def test_flush_cache_resets_the_pool(monkeypatch):
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "default")
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, budget_for_pages(shape, 300, 8))
+    s.add_request("a", list(range(1, 50)), 30)
+    s.step()
+    s.step()
+    assert s.kv_pool.active and s.kv_pool.free_pages() < s.kv_pool.num_pages
+    # what Scheduler.flush_cache and bench_one_batch do between runs
+    s.req_to_token_pool.clear()
+    s.token_to_kv_pool_allocator.clear()
+    s.running = None
+    assert_back_to_initial_state(s)
+
+
+def test_startup_report_and_step_metrics_are_logged(monkeypatch, caplog):
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    monkeypatch.setenv("SGLANG_DIFFKV_LOG_INTERVAL", "1")
+    shape = H.ModelShape()
+    with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
+        s = H.MiniScheduler(shape, budget_for_pages(shape, 300, 8))
+        s.add_request("a", list(range(1, 50)), 5)
+        s.run_until_idle()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"page {s.kv_pool.cache.geometry.page_bytes} B; tokens per page: high 32" in text
+    assert f"{s.kv_pool.num_pages} pages" in text and "fp16/bf16 tokens" in text
+    assert "logical token slots" in text and "expected max concurrency" in text
+    assert "DiffKV prefill: batch 1, tokens high" in text
+    assert "DiffKV decode: batch 1" in text and "pruned" in text and "pages in use" in text

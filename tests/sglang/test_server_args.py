@@ -1,0 +1,65 @@
+"""ServerArgs accepts --attention-backend diffkv, forces the stage-1 settings, and refuses
+what stage 1 does not support, with the documented messages."""
+
+from __future__ import annotations
+
+import logging
+
+import harness  # noqa: F401  (sglang importable on CPU, diffkv registered)
+import pytest
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+from sglang_diffkv.sglang.args import FORCED_SETTINGS, DiffKVUnsupportedError
+
+
+def _args(*extra: str) -> ServerArgs:
+    return prepare_server_args(["--model-path", "dummy", "--attention-backend", "diffkv", *extra])
+
+
+def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
+    with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
+        a = _args("--page-size", "16", "--chunked-prefill-size", "4096")
+    assert a.attention_backend == "diffkv"
+    assert a.page_size == 1
+    assert a.disable_radix_cache is True
+    assert a.chunked_prefill_size == -1
+    assert a.disable_cuda_graph is True
+    assert a.disable_piecewise_cuda_graph is True
+    assert a.disable_overlap_schedule is True
+    forced = [r.getMessage() for r in caplog.records if "forcing" in r.getMessage()]
+    # one line per forced setting, each with its reason; the user's values are named
+    assert len(forced) == len(FORCED_SETTINGS)
+    assert any("page_size=1 (was 16)" in m for m in forced)
+    assert any("chunked_prefill_size=-1 (was 4096)" in m for m in forced)
+    assert all(": " in m and len(m.split(": ", 1)[1]) > 20 for m in forced)
+    assert any("SGLANG_DIFFKV_CONFIG" in r.getMessage() for r in caplog.records)
+
+
+def test_other_backends_are_untouched():
+    a = prepare_server_args(["--model-path", "dummy", "--attention-backend", "triton",
+                             "--page-size", "16"])
+    assert a.page_size == 16 and not a.disable_radix_cache and not a.disable_cuda_graph
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculative-algorithm", "EAGLE"], "speculative decoding"),
+        (["--enable-dp-attention"], "DP attention"),
+        (["--enable-hierarchical-cache"], "hierarchical cache"),
+        (["--disaggregation-mode", "prefill"], "P/D disaggregation"),
+        (["--enable-mixed-chunk"], "--enable-mixed-chunk is not supported"),
+        (["--tp-size", "2"], "tensor parallelism"),
+        (["--kv-cache-dtype", "fp8_e4m3"], "leave --kv-cache-dtype at auto"),
+        (["--decode-attention-backend", "triton"], "diffkv must run both prefill and decode"),
+    ],
+)
+def test_unsupported_options_are_refused(flags, message):
+    with pytest.raises(DiffKVUnsupportedError, match=message):
+        _args(*flags)
+
+
+def test_bad_config_env_fails_at_startup(monkeypatch):
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "no-such-preset")
+    with pytest.raises(DiffKVUnsupportedError, match="unknown preset 'no-such-preset'"):
+        _args()
