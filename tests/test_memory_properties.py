@@ -156,6 +156,7 @@ def subset(data: st.DataObject, slots: list[int]) -> list[int]:
 
 
 class PageManagerMachine(RuleBasedStateMachine):
+    device = "cpu"  # test_memory_gpu reruns the machine with "cuda"
     m: PageManager
     ref: Reference
 
@@ -170,7 +171,8 @@ class PageManagerMachine(RuleBasedStateMachine):
             low_tokens_per_page=data.draw(st.integers(1, 6), label="N_low"),
             max_context=data.draw(st.integers(2, 12), label="max_context"),
         )
-        self.m = PageManager(spec, validate=data.draw(st.booleans(), label="validate"))
+        validate = data.draw(st.booleans(), label="validate")
+        self.m = PageManager(spec, self.device, validate=validate)
         self.ref = Reference(spec)
         # False whenever the state may differ from the last one matches_reference accepted.
         # Failed ops assert the state is bit-identical, so they keep it True.
@@ -310,10 +312,14 @@ class PageManagerMachine(RuleBasedStateMachine):
         if self.verified:
             return
         self.m.check_invariants()
-        assert torch.equal(self.m.table, self.ref.table())
-        assert torch.equal(self.m.counts, self.ref.counts())
+        assert torch.equal(self.m.table.cpu(), self.ref.table())
+        assert torch.equal(self.m.counts.cpu(), self.ref.counts())
         assert self.m.phase.tolist() == [int(p) for p in self.ref.phase]
         assert ring_contents(self.m) == list(self.ref.ring)
+        assert int(self.m.num_free_pages()) == len(self.ref.ring)
+        self.m.num_free_pages_host()  # on CUDA this only enqueues a copy; the value is stale
+        if self.m.device.type == "cuda":
+            torch.cuda.synchronize()
         assert self.m.num_free_pages_host() == len(self.ref.ring)
         self.verified = True
 

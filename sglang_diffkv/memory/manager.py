@@ -204,7 +204,7 @@ class PageManager:
         src = torch.where(pos < hp_, pos, hp_ + self.row_len - 1 - pos)
         self.table[req] = rows.gather(-1, src)
         self.counts[req] = torch.stack((nh, nl, hp, lp), -1).to(torch.int32)
-        self.phase[req] = int(Phase.DECODING)
+        self.phase.index_fill_(0, req, int(Phase.DECODING))
 
     def ensure_decode_room(self, req_idx: IndexLike, tiers: torch.Tensor) -> AllocResult:
         """For every (request, layer, head, tier t) with ``tiers[b, t]`` whose tier is exactly
@@ -255,9 +255,11 @@ class PageManager:
         is_low = pos >= self.row_len - lp
         slot = torch.where(is_high, start[..., 0:1] + pos, start[..., 1:2] + self.row_len - 1 - pos)
         self.free_list.write(slot, self.table[req], is_high | is_low)
-        self.table[req] = -1
-        self.counts[req] = 0
-        self.phase[req] = int(Phase.FREE)
+        # index_fill_, not ``x[req] = scalar``: on CUDA the latter copies the scalar from the
+        # host and synchronises.
+        self.table.index_fill_(0, req, -1)
+        self.counts.index_fill_(0, req, 0)
+        self.phase.index_fill_(0, req, int(Phase.FREE))
 
     # -- token counters (advanced by the policy / store) ----------------------------------
 
