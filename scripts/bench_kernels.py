@@ -157,6 +157,46 @@ def decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_ms) -> dict:
     return row
 
 
+def sweep(copy_bw: float) -> list[dict]:
+    """Launch configurations of the decode kernel on two large cases; each launch timed
+    alone too (partition = the split-K pass, merge = LSE merge + output + scores)."""
+    geo = PageGeometry.build(D, K8V4, K4V2)
+    rows = []
+    for mix in ("K8V4", "K4V2"):
+        fh, fl = MIXES[mix]
+        b, ctx = 32, 16384
+        case = random_decode_case(geo, [ctx] * b, HKV, high_frac=fh, low_frac=fl, device=DEV,
+                                  seed=7)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+        stored = case.stored_bytes(0)
+        for ppi in (1, 2, 4):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    if ppi == 4 and warps == 4:
+                        continue
+                    try:
+                        plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV,
+                                                         pages_per_iter=ppi, num_warps=warps,
+                                                         num_stages=stages)
+                        args = (q, case.pages, case.table, case.counts, case.req_idx, 0,
+                                D**-0.5)
+                        t = bench(partial(plan.run, *args))
+                        tp = bench(partial(plan.run, *args, stages="partition"))
+                        tm = bench(partial(plan.run, *args, stages="merge"))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"sweep {mix} ppi{ppi} w{warps} s{stages}: FAILED {e}")
+                        continue
+                    bw = stored / (t * 1e-3)
+                    rows.append(dict(mix=mix, ppi=ppi, warps=warps, stages=stages, ms=t,
+                                     partition_ms=tp, merge_ms=tm, bw_frac=bw / copy_bw))
+                    print(f"sweep {mix} B{b} ctx{ctx} ppi{ppi} w{warps} s{stages}: "
+                          f"{t * 1e3:.0f} us (partition {tp * 1e3:.0f}, merge {tm * 1e3:.0f}) "
+                          f"{bw / copy_bw:.0%} of copy", flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
 def fresh_manager(spec: MemorySpec, req: torch.Tensor, lens: torch.Tensor) -> PageManager:
     m = PageManager(spec, DEV, validate=False)
     m.allocate_prefill(req, lens)
@@ -288,6 +328,7 @@ def main() -> int:
     meta["copy_tbs"] = copy_bandwidth() / 1e12
     print(f"copy bandwidth {meta['copy_tbs']:.2f} TB/s", flush=True)
     only = set(args.only.split(","))
+    sweep_rows = sweep(meta["copy_tbs"] * 1e12) if "sweep" in only else []
     decode, base_label = decode_rows(meta["copy_tbs"] * 1e12, args.quick) if "decode" in only \
         else ([], "n/a")
     prefill = prefill_rows(args.quick) if "prefill" in only else []
@@ -297,7 +338,8 @@ def main() -> int:
     (out / "bench.md").write_text(md + "\n")
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, baseline=base_label,
                                                     decode=decode, prefill=prefill,
-                                                    compaction=compaction), indent=1))
+                                                    compaction=compaction,
+                                                    sweep=sweep_rows), indent=1))
     print("\n" + md)
     big = [r for r in decode if r["tokens"] >= 128 * 1024]
     if big:

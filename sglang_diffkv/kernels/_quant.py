@@ -13,9 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP16_MAX: tl.constexpr = 65504.0
-SCALE_EPS: tl.constexpr = 6.103515625e-05  # 2**-14, the smallest normal fp16
-ROUND_MAGIC: tl.constexpr = 8388608.0  # 2**23: (y + 2**23) - 2**23 rounds 0 <= y < 2**23 RNE
+FP16_MAX = tl.constexpr(65504.0)
+SCALE_EPS = tl.constexpr(6.103515625e-05)  # 2**-14, the smallest normal fp16
+ROUND_MAGIC = tl.constexpr(8388608.0)  # 2**23: (y + 2**23) - 2**23 rounds 0 <= y < 2**23 RNE
 
 
 @triton.jit

@@ -42,6 +42,27 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _code_dot(qj, kbytes, J: tl.constexpr, KB: tl.constexpr):
+    """q_j . c_j^T for bit sub-tensor J of packed key bytes (exact: integer codes)."""
+    cj = ((kbytes >> (J * KB)) & ((1 << KB) - 1)).to(tl.float16)
+    return tl.dot(qj, tl.trans(cj))
+
+
+@triton.jit
+def _in_group(qj, sel, KG: tl.constexpr):
+    if KG == 1:
+        return qj
+    else:
+        return tl.where(sel, qj, 0.0)
+
+
+@triton.jit
+def _pv(acc, alpha, p16, vbytes, vs, vz, J: tl.constexpr, VB: tl.constexpr):
+    v = (((vbytes >> (J * VB)) & ((1 << VB) - 1)).to(tl.float32) * vs + vz).to(tl.float16)
+    return acc * alpha[:, None] + tl.dot(p16, v)
+
+
+@triton.jit
 def _tier_partition(
     q, q_sb, q_sh, u8, f16, row, n_tok, b, h, part,
     acc_ptr, ml_ptr, p_ptr, mit_ptr, slot_base, qk_scale, ppp,
@@ -71,7 +92,19 @@ def _tier_partition(
     r = tl.arange(0, R)
     pg = r // BN
     slot = r % BN
-    q_rows = q + b * q_sb + (h * G + gi) * q_sh
+    srow = slot.to(tl.int64)
+
+    # q split by bit sub-tensor (dims i*KPER + j), loaded once, fp16 for the code dots
+    q_rows = (q + b * q_sb + (h * G + gi) * q_sh)[:, None] + kc[None, :] * KPER
+    q0 = tl.load(q_rows, mask=gmask[:, None], other=0.0).to(tl.float16)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if KPER > 1:
+        q1 = tl.load(q_rows + 1, mask=gmask[:, None], other=0.0).to(tl.float16)
+    if KPER > 2:
+        q2 = tl.load(q_rows + 2, mask=gmask[:, None], other=0.0).to(tl.float16)
+        q3 = tl.load(q_rows + 3, mask=gmask[:, None], other=0.0).to(tl.float16)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
@@ -90,22 +123,25 @@ def _tier_partition(
             col = page_local
         page = tl.load(row + col, mask=valid, other=0)
         base = page.to(tl.int64) * PAGE_BYTES
-        srow = slot.to(tl.int64)
-
-        # ---- logits: sum over key groups and bit sub-tensors of exact code dots ----
         kbytes = tl.load(u8 + (base + KOFF + srow * KDB)[:, None] + kc[None, :],
-                         mask=valid[:, None], other=0).to(tl.int32)
+                         mask=valid[:, None], other=0)
+        vbytes = tl.load(u8 + (base + VOFF + srow * VDB)[:, None] + vc[None, :],
+                         mask=valid[:, None], other=0)
+
+        # ---- logits = sum over key groups of scale * (q . codes) + zero * sum(q) ----
         logits = tl.zeros([BLOCK_G, R], tl.float32)
         for gg in tl.static_range(KG):
-            dots = tl.zeros([BLOCK_G, R], tl.float32)
-            qsum = tl.zeros([BLOCK_G], tl.float32)
-            in_group = (kc // KGS) == gg
-            for j in tl.static_range(KPER):
-                qj = tl.load(q_rows[:, None] + kc[None, :] * KPER + j,
-                             mask=gmask[:, None] & in_group[None, :], other=0.0)
-                qsum += tl.sum(qj.to(tl.float32), axis=1)
-                cj = ((kbytes >> (j * KB)) & ((1 << KB) - 1)).to(tl.float16)
-                dots += tl.dot(qj.to(tl.float16), tl.trans(cj))
+            sel = ((kc // KGS) == gg)[None, :]
+            dots = _code_dot(_in_group(q0, sel, KG), kbytes, 0, KB)
+            qsum = tl.sum(_in_group(q0, sel, KG).to(tl.float32), axis=1)
+            if KPER > 1:
+                dots += _code_dot(_in_group(q1, sel, KG), kbytes, 1, KB)
+                qsum += tl.sum(_in_group(q1, sel, KG).to(tl.float32), axis=1)
+            if KPER > 2:
+                dots += _code_dot(_in_group(q2, sel, KG), kbytes, 2, KB)
+                dots += _code_dot(_in_group(q3, sel, KG), kbytes, 3, KB)
+                qsum += tl.sum(_in_group(q2, sel, KG).to(tl.float32), axis=1)
+                qsum += tl.sum(_in_group(q3, sel, KG).to(tl.float32), axis=1)
             kmeta = (base + KMOFF) // 2 + srow * (2 * KG) + gg * 2
             ks = tl.load(f16 + kmeta, mask=valid, other=0.0).to(tl.float32)
             kz = tl.load(f16 + kmeta + 1, mask=valid, other=0.0).to(tl.float32)
@@ -123,34 +159,27 @@ def _tier_partition(
                  p16, mask=gmask[:, None] & valid[None, :])
         tl.store(mit_ptr + (buf * ITERS_MAX + it) * G + gi, m_new, mask=gmask)
 
-        # ---- values: dequantise to fp16, P.V per bit sub-tensor ----
-        vbytes = tl.load(u8 + (base + VOFF + srow * VDB)[:, None] + vc[None, :],
-                         mask=valid[:, None], other=0).to(tl.int32)
-        vs = tl.zeros([R, VDB], tl.float32)
-        vz = tl.zeros([R, VDB], tl.float32)
-        for gg in tl.static_range(VG):
-            vmeta = (base + VMOFF) // 2 + srow * (2 * VG) + gg * 2
-            s_g = tl.load(f16 + vmeta, mask=valid, other=0.0).to(tl.float32)
-            z_g = tl.load(f16 + vmeta + 1, mask=valid, other=0.0).to(tl.float32)
-            in_group = ((vc // VGS) == gg)[None, :]
-            vs = tl.where(in_group, s_g[:, None], vs)
-            vz = tl.where(in_group, z_g[:, None], vz)
-        acc0 = acc0 * alpha[:, None]
-        v0 = ((vbytes & ((1 << VB) - 1)).to(tl.float32) * vs + vz).to(tl.float16)
-        acc0 += tl.dot(p16, v0)
+        # ---- values: dequantise to fp16 (per-group scale/zero), P.V per sub-tensor ----
+        if VG == 1:
+            vmeta = (base + VMOFF) // 2 + srow * 2
+            vs = tl.load(f16 + vmeta, mask=valid, other=0.0).to(tl.float32)[:, None]
+            vz = tl.load(f16 + vmeta + 1, mask=valid, other=0.0).to(tl.float32)[:, None]
+        else:
+            vs = tl.zeros([R, VDB], tl.float32)
+            vz = tl.zeros([R, VDB], tl.float32)
+            for gg in tl.static_range(VG):
+                vmeta = (base + VMOFF) // 2 + srow * (2 * VG) + gg * 2
+                s_g = tl.load(f16 + vmeta, mask=valid, other=0.0).to(tl.float32)
+                z_g = tl.load(f16 + vmeta + 1, mask=valid, other=0.0).to(tl.float32)
+                in_group = ((vc // VGS) == gg)[None, :]
+                vs = tl.where(in_group, s_g[:, None], vs)
+                vz = tl.where(in_group, z_g[:, None], vz)
+        acc0 = _pv(acc0, alpha, p16, vbytes, vs, vz, 0, VB)
         if VPER > 1:
-            acc1 = acc1 * alpha[:, None]
-            v1 = (((vbytes >> VB) & ((1 << VB) - 1)).to(tl.float32) * vs + vz).to(tl.float16)
-            acc1 += tl.dot(p16, v1)
+            acc1 = _pv(acc1, alpha, p16, vbytes, vs, vz, 1, VB)
         if VPER > 2:
-            acc2 = acc2 * alpha[:, None]
-            v2 = (((vbytes >> (2 * VB)) & ((1 << VB) - 1)).to(tl.float32) * vs
-                  + vz).to(tl.float16)
-            acc2 += tl.dot(p16, v2)
-            acc3 = acc3 * alpha[:, None]
-            v3 = (((vbytes >> (3 * VB)) & ((1 << VB) - 1)).to(tl.float32) * vs
-                  + vz).to(tl.float16)
-            acc3 += tl.dot(p16, v3)
+            acc2 = _pv(acc2, alpha, p16, vbytes, vs, vz, 2, VB)
+            acc3 = _pv(acc3, alpha, p16, vbytes, vs, vz, 3, VB)
 
     acc_rows = acc_ptr + (buf * BLOCK_G + gi[:, None]) * D + vc[None, :] * VPER
     tl.store(acc_rows, acc0, mask=gmask[:, None])
@@ -287,12 +316,13 @@ def _merge_kernel(
     if s < MAXP_HI:
         if s < parts_hi:
             _tier_scores(f32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr, ppp_hi,
-                         PAGE_BYTES, ROW_LEN, False, G, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN, H_SOFF)
+                         PAGE_BYTES, ROW_LEN, False, G, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN,
+                         H_SOFF)
     else:
         if s - MAXP_HI < parts_lo:
             _tier_scores(f32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr, mit_ptr,
-                         ppp_lo, PAGE_BYTES, ROW_LEN, True, G, BLOCK_G, PPI, ITERS_MAX, RS, L_N, L_BN,
-                         L_SOFF)
+                         ppp_lo, PAGE_BYTES, ROW_LEN, True, G, BLOCK_G, PPI, ITERS_MAX, RS, L_N,
+                         L_BN, L_SOFF)
 
 
 @dataclass
@@ -390,6 +420,7 @@ class DecodeAttentionPlan:
         sm_scale: float,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        stages: str = "partition,merge",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [B, Hq, D] over layer ``layer`` of the requests in ``req_idx``;
         adds each token's max-over-group probability to its page score. Returns (out in
@@ -427,12 +458,21 @@ class DecodeAttentionPlan:
                       ITERS_MAX=self.iters_max, MAXP_HI=self.maxp_hi, MAXP=maxp,
                       RS=self.row_stride)
         grid = (b, self.num_kv_heads, maxp)
+        if "partition" in stages:  # (``stages`` lets the benchmark time each launch alone)
+            self._partition(grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common, hi, lo)
+        if "merge" in stages:
+            self._merge(grid, f32, tab, cnt, req_idx, out, lse, common, hi, lo, maxp)
+        return out, lse
+
+    def _partition(self, grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common, hi, lo):
         _partition_kernel[grid](
             q, q.stride(0), q.stride(1), u8, f16, tab, tab.stride(0), tab.stride(1),
             cnt, cnt.stride(0), cnt.stride(1), req_idx, self.acc, self.ml, self.pbuf,
             self.mit, sm_scale * LOG2E, self.ppp_hi, self.ppp_lo, **common, **hi, **lo,
             num_warps=self.num_warps, num_stages=self.num_stages,
         )
+
+    def _merge(self, grid, f32, tab, cnt, req_idx, out, lse, common, hi, lo, maxp):
         _merge_kernel[grid](
             f32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
             req_idx, self.acc, self.ml, self.pbuf, self.mit, out, out.stride(0),
@@ -441,7 +481,6 @@ class DecodeAttentionPlan:
             H_SOFF=hi["H_SOFF"], L_N=lo["L_N"], L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"],
             num_warps=4,
         )
-        return out, lse
 
 
 def decode_attention(
