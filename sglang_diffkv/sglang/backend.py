@@ -11,8 +11,8 @@ per-layer ``forward_extend`` / ``forward_decode``.
   mixed-precision attention over the compressed cache, which also accumulates scores.
 - padded rows (``out_cache_loc == 0``: slot 0 is never allocated) are skipped.
 
-The compute goes through ``sglang_diffkv.cache.CompressedKVCache`` (the torch reference);
-``sglang_diffkv.kernels`` replaces its steps behind that one object when the kernels land.
+The compute goes through one seam, ``ops.DiffKVOps``: the torch reference
+(``sglang_diffkv.cache.CompressedKVCache``) or the Triton kernels on the same state.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_diffkv.sglang.ops import DiffKVOps, want_kernels
 from sglang_diffkv.sglang.pool import DiffKVPoolError, DiffKVTokenToKVPool
 
 logger = logging.getLogger("sglang_diffkv")
@@ -64,8 +65,11 @@ class DiffKVAttnBackend(AttentionBackend):
         self.start_layer = pool.start_layer
         self.last_layer = pool.start_layer + pool.layer_num - 1
         self.forward_metadata: DiffKVForwardMetadata | None = None
-        self.impl = "torch reference (sglang_diffkv.cache)"
-        logger.info("DiffKV attention backend: compute path = %s", self.impl)
+        self.ops = DiffKVOps(self.cache, want_kernels(torch.device(self.device)))
+        logger.info(
+            "DiffKV attention backend: compute path = %s (SGLANG_DIFFKV_KERNELS=auto|1|0)",
+            self.ops.name,
+        )
 
     # ---- metadata ------------------------------------------------------------------------
 
@@ -170,7 +174,7 @@ class DiffKVAttnBackend(AttentionBackend):
         o[:n] = out.transpose(1, 2)[md.token_b, md.token_i].to(q.dtype)
 
         layer_idx = layer.layer_id - self.start_layer
-        self.cache.prefill_layer(layer_idx, md.req_idx, md.lengths, qp, kp, vp, layer.scaling)
+        self.ops.prefill_layer(layer_idx, md.req_idx, md.lengths, qp, kp, vp, layer.scaling)
         if layer.layer_id == self.last_layer:
             self.cache.end_prefill(md.req_idx)
             self._maybe_log(md, "prefill")
@@ -186,10 +190,10 @@ class DiffKVAttnBackend(AttentionBackend):
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, dv)
         layer_idx = layer.layer_id - self.start_layer
         rows = md.rows
-        self.cache.decode_layer_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])
-        res = self.cache.decode_layer_attend(layer_idx, md.req_idx, q3[rows], layer.scaling)
+        self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])
+        out = self.ops.decode_attend(layer_idx, md.req_idx, q3[rows], layer.scaling)
         o = q.new_zeros(q3.shape[0], hq, dv)
-        o[rows] = res.out.to(q.dtype)
+        o[rows] = out.to(q.dtype)
         if layer.layer_id == self.last_layer:
             self._maybe_log(md, "decode")
         return o.view(-1, hq * dv)

@@ -67,6 +67,7 @@ class ModelShape:
     num_kv_heads: int = 2
     head_dim: int = 64
     context_len: int = 512
+    dtype: torch.dtype = torch.float32  # the Triton kernels want bf16/fp16 activations
 
     @property
     def scaling(self) -> float:
@@ -132,7 +133,7 @@ def fake_qkv(ids: torch.Tensor, pos: torch.Tensor, layer: int, shape: ModelShape
             g = torch.Generator().manual_seed(seed)
             scale = 1.0 + 3.0 * (t % 5 == 0)  # some tokens draw much more attention
             rows.append(torch.randn(heads * shape.head_dim, generator=g) * scale)
-        out.append(torch.stack(rows))
+        out.append(torch.stack(rows).to(shape.dtype))
     return out[0], out[1], out[2]
 
 
