@@ -300,6 +300,21 @@ def test_sync_free_mode_matches_validated_mode() -> None:
     b.check_invariants()
 
 
+def test_sync_free_mode_skips_slots_in_the_wrong_phase() -> None:
+    m = PageManager(SPEC, validate=False)
+    m.allocate_prefill([0], [12]).raise_if_failed()
+    m.reclaim_prefill([0], heads(1, 1, 1, 1), heads(1, 1, 1, 1))
+    assert not m.allocate_prefill([1, 2], [12, 12]).ok  # 56 pages > 32 free: slots stay FREE
+    before = m.snapshot()
+    m.reclaim_prefill([1, 0], torch.ones(2, 2, 2), torch.ones(2, 2, 2))  # neither PREFILLED
+    m.ensure_decode_room([1], torch.tensor([[True, True]]))  # FREE: empty tiers look full
+    m.add_tokens([1], torch.tensor([[1, 0]]))
+    m.free_requests([2])
+    assert m.allocate_prefill([0], [1]).ok  # ok, but slot 0 is busy: nothing taken
+    assert snapshot_equal(before, m.snapshot())
+    m.check_invariants()
+
+
 def test_check_invariants_catches_corruption(m: PageManager) -> None:
     m.allocate_prefill([0], [5]).raise_if_failed()
     m.table[0, 1, 1, 0] = m.table[0, 0, 0, 0]

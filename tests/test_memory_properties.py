@@ -296,6 +296,30 @@ class PageManagerMachine(RuleBasedStateMachine):
         return True
 
     @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        """An op on a slot in the wrong phase: validate=True raises naming the phase, the
+        sync-free manager skips the slot on the device. Either way nothing changes."""
+        r = data.draw(st.integers(0, self.m.spec.max_reqs - 1), label="slot")
+        phase = self.ref.phase[r]
+        ones = torch.ones(1, LAYERS, HEADS, dtype=torch.int64)
+        wrong = {
+            "allocate": lambda: self.m.allocate_prefill([r], [1]),
+            "reclaim": lambda: self.m.reclaim_prefill([r], ones * 0, ones * 0),
+            "decode": lambda: self.m.ensure_decode_room([r], torch.tensor([[True, True]])),
+            "add": lambda: self.m.add_tokens([r], torch.tensor([[0, 0]])),
+        }
+        allowed = {Phase.FREE: ("allocate",), Phase.PREFILLED: ("reclaim",),
+                   Phase.DECODING: ("decode", "add")}[phase]
+        op = data.draw(st.sampled_from(sorted(set(wrong) - set(allowed))), label="wrong op")
+        before = self.m.snapshot()
+        if self.m.validate:
+            with pytest.raises(ValueError, match=f"slot {r} is {phase.name}"):
+                wrong[op]()
+        else:
+            wrong[op]()
+        assert same(before, self.m.snapshot())
+
+    @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         busy = self.ref.slots(Phase.PREFILLED, Phase.DECODING)
         if busy:

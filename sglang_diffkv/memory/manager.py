@@ -17,7 +17,12 @@ Every op is plan -> one flat exclusive prefix sum -> disjoint runs of the free l
 counter update, vectorised over the batch with gathers/scatters only. Allocating ops are
 all-or-nothing without a host sync: they compute ``ok`` on the device, scale every take by
 it and return it in an ``AllocResult``. With ``validate=True`` (the default) arguments are
-checked on the host first (a sync); serving code builds the manager with ``validate=False``.
+checked on the host first (a sync); serving code builds the manager with ``validate=False``,
+where slots in the wrong phase are skipped on the device instead, and duplicates in a batch
+and out-of-range values are the caller's responsibility.
+
+Cost: prefill, reclaim and free touch whole rows (B * layers * heads * row_len elements);
+a decode step touches two entries per row. Only the decode step is per-token hot.
 """
 
 from __future__ import annotations
@@ -96,6 +101,12 @@ class PageManager:
             check_phase(self.phase, host, allowed, op)
         return req
 
+    def _in_phase(self, req: torch.Tensor, phase: Phase) -> torch.Tensor:
+        """bool [B, 1, 1]: which slots an op may touch. Without ``validate`` a slot in the
+        wrong phase (say, one whose allocate_prefill was a no-op) is skipped on the device,
+        so a caller's mistake can never break page ownership."""
+        return (self.phase[req] == int(phase)).view(-1, 1, 1)
+
     # -- free-page count ---------------------------------------------------------------
 
     def num_free_pages(self) -> torch.Tensor:
@@ -106,18 +117,20 @@ class PageManager:
         """Free pages as a Python int.
 
         On CPU this is exact. On CUDA it never blocks: it returns the value of the most recent
-        *completed* asynchronous copy (so typically one step stale) and enqueues a fresh copy
-        into a pinned buffer. Call ``torch.cuda.synchronize()`` twice around it for an exact
-        value. Pages only leave the free list through checked ops, so a stale value errs by
-        the pages taken or returned since the previous call.
+        *completed* asynchronous copy (so one step stale when called once per step) and then
+        enqueues a fresh copy into a pinned buffer. For an exact value: call it, synchronise
+        the stream, call it again. The value errs only by the pages taken or returned since
+        the previous call; allocating ops stay safe regardless because they check on device.
         """
         if self.device.type != "cuda":
             return int(self.num_free_pages())
         if self._free_copied is not None and self._free_copied.query():
             self._free_host_value = int(self._free_pinned[0])
-        self._free_pinned.copy_(self.num_free_pages().view(1), non_blocking=True)
+        stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            self._free_pinned.copy_(self.num_free_pages().view(1), non_blocking=True)
         self._free_copied = torch.cuda.Event()
-        self._free_copied.record()
+        self._free_copied.record(stream)
         return self._free_host_value
 
     def pages_needed_for_prefill(self, prompt_lens: Sequence[int]) -> int:
@@ -140,7 +153,8 @@ class PageManager:
             for n in lens.tolist():
                 self.spec.check_prompt_len(n)
         pages = _ceil_div(lens, self.spec.min_tokens_per_page) + 1  # == spec.prefill_pages
-        per_row = pages.view(b, 1, 1).expand(self._heads(b))
+        free_slot = self._in_phase(req, Phase.FREE)
+        per_row = (pages.view(b, 1, 1) * free_slot).expand(self._heads(b))
         take = self.free_list.take(per_row.reshape(-1))
 
         start = take.start.view(*self._heads(b), 1)
@@ -152,8 +166,10 @@ class PageManager:
 
         zero = torch.zeros_like(per_row)
         new_counts = torch.stack((lens.view(b, 1, 1).expand_as(per_row), zero, per_row, zero), -1)
-        self.counts[req] = torch.where(take.ok, new_counts.to(torch.int32), self.counts[req])
-        self.phase[req] = torch.where(take.ok, int(Phase.PREFILLED), self.phase[req])
+        done = take.ok & free_slot
+        self.counts[req] = torch.where(done.unsqueeze(-1), new_counts.to(torch.int32),
+                                       self.counts[req])
+        self.phase[req] = torch.where(done.view(-1), int(Phase.PREFILLED), self.phase[req])
         return AllocResult(op, take.ok, take.needed, take.free, torch.ones_like(take.ok))
 
     def reclaim_prefill(
@@ -186,25 +202,30 @@ class PageManager:
                         f"n_high={int(nh[hit])}, n_low={int(nl[hit])}, "
                         f"prompt length={int(prompt[hit])}"
                     )
+        active = self._in_phase(req, Phase.PREFILLED)
         allocated = counts[..., P_HIGH]
         hp = _ceil_div(nh, self.spec.high_tokens_per_page)
         lp = _ceil_div(nl, self.spec.low_tokens_per_page)
         kept = hp + lp  # <= allocated by spec.prefill_pages' bound
-        start = self.free_list.give((allocated - kept).reshape(-1)).view(*self._heads(b), 1)
+        back = (allocated - kept) * active
+        start = self.free_list.give(back.reshape(-1)).view(*self._heads(b), 1)
 
         pos = self._pos
         rows = self.table[req]
         kept_ = kept.unsqueeze(-1)
-        returned = (pos >= kept_) & (pos < allocated.unsqueeze(-1))
+        returned = (pos >= kept_) & (pos < kept_ + back.unsqueeze(-1))
         self.free_list.write(start + (pos - kept_), rows, returned)
-        rows = torch.where(returned, -1, rows)
+        new_rows = torch.where(returned, -1, rows)
         # Reversal as one gather: position j >= hp reads hp + row_len - 1 - j. Reversing (not
-        # shifting) moves the low run to the right end without overlapping reads and writes.
+        # shifting) moves the low run to the right end with no overlap between what is read
+        # and written, so a kernel can do it in place by pairwise swaps (as DiffKV does).
         hp_ = hp.unsqueeze(-1)
         src = torch.where(pos < hp_, pos, hp_ + self.row_len - 1 - pos)
-        self.table[req] = rows.gather(-1, src)
-        self.counts[req] = torch.stack((nh, nl, hp, lp), -1).to(torch.int32)
-        self.phase.index_fill_(0, req, int(Phase.DECODING))
+        new_rows = new_rows.gather(-1, src)
+        self.table[req] = torch.where(active.unsqueeze(-1), new_rows, rows)
+        new_counts = torch.stack((nh, nl, hp, lp), -1)
+        self.counts[req] = torch.where(active.unsqueeze(-1), new_counts, counts).to(torch.int32)
+        self.phase[req] = torch.where(active.view(-1), int(Phase.DECODING), self.phase[req])
 
     def ensure_decode_room(self, req_idx: IndexLike, tiers: torch.Tensor) -> AllocResult:
         """For every (request, layer, head, tier t) with ``tiers[b, t]`` whose tier is exactly
@@ -219,6 +240,7 @@ class PageManager:
         counts = self.counts[req].to(torch.int64)
         n_tok, pages = counts[..., N_HIGH:N_LOW + 1], counts[..., P_HIGH:P_LOW + 1]
         want = (n_tok == pages * self._tokens_per_page) & want_tier.view(b, 1, 1, 2)
+        want &= self._in_phase(req, Phase.DECODING).unsqueeze(-1)
         rows_ok = ((pages + want).sum(-1) <= self.row_len).all()
         if self.validate and not bool(rows_ok):
             raise PageTableRowFull(f"{op}: a page-table row would exceed row_len={self.row_len}")
@@ -309,7 +331,8 @@ class PageManager:
                         f"capacity={int(capacity[hit])}"
                     )
         counts = counts.clone()
-        counts[..., N_HIGH:N_LOW + 1] = n_tok
+        active = self._in_phase(req, Phase.DECODING).unsqueeze(-1)
+        counts[..., N_HIGH:N_LOW + 1] = torch.where(active, n_tok, counts[..., N_HIGH:N_LOW + 1])
         self.counts[req] = counts.to(torch.int32)
 
     # -- debugging -------------------------------------------------------------------------
