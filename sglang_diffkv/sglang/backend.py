@@ -153,7 +153,7 @@ class DiffKVAttnBackend(AttentionBackend):
         md = self.forward_metadata
         hq, hkv, d, dv = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
                           layer.v_head_dim)
-        q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, dv)
+        q3, k3, v3 = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, dv)
         n, b, lmax = md.num_tokens, md.req_idx.numel(), md.max_len
 
         def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, Lmax, D]
@@ -187,7 +187,7 @@ class DiffKVAttnBackend(AttentionBackend):
         md = self.forward_metadata
         hq, hkv, d, dv = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
                           layer.v_head_dim)
-        q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, dv)
+        q3, k3, v3 = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, dv)
         layer_idx = layer.layer_id - self.start_layer
         rows = md.rows
         self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])

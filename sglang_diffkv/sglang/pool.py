@@ -386,10 +386,16 @@ def step_summary(pool: DiffKVTokenToKVPool, req_idx: torch.Tensor, seq_lens: tor
     """Fractions of the batch's tokens kept high / low / pruned and pages in use."""
     frac = batch_tier_fractions(pool.cache, req_idx, seq_lens)
     used = pool.num_pages - pool.free_pages()
+    # what the active requests' tokens would take in a bf16 cache, in pages of this pool
+    g = pool.plan.geometry
+    tokens = sum(pool.seq_len.get(r, 0) for r in pool.active)
+    bf16_bytes = tokens * pool.plan.rows_per_request * fp16_bytes_per_token(g.head_dim)
+    bf16_pages = bf16_bytes / g.page_bytes
     return (
         f"DiffKV {mode}: batch {int(req_idx.numel())}, tokens high {frac[0]:.1%} / "
         f"low {frac[1]:.1%} / pruned {frac[2]:.1%}; pages in use {used}/{pool.num_pages} "
-        f"({used / pool.num_pages:.1%}), active requests {len(pool.active)}"
+        f"({used / pool.num_pages:.1%}; a bf16 cache would need {bf16_pages:.0f}), "
+        f"active requests {len(pool.active)} holding {tokens} tokens"
     )
 
 

@@ -212,6 +212,7 @@ def test_startup_report_and_step_metrics_are_logged(monkeypatch, caplog):
     assert "logical token slots" in text and "expected max concurrency" in text
     assert "DiffKV prefill: batch 1, tokens high" in text
     assert "DiffKV decode: batch 1" in text and "pruned" in text and "pages in use" in text
+    assert "a bf16 cache would need" in text
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# One scripted H100 run of `--attention-backend diffkv` (stage 1), from the repo root, with
+# .whl/ (bash ../shared/device/fetch_wheels.sh) and .device/ (a copy of ../shared/device/).
+#
+#   bash scripts/gpu_backend_run.sh [STEP ...]     # default: triton nocomp default
+#
+#   triton   stock triton server: greedy top-20 support + logprobs of the first 8 tokens
+#   nocomp   diffkv, SGLANG_DIFFKV_CONFIG=no-compression (every token high): same logprobs,
+#            KL(triton || diffkv) per position
+#   default  diffkv, default preset: logprobs, per-request thresholds, a long-generation batch,
+#            then idle (SGLang's strict idle leak check runs), health, log audit
+#   small    diffkv, default preset, a SmolLM2-135M-shaped dummy model (head_dim 64, GQA 3)
+#
+# Everything goes to $OUT (or /tmp/diffkv_gpu): summary.txt and logs.tar.gz.
+# BUDGET_S (default 540) bounds the run; each step is skipped when too little is left.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+RES=${OUT:-/tmp/diffkv_gpu}; LOGS=$RES/logs; mkdir -p "$LOGS"
+SUMMARY=$RES/summary.txt; : > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+T0=$(date +%s); BUDGET_S=${BUDGET_S:-540}
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+export PYTHONUNBUFFERED=1
+
+source .device/install_on_device.sh >> "$LOGS/install.log" 2>&1 || { say "install failed"; cat "$LOGS/install.log"; exit 1; }
+tail -2 "$LOGS/install.log" | tee -a "$SUMMARY"
+# Install our package the way a user does; its sglang_diffkv.pth lands in site-packages.
+if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$LOGS/install.log" 2>&1; then
+  site=$(python3 -c "import site; print(site.getsitepackages()[0])")
+  printf '%s\nimport sglang_diffkv.sglang._bootstrap\n' "$ROOT" > "$site/sglang_diffkv.pth"
+  say "pip install -e . failed (see install.log); wrote $site/sglang_diffkv.pth by hand"
+fi
+python3 -c "import sys; assert any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path)" \
+  && say "import hook active at interpreter start" || { say "import hook NOT active"; exit 1; }
+
+MODEL=/tmp/dummy-llama3-8b
+python3 .device/dummy_model.py "$MODEL" >/dev/null || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /' | tee -a "$SUMMARY"
+PORT=30000
+COMMON=(--load-format dummy --sampling-backend pytorch --grammar-backend none
+        --mem-fraction-static 0.85 --skip-tokenizer-init --max-running-requests 64
+        --host 127.0.0.1 --port $PORT)
+CLIENT="python3 scripts/sglang_backend_client.py"
+
+SERVER_PID=
+stop_server() {
+  [ -n "$SERVER_PID" ] || return 0
+  kill -TERM -- -"$SERVER_PID" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -"$SERVER_PID" 2>/dev/null; SERVER_PID=; sleep 3
+}
+trap stop_server EXIT
+
+# start_server NAME MAXWAIT MODEL ARGS... (env set by the caller)
+start_server() {
+  local name=$1 maxwait=$2 model=$3; shift 3
+  local t=$(date +%s)
+  setsid python3 -m sglang.launch_server --model-path "$model" "${COMMON[@]}" "$@" \
+    > "$LOGS/$name.log" 2>&1 &
+  SERVER_PID=$!
+  while :; do
+    if grep -q "The server is fired up and ready to roll" "$LOGS/$name.log"; then
+      say "$name: ready after $(( $(date +%s) - t )) s"; return 0; fi
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      say "$name: server exited during startup"; tail -30 "$LOGS/$name.log" | tee -a "$SUMMARY"
+      SERVER_PID=; return 1; fi
+    if [ $(( $(date +%s) - t )) -gt "$maxwait" ]; then
+      say "$name: not ready after $maxwait s"; tail -30 "$LOGS/$name.log" | tee -a "$SUMMARY"
+      stop_server; return 1; fi
+    sleep 2
+  done
+}
+
+audit() {  # what the diffkv log says: start-up report, forced settings, metrics, errors
+  local log=$LOGS/$1.log
+  grep -E "DiffKV KV cache|diffkv: forcing|diffkv: config|compute path|max_total_num_tokens" "$log" \
+    | sed 's/^.*\] //' | sort -u | tee -a "$SUMMARY"
+  grep -E "DiffKV (prefill|decode):" "$log" | tail -3 | sed 's/^.*\] //' | tee -a "$SUMMARY"
+  say "$1: max pages in use seen: $(grep -oE 'pages in use [0-9]+' "$log" | awk '{print $4}' | sort -n | tail -1)"
+  say "$1: errors/tracebacks/leaks: $(grep -ciE 'Traceback|Error|leak' "$log") lines"
+  grep -iE "Traceback|Error|leak" "$log" | grep -v -E "openai_harmony|OpenAIServingResponses|RLIMIT|FA3" | head -5 | tee -a "$SUMMARY"
+}
+
+run_step() {
+  local step=$1
+  say "== $step ($(left) s left)"
+  case $step in
+    triton)
+      [ "$(left)" -gt 150 ] || { say "skipped: no time"; return; }
+      start_server triton 200 "$MODEL" --attention-backend triton --disable-cuda-graph \
+        --disable-piecewise-cuda-graph || return
+      grep -oE "max_total_num_tokens=[0-9]+" "$LOGS/triton.log" | head -1 | sed 's/^/triton: /' | tee -a "$SUMMARY"
+      timeout 120 $CLIENT support $PORT "$RES/support.json" | tee -a "$SUMMARY"
+      timeout 120 $CLIENT logits $PORT "$RES/support.json" "$RES/triton.json" | tee -a "$SUMMARY"
+      stop_server ;;
+    nocomp)
+      [ "$(left)" -gt 120 ] || { say "skipped: no time"; return; }
+      SGLANG_DIFFKV_CONFIG=no-compression start_server nocomp 200 "$MODEL" \
+        --attention-backend diffkv || return
+      timeout 200 $CLIENT logits $PORT "$RES/support.json" "$RES/nocomp.json" | tee -a "$SUMMARY"
+      $CLIENT compare "$RES/triton.json" "$RES/nocomp.json" | tee -a "$SUMMARY"
+      audit nocomp
+      stop_server
+      if [ ! -s "$RES/nocomp.json" ] && [ -z "${SGLANG_DIFFKV_KERNELS:-}" ]; then
+        export SGLANG_DIFFKV_KERNELS=0
+        say "nocomp failed with the kernels: the next steps use the torch reference path"
+      fi ;;
+    default)
+      [ "$(left)" -gt 150 ] || { say "skipped: no time"; return; }
+      SGLANG_DIFFKV_LOG_INTERVAL=16 start_server default 200 "$MODEL" \
+        --attention-backend diffkv || return
+      timeout 200 $CLIENT logits $PORT "$RES/support.json" "$RES/default.json" | tee -a "$SUMMARY"
+      $CLIENT compare "$RES/triton.json" "$RES/default.json" | tee -a "$SUMMARY"
+      timeout 60 $CLIENT thresholds $PORT | tee -a "$SUMMARY"
+      local budget=$(( $(left) - 60 ))
+      timeout "$budget" $CLIENT long $PORT "${LONG_N:-16}" "${LONG_IN:-1024}" "${LONG_OUT:-512}" \
+        "$RES/long.json" | tee -a "$SUMMARY"
+      sleep 8  # idle: the scheduler's strict memory check runs
+      curl -s -o /dev/null -w "default: /health after the run: HTTP %{http_code}\n" \
+        "http://127.0.0.1:$PORT/health" | tee -a "$SUMMARY"
+      kill -0 "$SERVER_PID" 2>/dev/null && say "default: server alive after idle" \
+        || say "default: server DIED"
+      audit default
+      stop_server ;;
+    small)
+      [ "$(left)" -gt 100 ] || { say "skipped: no time"; return; }
+      local small=/tmp/dummy-smollm2
+      python3 .device/dummy_model.py "$small" --layers 30 >/dev/null
+      python3 - "$small" <<'PYEOF'
+import json, sys
+p = sys.argv[1] + "/config.json"
+c = json.load(open(p))
+c.update(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+         head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+json.dump(c, open(p, "w"))
+PYEOF
+      start_server small 150 "$small" --attention-backend diffkv || return
+      timeout 60 $CLIENT thresholds $PORT | tee -a "$SUMMARY"
+      timeout 90 $CLIENT long $PORT 8 512 128 "$RES/small_long.json" | tee -a "$SUMMARY"
+      audit small
+      stop_server ;;
+    *) say "unknown step $step" ;;
+  esac
+}
+
+STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(triton nocomp default)
+for s in "${STEPS[@]}"; do run_step "$s"; done
+say "== done in $(( $(date +%s) - T0 )) s"
+tar czf "$RES/logs.tar.gz" -C "$RES" logs support.json triton.json nocomp.json default.json long.json 2>/dev/null
+rm -rf "$LOGS"
