@@ -72,7 +72,8 @@ def compare(a_file: str, b_file: str) -> None:
             agree += pa["output_ids"][t] == pb["output_ids"][t]
     print(f"compare: {total} positions compared; greedy token agreement {agree}/{total}; "
           f"KL(A||B) over the support: mean {sum(kls) / len(kls):.3e}, max {max(kls):.3e}; "
-          f"first token KL {[f'{k:.2e}' for k in first]}; support covers {min(mass):.1%}-{max(mass):.1%} of A's mass")
+          f"first token KL {[f'{k:.2e}' for k in first]}; "
+          f"support covers {min(mass):.1%}-{max(mass):.1%} of A's mass")
 
 
 def long_run(port: str, n: str, in_len: str, out_len: str, out: str) -> None:
