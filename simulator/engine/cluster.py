@@ -86,7 +86,8 @@ class _Progress:
 
 
 def _sim_request(i: int, t: TraceRequest, arrival: float, user: int = -1) -> SimRequest:
-    return SimRequest(i, arrival, t.input_tokens, t.output_tokens, t.requested_new_tokens, user)
+    return SimRequest(i, arrival, t.input_tokens, t.output_tokens, t.requested_new_tokens, user,
+                      t.prefix_hash_ids)
 
 
 def simulate(workload: Trace | ClosedLoop, server: ResolvedServer, replicas: int = 1,

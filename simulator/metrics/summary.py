@@ -60,6 +60,13 @@ def _weighted_mean(values: np.ndarray, weights: np.ndarray) -> float:
     return float((values * weights).sum() / w) if w > 0 else math.nan
 
 
+def _hit_rate(result: RunResult) -> float | None:
+    """Prompt tokens served by the prefix cache / prompt tokens admitted (None: no cache)."""
+    caches = [rep.scheduler.cache for rep in result.replicas if rep.scheduler.cache is not None]
+    looked = sum(c.lookups for c in caches)
+    return sum(c.hits for c in caches) / looked if caches and looked else None
+
+
 def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
     arrs = per_request_arrays(result)
     n_total = len(result.requests)
@@ -119,6 +126,7 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
         "kv_pool_units": srv.pool.capacity,
         "kv_pool_unit": srv.pool.unit,
         "max_running_requests": srv.max_running_requests,
+        "prefix_hit_rate": _hit_rate(result),
     }
     if slo is not None:
         met = slo_met(arrs, slo)

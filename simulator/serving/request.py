@@ -12,10 +12,11 @@ class SimRequest:
 
     __slots__ = ("rid", "arrival", "input_len", "output_len", "max_new", "gen", "fill_len",
                  "prefilled", "held", "prof", "first_token", "finish", "last_token",
-                 "retractions", "rejected", "replica", "itl", "queued_at", "user")
+                 "retractions", "rejected", "replica", "itl", "queued_at", "user", "hash_ids",
+                 "prefix_blocks")
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int,
-                 max_new: int, user: int = -1):
+                 max_new: int, user: int = -1, hash_ids: tuple[int, ...] = ()):
         self.rid = rid
         self.arrival = arrival
         self.input_len = input_len
@@ -35,6 +36,8 @@ class SimRequest:
         self.itl: list[float] | None = None  # gaps not produced by plain decode steps
         self.queued_at = arrival
         self.user = user
+        self.hash_ids = hash_ids             # Mooncake prompt-block ids (prefix cache keys)
+        self.prefix_blocks: list[int] = []   # cached blocks this request holds locked
 
     @property
     def done(self) -> bool:

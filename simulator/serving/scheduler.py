@@ -31,6 +31,7 @@ import numpy as np
 
 from simulator.kv.pool import KVPool
 from simulator.serving.cost import StepShape
+from simulator.serving.prefix_cache import PrefixCache
 from simulator.serving.request import SimRequest
 from simulator.serving.settings import (
     CLIP_MAX_NEW_TOKENS,
@@ -74,14 +75,16 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, limits: SchedulerLimits, rng: np.random.Generator):
+    def __init__(self, pool: KVPool, limits: SchedulerLimits, rng: np.random.Generator,
+                 cache: PrefixCache | None = None):
         self.pool = pool
+        self.cache = cache        # radix-cache model; None with --disable-radix-cache
         self.lim = limits
         self.rng = rng
         self.page = getattr(pool, "page_size", 1)
         self.waiting: deque[SimRequest] = deque()
         self.chunked: SimRequest | None = None
-        self.used = 0                              # pool units allocated
+        self.used = 0              # pool units allocated, cached prefix blocks included
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * limits.conservativeness, 1.0)
         self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.ratio_decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -139,6 +142,40 @@ class Scheduler:
         """SGLang's self_check_during_idle resets the ratio."""
         self.new_token_ratio = self.init_ratio
 
+    # ---- memory --------------------------------------------------------------------------
+    def _free(self) -> int:
+        """Units that can be allocated now: free ones plus evictable cached blocks
+        (SGLang's available_size + evictable_size)."""
+        free = self.pool.capacity - self.used
+        return free + self.cache.evictable_units if self.cache is not None else free
+
+    def _make_room(self, units: int) -> None:
+        """Evict unlocked cached blocks so ``units`` fit (SGLang evicts before allocating)."""
+        short = units - (self.pool.capacity - self.used)
+        if short > 0 and self.cache is not None:
+            self.used -= self.cache.evict(short)
+
+    def _cache_prompt(self, r: SimRequest) -> None:
+        """Prefill done: the prompt's full blocks join the cache, still locked by ``r``; their
+        units move from the request to the cache."""
+        if self.cache is None or not r.hash_ids:
+            return
+        block = self.cache.block
+        n = min(len(r.hash_ids), r.input_len // block)
+        added = self.cache.insert_locked(r.hash_ids[:n], r.held // block)
+        r.prefix_blocks = r.prefix_blocks + added
+        r.held -= len(added) * block
+
+    def _retire(self, r: SimRequest, held: int) -> None:
+        """A finished request frees its own units and unlocks its cached prompt blocks."""
+        self._drop_prefix(r)
+        self.used -= held
+
+    def _drop_prefix(self, r: SimRequest) -> None:
+        if self.cache is not None and r.prefix_blocks:
+            self.cache.unlock(r.prefix_blocks)
+            r.prefix_blocks = []
+
     # ---- batch formation -----------------------------------------------------------------
     def next_batch(self) -> Batch | None:
         batch = self._prefill_batch()
@@ -159,6 +196,8 @@ class Scheduler:
 
     def _prefill_batch(self) -> Batch | None:
         lim = self.lim
+        if not self.run_reqs and self.chunked is None:
+            self.batch_is_full = False        # nothing left that could free memory
         if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None
         running_bs = len(self.run_reqs)
@@ -173,7 +212,7 @@ class Scheduler:
         if running_bs:
             left = np.minimum(self.maxnew - self.gen, CLIP_MAX_NEW_TOKENS)
             reserve = pool.future_units(float(left.sum()) * self.new_token_ratio)
-        available = pool.capacity - self.used
+        available = self._free()
         self._rem_total = available - (mixed_units + reserve)
         self._cur_rem = available - mixed_units
         self._rem_input = lim.max_prefill_tokens - mixed_tokens
@@ -259,14 +298,34 @@ class Scheduler:
     def _add_one(self, r: SimRequest, has_others: bool) -> tuple[int, int]:
         """PrefillAdder.add_one_req -> (result, tokens admitted now)."""
         pool = self.pool
-        extend = r.fill_len - r.prefilled
-        total = pool.prompt_units(r.prefilled, extend) + pool.future_units(
+        matched: list[int] = []
+        if self.cache is not None and r.prefilled == 0 and r.hash_ids:
+            matched = self.cache.match(r.hash_ids, r.fill_len - 1)
+        start = len(matched) * self.cache.block if matched else r.prefilled
+        extend = r.fill_len - start
+        total = pool.prompt_units(start, extend) + pool.future_units(
             min(max(r.max_new - r.gen, 0), CLIP_MAX_NEW_TOKENS))
         if total >= self._rem_total:
             return NO_TOKEN, 0
         paged = -(-extend // self.page) * self.page
         if paged >= self._rem_input and has_others:
             return OTHER, 0
+        if matched:
+            # locking the matched prefix makes it unevictable: the budget shrinks (SGLang
+            # re-checks after _lock_node)
+            lost = self.cache.lock(matched)
+            self._rem_total -= lost
+            self._cur_rem -= lost
+            if total >= self._rem_total:
+                self.cache.unlock(matched)
+                self._rem_total += lost
+                self._cur_rem += lost
+                return NO_TOKEN, 0
+            r.prefix_blocks = matched
+            r.prefilled = start
+        if self.cache is not None:
+            self.cache.lookups += r.fill_len
+            self.cache.hits += start
         if self._rem_chunk is None or paged <= self._rem_chunk:
             self._charge(pool.prompt_units(r.prefilled, extend), extend,
                          min(r.max_new, CLIP_MAX_NEW_TOKENS))
@@ -323,6 +382,7 @@ class Scheduler:
         tokens = 0
         pairs = 0.0
         past = 0
+        self._make_room(sum(pool.prompt_units(r.prefilled, n) for r, n in chunks))
         for r, extend in chunks:
             units = pool.prompt_units(r.prefilled, extend)
             r.held += units
@@ -349,18 +409,21 @@ class Scheduler:
         """prepare_for_decode: one more KV token per running request."""
         self.kv = self.kv + 1
         if self._unit_growth:
+            self._make_room(len(self.run_reqs))
             self.held = self.held + 1
             self.used += len(self.run_reqs)
             return
         new_held, self._read_bytes = self.pool.decode_state(self.kv, self.prof)
-        self.used += int(new_held.sum() - self.held.sum())
+        delta = int(new_held.sum() - self.held.sum())
+        self._make_room(delta)
+        self.used += delta
         self.held = new_held
 
     def _update_running_batch(self) -> int:
         """Scheduler.update_running_batch: check_decode_mem, retract or decay, allocate."""
         pool = self.pool
         retracted = 0
-        if pool.decode_step_need(self.kv) > pool.capacity - self.used:
+        if pool.decode_step_need(self.kv) > self._free():
             retracted = self._retract()
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
@@ -376,14 +439,14 @@ class Scheduler:
         freed = 0
         popped: list[int] = []
         first = True
-        while first or self.pool.decode_step_need(self.kv[keep]) > (
-                self.pool.capacity - self.used + freed):
+        while first or self.pool.decode_step_need(self.kv[keep]) > self._free() + freed:
             if len(order) == 1:
                 break
             first = False
             i = order.pop()
             keep[i] = False
             freed += int(self.held[i])
+            self._drop_prefix(self.run_reqs[i])      # release_req unlocks the prefix
             popped.append(i)
         for i in popped:
             r = self.run_reqs[i]
@@ -397,11 +460,11 @@ class Scheduler:
         self.used -= freed
         self.retractions += len(popped)
         self._filter(keep)
-        if len(order) == 1 and self.pool.decode_step_need(self.kv) > (
-                self.pool.capacity - self.used):
+        if len(order) == 1 and self.pool.decode_step_need(self.kv) > self._free():
             r = self.run_reqs[0]               # out of memory even after retracting
             r.rejected = "out of memory even after retracting every other request"
             self.used -= int(self.held[0])
+            self._drop_prefix(r)
             self.aborted.append(r)
             self._filter(np.zeros(1, dtype=bool))
         if self.run_reqs:
@@ -435,7 +498,7 @@ class Scheduler:
                     r.gen = int(self.gen[i])
                     r.finish = now
                     r.last_token = now
-                    self.used -= int(self.held[i])
+                    self._retire(r, int(self.held[i]))
                     r.held = 0
                     finished.append(r)
                 self._filter(~done)
@@ -453,17 +516,22 @@ class Scheduler:
                     r.itl = []
                 r.itl.append(now - r.last_token)
             r.last_token = now
-            # compression after prefill: reclaim from the all-high prompt to the mix
-            kv = np.array([r.fill_len], dtype=np.int64)
-            prof = None if r.prof is None else r.prof[None]
-            new_held = int(self.pool.decode_units(kv, prof)[0])
-            self.used += new_held - r.held
-            r.held = new_held
+            if self.cache is not None:
+                self._cache_prompt(r)         # page-size-1 token pool: nothing to reclaim
+            else:
+                # DiffKV compresses the prompt after prefill: all-high pages -> the mix
+                # (a no-op for token pools, whose held units already equal the paged KV)
+                kv = np.array([r.fill_len], dtype=np.int64)
+                prof = None if r.prof is None else r.prof[None]
+                new_held = int(self.pool.decode_units(kv, prof)[0])
+                self.used += new_held - r.held
+                r.held = new_held
             if r.gen >= r.output_len:
                 r.finish = now
-                self.used -= r.held
+                self._retire(r, r.held)
                 r.held = 0
                 finished.append(r)
+                self.batch_is_full = False    # the merged prefill batch shrank
             else:
                 joined.append(r)
         if joined:
@@ -490,4 +558,10 @@ class Scheduler:
 
     @property
     def usage(self) -> float:
-        return self.used / self.pool.capacity
+        """Pool fraction in use, evictable cache excluded (SGLang's token usage)."""
+        cached = self.cache.evictable_units if self.cache is not None else 0
+        return (self.used - cached) / self.pool.capacity
+
+    @property
+    def cache_units(self) -> int:
+        return self.cache.units if self.cache is not None else 0

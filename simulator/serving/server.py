@@ -19,6 +19,7 @@ from simulator.serving.memory import (
     kv_memory_budget,
     mem_fraction_static,
 )
+from simulator.serving.prefix_cache import PrefixCache
 from simulator.serving.scheduler import Scheduler, SchedulerLimits
 from simulator.serving.settings import ServerSettings
 from simulator.specs.calibration import Calibration
@@ -76,8 +77,17 @@ class ResolvedServer:
         self.cost = CostModel(model, gpu, d.calibration, pool, d.kv_format.calibration_key,
                               s.tp, self.graph_sizes, not s.disable_cuda_graph)
 
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        """SGLang's radix cache, unless disabled. Modelled for page-size-1 token pools (bf16,
+        fp8); the DiffKV backend runs without it, and paged uniform formats are not modelled
+        with it (their requests would hold partial pages of cached prefixes)."""
+        return (not self.deployment.settings.disable_radix_cache and self.pool.unit == "tokens"
+                and getattr(self.pool, "page_size", 1) == 1)
+
     def new_scheduler(self, seed: int) -> Scheduler:
-        return Scheduler(self.pool, self.limits, np.random.default_rng(seed))
+        cache = PrefixCache() if self.prefix_cache_enabled else None
+        return Scheduler(self.pool, self.limits, np.random.default_rng(seed), cache)
 
     def describe(self) -> dict[str, Any]:
         d = self.deployment
@@ -93,5 +103,6 @@ class ResolvedServer:
             "max_prefill_tokens": d.settings.max_prefill_tokens,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "context_len": self.context_len,
+            "prefix_cache": self.prefix_cache_enabled,
             "calibration": d.calibration.source_file,
         }
