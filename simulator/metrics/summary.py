@@ -14,6 +14,7 @@ requests with their reasons, and goodput (completed requests meeting the SLO per
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from typing import Any
 
@@ -103,8 +104,9 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
         "completed": n_done,
         "rejected": len(rejected),
         "unfinished": unfinished,
-        "rejection_reasons": dict(Counter(r.rejected.split(" ")[0] + " ..." if len(
-            r.rejected) > 80 else r.rejected for r in rejected).most_common(5)),
+        # reasons grouped with their numbers masked ("input N >= max request length N")
+        "rejection_reasons": dict(Counter(re.sub(r"\d+", "N", r.rejected or "")
+                                          for r in rejected).most_common(5)),
         "duration_s": duration,
         "request_throughput": n_done / duration,
         "input_throughput": in_tokens / duration,

@@ -90,6 +90,8 @@ def test_every_request_completes_or_is_rejected_under_memory_pressure(fmt):
     s = summarize(res)
     assert s["completed"] + s["rejected"] == s["requests"] == 401
     assert s["rejected"] >= 1 and s["unfinished"] == 0
+    assert sum(s["rejection_reasons"].values()) == s["rejected"]
+    assert all("N" in reason for reason in s["rejection_reasons"])
     assert s["retractions"] > 0
     sched = res.replicas[0].scheduler
     assert sched.used == 0 and sched.idle            # every unit returned to the pool
