@@ -100,10 +100,13 @@ def store_check(d, tiers, dtype):
             score, pos = torch.rand(t, device=DEV), torch.randint(0, 1 << 20, (t,), device=DEV)
             pages = torch.randint(0, 256, (n_pages, geo.page_bytes), dtype=torch.uint8,
                                   device=DEV)
-            ref = pages.clone()
+            # the reference runs on the CPU: torch's CUDA division by a scalar multiplies by
+            # the reciprocal, so the GPU reference can differ from the CPU one by an ulp
+            ref = pages.cpu()
             store_tokens(pages, layout, ids, slots, k, v, score, pos.int())
-            store_tokens_reference(ref, layout, ids, slots, k, v, score, pos.int())
-            worst = max(worst, int((pages != ref).sum()))
+            store_tokens_reference(ref, layout, *(x.cpu() for x in (ids, slots, k, v, score,
+                                                                     pos.int())))
+            worst = max(worst, int((pages.cpu() != ref).sum()))
         return f"{worst} differing bytes (50k tokens per tier)", worst == 0
     return run
 
@@ -133,24 +136,25 @@ def compress_check(lengths, hkv, d):
         sig = prefill_scores(q, k, lens, d**-0.5, 64)
         caches, cls = [], []
         poison = None
-        for fn in (compress_prefill, compress_prefill_reference):
+        for fn, dev in ((compress_prefill, DEV), (compress_prefill_reference, "cpu")):
             c = CompressedKVCache(config, head_dim=d, num_layers=1, num_kv_heads=hkv,
                                   num_pages=3 * b * hkv * (lmax // 32 + 2), max_reqs=b + 2,
-                                  max_context=lmax, device=DEV, validate=False)
+                                  max_context=lmax, device=dev, validate=False)
             if poison is None:
-                poison = torch.randint(0, 256, c.pages.shape, dtype=torch.uint8, device=DEV)
+                poison = torch.randint(0, 256, c.pages.shape, dtype=torch.uint8)
             c.pages.copy_(poison)
-            req = torch.arange(b, device=DEV) + 1
-            c.begin_prefill(req, lens)
+            req = torch.arange(b, device=dev) + 1
+            c.begin_prefill(req, lens.to(dev))
             a = c.alpha[req]
-            cls.append(fn(c.pages, c.geometry, c.manager.table, req, 0, k, v, sig, lens,
-                          a[:, 0], a[:, 1], config.window, config.score_queries))
+            cls.append(fn(c.pages, c.geometry, c.manager.table, req, 0, k.to(dev), v.to(dev),
+                          sig.to(dev), lens.to(dev), a[:, 0], a[:, 1], config.window,
+                          config.score_queries))
             c.manager.reclaim_prefill(req, cls[-1].n_high.view(b, 1, hkv),
                                       cls[-1].n_low.view(b, 1, hkv))
             caches.append(c)
-        same = (torch.equal(caches[0].pages, caches[1].pages)
-                and torch.equal(caches[0].manager.table, caches[1].manager.table)
-                and torch.equal(caches[0].manager.counts, caches[1].manager.counts))
+        same = (torch.equal(caches[0].pages.cpu(), caches[1].pages)
+                and torch.equal(caches[0].manager.table.cpu(), caches[1].manager.table)
+                and torch.equal(caches[0].manager.counts.cpu(), caches[1].manager.counts))
         kept = cls[0].n_high.sum().item(), cls[0].n_low.sum().item()
         return f"pages/table/counts equal={same}; kept hi/lo {kept}", same
     return run
@@ -163,43 +167,52 @@ def policy_check(lengths, hkv, d, steps):
         g = torch.Generator(device="cpu").manual_seed(5)
         caches = []
         lens = torch.tensor(lengths)
-        req = torch.arange(len(lengths), device=DEV)
         poison = None
-        for _ in range(2):
+        # reference on the CPU (see store_check), kernel on the GPU from the same state
+        for dev in ("cpu", DEV):
             c = CompressedKVCache(config, head_dim=d, num_layers=1, num_kv_heads=hkv,
                                   num_pages=4 * len(lengths) * hkv * (max(lengths) // 32 + 8),
                                   max_reqs=len(lengths), max_context=max(lengths) + steps,
-                                  device=DEV, validate=False)
+                                  device=dev, validate=False)
             if poison is None:
-                poison = torch.randint(0, 256, c.pages.shape, dtype=torch.uint8, device=DEV)
+                poison = torch.randint(0, 256, c.pages.shape, dtype=torch.uint8)
             c.pages.copy_(poison)
-            c.begin_prefill(req, lens)
+            c.begin_prefill(torch.arange(len(lengths), device=dev), lens.to(dev))
             caches.append(c)
         lmax = max(lengths)
-        q = torch.randn(len(lengths), 2 * hkv, lmax, d, generator=g).to(DEV)
-        k = torch.randn(len(lengths), hkv, lmax, d, generator=g).to(DEV)
-        v = torch.randn(len(lengths), hkv, lmax, d, generator=g).to(DEV)
-        for c in caches:
-            c.prefill_layer(0, req, lens, q, k, v, d**-0.5)
-            c.end_prefill(req)
+        q = torch.randn(len(lengths), 2 * hkv, lmax, d, generator=g)
+        k = torch.randn(len(lengths), hkv, lmax, d, generator=g)
+        v = torch.randn(len(lengths), hkv, lmax, d, generator=g)
         a, b = caches
+        req_a = torch.arange(len(lengths))
+        req = req_a.to(DEV)
+        a.prefill_layer(0, req_a, lens, q, k, v, d**-0.5)
+        a.end_prefill(req_a)
+        b.pages.copy_(a.pages)
+        for name in ("table", "counts", "phase"):
+            getattr(b.manager, name).copy_(getattr(a.manager, name))
+        b.manager.free_list._buf.copy_(a.manager.free_list._buf)
+        b.manager.free_list.head.copy_(a.manager.free_list.head)
+        b.manager.free_list.tail.copy_(a.manager.free_list.tail)
+        b.alpha.copy_(a.alpha)
         seen, same = set(), True
         for step in range(steps):
-            for c in caches:
-                c.begin_decode(req)
-            pos = lens.to(DEV) + step
-            key = torch.randn(len(lengths), hkv, d, generator=g).bfloat16().to(DEV)
-            val = torch.randn(len(lengths), hkv, d, generator=g).bfloat16().to(DEV)
-            alpha = a.alpha[req]
+            a.begin_decode(req_a)
+            b.begin_decode(req)
+            pos = lens + step
+            key = torch.randn(len(lengths), hkv, d, generator=g).bfloat16()
+            val = torch.randn(len(lengths), hkv, d, generator=g).bfloat16()
+            alpha = a.alpha[req_a]
             r = decode_policy_step_reference(a.pages, a.geometry, a.manager.table,
-                                             a.manager.counts, req, 0, pos, alpha,
+                                             a.manager.counts, req_a, 0, pos, alpha,
                                              config.window, key, val)
             o = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts, req,
-                                   0, pos, alpha, config.window, key, val)
-            same &= (torch.equal(o.action, r.action.to(torch.int8))
-                     and torch.equal(o.hmin, r.hmin) and torch.equal(o.lmin, r.lmin)
-                     and torch.equal(a.pages, b.pages)
-                     and torch.equal(a.manager.counts, b.manager.counts))
+                                   0, pos.to(DEV), alpha.to(DEV), config.window, key.to(DEV),
+                                   val.to(DEV))
+            same &= (torch.equal(o.action.cpu(), r.action.to(torch.int8))
+                     and torch.equal(o.hmin.cpu(), r.hmin) and torch.equal(o.lmin.cpu(), r.lmin)
+                     and torch.equal(a.pages, b.pages.cpu())
+                     and torch.equal(a.manager.counts, b.manager.counts.cpu()))
             seen |= set(o.action.flatten().tolist())
         return f"{steps} steps equal={same}; actions seen {sorted(seen)}", same
     return run

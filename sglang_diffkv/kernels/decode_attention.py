@@ -57,8 +57,15 @@ def _in_group(qj, sel, KG: tl.constexpr):
 
 
 @triton.jit
-def _pv(acc, alpha, p16, vbytes, vs, vz, J: tl.constexpr, VB: tl.constexpr):
-    v = (((vbytes >> (J * VB)) & ((1 << VB) - 1)).to(tl.float32) * vs + vz).to(tl.float16)
+def _pv(acc, alpha, p16, vbytes, vs, vz, J: tl.constexpr, VB: tl.constexpr,
+        PER_TOKEN: tl.constexpr):
+    """acc * alpha + P . V_J. With one value group per token (PER_TOKEN) the scale is already
+    folded into p16 and the zero summed apart, so V_J is the raw codes (exact in fp16)."""
+    codes = (vbytes >> (J * VB)) & ((1 << VB) - 1)
+    if PER_TOKEN:
+        v = codes.to(tl.float16)
+    else:
+        v = (codes.to(tl.float32) * vs + vz).to(tl.float16)
     return acc * alpha[:, None] + tl.dot(p16, v)
 
 
@@ -112,6 +119,13 @@ def _tier_partition(
     acc1 = tl.zeros([BLOCK_G, VDB], tl.float32)
     acc2 = tl.zeros([BLOCK_G, VDB], tl.float32)
     acc3 = tl.zeros([BLOCK_G, VDB], tl.float32)
+    zsum = tl.zeros([BLOCK_G], tl.float32)  # sum of p * zero (one value group per token)
+    # sum(q) per key group, loop-invariant with one key group
+    qsum_all = tl.sum(q0.to(tl.float32), axis=1)
+    if KPER > 1:
+        qsum_all += tl.sum(q1.to(tl.float32), axis=1)
+    if KPER > 2:
+        qsum_all += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
     buf = ((b * tl.num_programs(1) + h) * MAXP + slot_base + part).to(tl.int64)
     for it in range(0, n_iters):
         page_local = first + it * PPI + pg
@@ -133,15 +147,20 @@ def _tier_partition(
         for gg in tl.static_range(KG):
             sel = ((kc // KGS) == gg)[None, :]
             dots = _code_dot(_in_group(q0, sel, KG), kbytes, 0, KB)
-            qsum = tl.sum(_in_group(q0, sel, KG).to(tl.float32), axis=1)
             if KPER > 1:
                 dots += _code_dot(_in_group(q1, sel, KG), kbytes, 1, KB)
-                qsum += tl.sum(_in_group(q1, sel, KG).to(tl.float32), axis=1)
             if KPER > 2:
                 dots += _code_dot(_in_group(q2, sel, KG), kbytes, 2, KB)
                 dots += _code_dot(_in_group(q3, sel, KG), kbytes, 3, KB)
-                qsum += tl.sum(_in_group(q2, sel, KG).to(tl.float32), axis=1)
-                qsum += tl.sum(_in_group(q3, sel, KG).to(tl.float32), axis=1)
+            if KG == 1:
+                qsum = qsum_all
+            else:
+                qsum = tl.sum(_in_group(q0, sel, KG).to(tl.float32), axis=1)
+                if KPER > 1:
+                    qsum += tl.sum(_in_group(q1, sel, KG).to(tl.float32), axis=1)
+                if KPER > 2:
+                    qsum += tl.sum(_in_group(q2, sel, KG).to(tl.float32), axis=1)
+                    qsum += tl.sum(_in_group(q3, sel, KG).to(tl.float32), axis=1)
             kmeta = (base + KMOFF) // 2 + srow * (2 * KG) + gg * 2
             ks = tl.load(f16 + kmeta, mask=valid, other=0.0).to(tl.float32)
             kz = tl.load(f16 + kmeta + 1, mask=valid, other=0.0).to(tl.float32)
@@ -159,12 +178,17 @@ def _tier_partition(
                  p16, mask=gmask[:, None] & valid[None, :])
         tl.store(mit_ptr + (buf * ITERS_MAX + it) * G + gi, m_new, mask=gmask)
 
-        # ---- values: dequantise to fp16 (per-group scale/zero), P.V per sub-tensor ----
+        # ---- values: P.V per bit sub-tensor ----
+        # one group per token: sum_n p s_n (c_n + z_n / s_n) = (p * s) . c + (p . z), so codes
+        # go to the dot unscaled; grouped values are dequantised element-wise instead
         if VG == 1:
             vmeta = (base + VMOFF) // 2 + srow * 2
-            vs = tl.load(f16 + vmeta, mask=valid, other=0.0).to(tl.float32)[:, None]
-            vz = tl.load(f16 + vmeta + 1, mask=valid, other=0.0).to(tl.float32)[:, None]
+            vs = tl.load(f16 + vmeta, mask=valid, other=0.0).to(tl.float32)
+            vz = tl.load(f16 + vmeta + 1, mask=valid, other=0.0).to(tl.float32)
+            zsum = zsum * alpha + tl.sum(p * vz[None, :], axis=1)
+            pv16 = (p * vs[None, :]).to(tl.float16)
         else:
+            pv16 = p16
             vs = tl.zeros([R, VDB], tl.float32)
             vz = tl.zeros([R, VDB], tl.float32)
             for gg in tl.static_range(VG):
@@ -174,13 +198,17 @@ def _tier_partition(
                 in_group = ((vc // VGS) == gg)[None, :]
                 vs = tl.where(in_group, s_g[:, None], vs)
                 vz = tl.where(in_group, z_g[:, None], vz)
-        acc0 = _pv(acc0, alpha, p16, vbytes, vs, vz, 0, VB)
+        acc0 = _pv(acc0, alpha, pv16, vbytes, vs, vz, 0, VB, VG == 1)
         if VPER > 1:
-            acc1 = _pv(acc1, alpha, p16, vbytes, vs, vz, 1, VB)
+            acc1 = _pv(acc1, alpha, pv16, vbytes, vs, vz, 1, VB, VG == 1)
         if VPER > 2:
-            acc2 = _pv(acc2, alpha, p16, vbytes, vs, vz, 2, VB)
-            acc3 = _pv(acc3, alpha, p16, vbytes, vs, vz, 3, VB)
+            acc2 = _pv(acc2, alpha, pv16, vbytes, vs, vz, 2, VB, VG == 1)
+            acc3 = _pv(acc3, alpha, pv16, vbytes, vs, vz, 3, VB, VG == 1)
 
+    acc0 += zsum[:, None]
+    acc1 += zsum[:, None]
+    acc2 += zsum[:, None]
+    acc3 += zsum[:, None]
     acc_rows = acc_ptr + (buf * BLOCK_G + gi[:, None]) * D + vc[None, :] * VPER
     tl.store(acc_rows, acc0, mask=gmask[:, None])
     if VPER > 1:
@@ -233,31 +261,37 @@ def _tier_scores(
     f32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
-    N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr,
+    N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, CH: tl.constexpr,
 ):
+    """score += max over the group of p * exp2(m_iter - lse) for one partition's tokens,
+    CH partition iterations per loop step (independent loads in flight, few steps)."""
     R: tl.constexpr = PPI * BN
+    MR: tl.constexpr = CH * RS
     n_pages = tl.cdiv(n_tok, N)
     first = part * ppp
     last = tl.minimum(first + ppp, n_pages)
     n_iters = tl.cdiv(last - first, PPI)
     gi = tl.arange(0, BLOCK_G)
-    r = tl.arange(0, R)
-    pg = r // BN
-    slot = r % BN
-    for it in range(0, n_iters):
-        page_local = first + it * PPI + pg
+    t = tl.arange(0, MR)
+    for c in range(0, tl.cdiv(n_iters, CH)):
+        it = c * CH + t // RS
+        rr = t % RS
+        page_local = first + it * PPI + rr // BN
+        slot = rr % BN
         tok = page_local * N + slot
-        valid = (slot < N) & (page_local < last) & (tok < n_tok)
+        valid = (rr < R) & (slot < N) & (page_local < last) & (tok < n_tok) & (it < n_iters)
         if LOW:
             col = ROW_LEN - 1 - page_local
         else:
             col = page_local
         page = tl.load(row + col, mask=valid, other=0)
-        p16 = tl.load(p_ptr + ((buf * ITERS_MAX + it) * G + gi[:, None]) * RS + r[None, :],
-                      mask=gmask[:, None] & valid[None, :], other=0.0)
-        mit = tl.load(mit_ptr + (buf * ITERS_MAX + it) * G + gi, mask=gmask, other=0.0)
-        prob = p16.to(tl.float32) * tl.exp2(mit - lse2)[:, None]
-        prob = tl.max(tl.where(gmask[:, None], prob, 0.0), axis=0)
+        rows = (buf * ITERS_MAX + it) * G
+        ok = gmask[:, None] & valid[None, :]
+        p16 = tl.load(p_ptr + (rows[None, :] + gi[:, None]) * RS + rr[None, :], mask=ok,
+                      other=0.0)
+        mit = tl.load(mit_ptr + rows[None, :] + gi[:, None], mask=ok, other=0.0)
+        prob = p16.to(tl.float32) * tl.exp2(mit - lse2[:, None])
+        prob = tl.max(tl.where(ok, prob, 0.0), axis=0)
         sptr = f32 + (page.to(tl.int64) * PAGE_BYTES + SOFF) // 4 + slot
         old = tl.load(sptr, mask=valid, other=0.0)
         tl.store(sptr, old + prob, mask=valid)
@@ -271,7 +305,7 @@ def _merge_kernel(
     BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX,
     MAXP_HI, MAXP, RS: tl.constexpr, BLOCK_P: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr,
-    L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr,
+    L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr, CH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -317,12 +351,12 @@ def _merge_kernel(
         if s < parts_hi:
             _tier_scores(f32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr, ppp_hi,
                          PAGE_BYTES, ROW_LEN, False, G, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN,
-                         H_SOFF)
+                         H_SOFF, CH)
     else:
         if s - MAXP_HI < parts_lo:
             _tier_scores(f32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr, mit_ptr,
                          ppp_lo, PAGE_BYTES, ROW_LEN, True, G, BLOCK_G, PPI, ITERS_MAX, RS, L_N,
-                         L_BN, L_SOFF)
+                         L_BN, L_SOFF, CH)
 
 
 @dataclass
@@ -477,7 +511,8 @@ class DecodeAttentionPlan:
             f32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
             req_idx, self.acc, self.ml, self.pbuf, self.mit, out, out.stride(0),
             out.stride(1), lse, self.ppp_hi, self.ppp_lo, **common,
-            BLOCK_P=triton.next_power_of_2(maxp), H_N=hi["H_N"], H_BN=hi["H_BN"],
+            BLOCK_P=triton.next_power_of_2(maxp), CH=max(1, 256 // self.row_stride),
+            H_N=hi["H_N"], H_BN=hi["H_BN"],
             H_SOFF=hi["H_SOFF"], L_N=lo["L_N"], L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"],
             num_warps=4,
         )
