@@ -20,7 +20,8 @@ class StepLog:
         self.t_end: list[float] = []
         self.dt: list[float] = []
         self.kind: list[int] = []
-        self.running: list[int] = []      # decoding requests in the step
+        self.running: list[int] = []      # decoding requests in the step (0: prefill only)
+        self.batch: list[int] = []        # running batch size after the step
         self.tokens: list[int] = []       # tokens through the model in the step
         self.waiting: list[int] = []
         self.usage: list[float] = []      # pool fraction allocated after the step
@@ -72,6 +73,7 @@ class Replica:
             log.dt.append(dt)
             log.kind.append(KIND_CODE[batch.kind])
             log.running.append(shape.decode_reqs)
+            log.batch.append(sched.running)
             log.tokens.append(shape.decode_reqs + shape.prefill_tokens)
             log.waiting.append(len(sched.waiting))
             log.usage.append(sched.usage)

@@ -140,7 +140,8 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
 
 
 def timeseries(result: RunResult, max_points: int = 2000) -> dict[str, list[float]]:
-    """Batch size and KV usage over time (replica 0 when one replica, else summed/averaged),
+    """Running-batch size and KV usage over time (one replica as logged; several: summed
+    batch, averaged usage on a common grid),
     downsampled to at most ``max_points`` for JSON and plots."""
     logs = [rep.log.arrays() for rep in result.replicas]
     logs = [lg for lg in logs if lg["t_end"].size]
@@ -150,11 +151,11 @@ def timeseries(result: RunResult, max_points: int = 2000) -> dict[str, list[floa
     if lg is None:
         t = np.sort(np.concatenate([x["t_end"] for x in logs]))
         grid = np.linspace(t[0], t[-1], min(max_points, t.size))
-        batch = sum(np.interp(grid, x["t_end"], x["running"]) for x in logs)
+        batch = sum(np.interp(grid, x["t_end"], x["batch"]) for x in logs)
         usage = sum(np.interp(grid, x["t_end"], x["usage"]) for x in logs) / len(logs)
         waiting = sum(np.interp(grid, x["t_end"], x["waiting"]) for x in logs)
         return {"t": grid.tolist(), "batch": list(batch), "kv_usage": list(usage),
                 "waiting": list(waiting)}
     idx = np.linspace(0, lg["t_end"].size - 1, min(max_points, lg["t_end"].size)).astype(int)
-    return {"t": lg["t_end"][idx].tolist(), "batch": lg["running"][idx].tolist(),
+    return {"t": lg["t_end"][idx].tolist(), "batch": lg["batch"][idx].tolist(),
             "kv_usage": lg["usage"][idx].tolist(), "waiting": lg["waiting"][idx].tolist()}
