@@ -310,6 +310,10 @@ class Scheduler:
         paged = -(-extend // self.page) * self.page
         if paged >= self._rem_input and has_others:
             return OTHER, 0
+        whole = self._rem_chunk is None or paged <= self._rem_chunk
+        trunc = 0 if whole else self._rem_chunk // self.page * self.page
+        if not whole and trunc <= 0:
+            return OTHER, 0                   # no room for even one page of this prompt
         if matched:
             # locking the matched prefix makes it unevictable: the budget shrinks (SGLang
             # re-checks after _lock_node)
@@ -326,13 +330,10 @@ class Scheduler:
         if self.cache is not None:
             self.cache.lookups += r.fill_len
             self.cache.hits += start
-        if self._rem_chunk is None or paged <= self._rem_chunk:
+        if whole:
             self._charge(pool.prompt_units(r.prefilled, extend), extend,
                          min(r.max_new, CLIP_MAX_NEW_TOKENS))
             return self._budget_state(), extend
-        trunc = self._rem_chunk // self.page * self.page
-        if trunc <= 0:
-            return OTHER, 0
         self._charge(pool.prompt_units(r.prefilled, trunc), trunc, 0)
         return self._budget_state(), trunc
 
