@@ -10,6 +10,10 @@
 #   default  diffkv, default preset: logprobs, per-request thresholds, a long-generation batch,
 #            then idle (SGLang's strict idle leak check runs), health, log audit
 #   small    diffkv, default preset, a SmolLM2-135M-shaped dummy model (head_dim 64, GQA 3)
+#   rtriton rnocomp rdefault   the same three on a SmolLM2-135M-shaped model with random
+#            weights scaled for sharp logits and peaked attention
+#            (scripts/sglang_backend_random_model.py): dummy weights give near-uniform
+#            logits and flat attention, which neither the KL nor the policy can see
 #
 # Everything goes to $OUT (or /tmp/diffkv_gpu): summary.txt and logs.tar.gz.
 # BUDGET_S (default 540) bounds the run; each step is skipped when too little is left.
@@ -36,6 +40,11 @@ python3 -c "import sys; assert any(type(f).__name__ == 'PostImportFinder' for f 
 
 MODEL=/tmp/dummy-llama3-8b
 python3 .device/dummy_model.py "$MODEL" >/dev/null || exit 1
+RMODEL=/tmp/random-smollm2
+case " $* " in *" r"*)
+  python3 .device/dummy_model.py "$RMODEL" --layers 30 >/dev/null \
+    && python3 scripts/sglang_backend_random_model.py "$RMODEL" | tee -a "$SUMMARY" ;;
+esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /' | tee -a "$SUMMARY"
 PORT=30000
 COMMON=(--load-format dummy --sampling-backend pytorch --grammar-backend none
@@ -74,54 +83,57 @@ start_server() {
 
 audit() {  # what the diffkv log says: start-up report, forced settings, metrics, errors
   local log=$LOGS/$1.log
-  grep -E "DiffKV KV cache|diffkv: forcing|diffkv: config|compute path|max_total_num_tokens" "$log" \
+  grep -E "DiffKV KV cache|diffkv: |compute path|max_total_num_tokens" "$log" \
     | sed 's/^.*\] //' | sort -u | tee -a "$SUMMARY"
   grep -E "DiffKV (prefill|decode):" "$log" | tail -3 | sed 's/^.*\] //' | tee -a "$SUMMARY"
   say "$1: max pages in use seen: $(grep -oE 'pages in use [0-9]+' "$log" | awk '{print $4}' | sort -n | tail -1)"
-  say "$1: errors/tracebacks/leaks: $(grep -ciE 'Traceback|Error|leak' "$log") lines"
-  grep -iE "Traceback|Error|leak" "$log" | grep -v -E "openai_harmony|OpenAIServingResponses|RLIMIT|FA3" | head -5 | tee -a "$SUMMARY"
+  local ignore="Ignore import error|openai_harmony|OpenAIServingResponses|RLIMIT|FA3"
+  say "$1: errors/tracebacks/leaks: $(grep -iE 'Traceback|Error|leak' "$log" | grep -cvE "$ignore") lines"
+  grep -iE "Traceback|Error|leak" "$log" \
+    | grep -vE "$ignore" | head -5 | tee -a "$SUMMARY"
 }
 
 run_step() {
-  local step=$1
-  say "== $step ($(left) s left)"
+  local step=$1 P= M=$MODEL LOAD=(--load-format dummy)
+  case $step in r*) P=r; M=$RMODEL; LOAD=(--load-format safetensors); step=${step#r} ;; esac
+  say "== $P$step ($(left) s left)"
   case $step in
     triton)
       [ "$(left)" -gt 150 ] || { say "skipped: no time"; return; }
-      start_server triton 200 "$MODEL" --attention-backend triton --disable-cuda-graph \
+      start_server ${P}triton 200 "$M" "${LOAD[@]}" --attention-backend triton --disable-cuda-graph \
         --disable-piecewise-cuda-graph || return
-      grep -oE "max_total_num_tokens=[0-9]+" "$LOGS/triton.log" | head -1 | sed 's/^/triton: /' | tee -a "$SUMMARY"
-      timeout 120 $CLIENT support $PORT "$RES/support.json" | tee -a "$SUMMARY"
-      timeout 120 $CLIENT logits $PORT "$RES/support.json" "$RES/triton.json" | tee -a "$SUMMARY"
+      grep -oE "max_total_num_tokens=[0-9]+" "$LOGS/${P}triton.log" | head -1 | sed "s/^/${P}triton: /" | tee -a "$SUMMARY"
+      timeout 120 $CLIENT support $PORT "$RES/${P}support.json" | tee -a "$SUMMARY"
+      timeout 120 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}triton.json" | tee -a "$SUMMARY"
       stop_server ;;
     nocomp)
       [ "$(left)" -gt 120 ] || { say "skipped: no time"; return; }
-      SGLANG_DIFFKV_CONFIG=no-compression start_server nocomp 200 "$MODEL" \
+      SGLANG_DIFFKV_CONFIG=no-compression start_server ${P}nocomp 200 "$M" "${LOAD[@]}" \
         --attention-backend diffkv || return
-      timeout 200 $CLIENT logits $PORT "$RES/support.json" "$RES/nocomp.json" | tee -a "$SUMMARY"
-      $CLIENT compare "$RES/triton.json" "$RES/nocomp.json" | tee -a "$SUMMARY"
-      audit nocomp
+      timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}nocomp.json" | tee -a "$SUMMARY"
+      $CLIENT compare "$RES/${P}triton.json" "$RES/${P}nocomp.json" | tee -a "$SUMMARY"
+      audit ${P}nocomp
       stop_server
-      if [ ! -s "$RES/nocomp.json" ] && [ -z "${SGLANG_DIFFKV_KERNELS:-}" ]; then
+      if [ ! -s "$RES/${P}nocomp.json" ] && [ -z "${SGLANG_DIFFKV_KERNELS:-}" ]; then
         export SGLANG_DIFFKV_KERNELS=0
         say "nocomp failed with the kernels: the next steps use the torch reference path"
       fi ;;
     default)
       [ "$(left)" -gt 150 ] || { say "skipped: no time"; return; }
-      SGLANG_DIFFKV_LOG_INTERVAL=16 start_server default 200 "$MODEL" \
+      SGLANG_DIFFKV_LOG_INTERVAL=16 start_server ${P}default 200 "$M" "${LOAD[@]}" \
         --attention-backend diffkv || return
-      timeout 200 $CLIENT logits $PORT "$RES/support.json" "$RES/default.json" | tee -a "$SUMMARY"
-      $CLIENT compare "$RES/triton.json" "$RES/default.json" | tee -a "$SUMMARY"
+      timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}default.json" | tee -a "$SUMMARY"
+      $CLIENT compare "$RES/${P}triton.json" "$RES/${P}default.json" | tee -a "$SUMMARY"
       timeout 60 $CLIENT thresholds $PORT | tee -a "$SUMMARY"
       local budget=$(( $(left) - 60 ))
       timeout "$budget" $CLIENT long $PORT "${LONG_N:-16}" "${LONG_IN:-1024}" "${LONG_OUT:-512}" \
-        "$RES/long.json" | tee -a "$SUMMARY"
+        "$RES/${P}long.json" | tee -a "$SUMMARY"
       sleep 8  # idle: the scheduler's strict memory check runs
-      curl -s -o /dev/null -w "default: /health after the run: HTTP %{http_code}\n" \
+      curl -s -o /dev/null -w "${P}default: /health after the run: HTTP %{http_code}\n" \
         "http://127.0.0.1:$PORT/health" | tee -a "$SUMMARY"
-      kill -0 "$SERVER_PID" 2>/dev/null && say "default: server alive after idle" \
-        || say "default: server DIED"
-      audit default
+      kill -0 "$SERVER_PID" 2>/dev/null && say "${P}default: server alive after idle" \
+        || say "${P}default: server DIED"
+      audit ${P}default
       stop_server ;;
     small)
       [ "$(left)" -gt 100 ] || { say "skipped: no time"; return; }
@@ -147,5 +159,4 @@ PYEOF
 STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(triton nocomp default)
 for s in "${STEPS[@]}"; do run_step "$s"; done
 say "== done in $(( $(date +%s) - T0 )) s"
-tar czf "$RES/logs.tar.gz" -C "$RES" logs support.json triton.json nocomp.json default.json long.json 2>/dev/null
-rm -rf "$LOGS"
+(cd "$RES" && tar czf logs.tar.gz logs ./*.json 2>/dev/null && rm -rf logs ./*.json)

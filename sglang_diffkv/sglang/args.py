@@ -95,12 +95,24 @@ def check_supported(args: Any) -> None:
         raise DiffKVUnsupportedError("; ".join(reasons))
 
 
-def apply_forced_settings(args: Any, *, log: bool) -> None:
+def forced_setting_lines(args: Any) -> list[str]:
+    """One line per forced setting, naming the user's value when it is overridden."""
+    lines = []
     for name, value, why in FORCED_SETTINGS:
-        if log:
-            before = getattr(args, name, None)
-            was = "" if before in (None, value) else f" (was {before})"
-            logger.info("diffkv: forcing %s=%s%s: %s", name, value, was, why)
+        before = getattr(args, name, None)
+        was = "" if before in (None, value) else f" (was {before})"
+        lines.append(f"diffkv: forcing {name}={value}{was}: {why}")
+    return lines
+
+
+def apply_forced_settings(args: Any, *, log: bool) -> None:
+    # The launching process has not configured logging yet when ServerArgs is built, so an
+    # override of the user's own value is a warning (always shown); the scheduler repeats
+    # every line at INFO in the server log (runner.init_pools).
+    if log:
+        for line in forced_setting_lines(args):
+            logger.log(logging.WARNING if "(was " in line else logging.INFO, line)
+    for name, value, _ in FORCED_SETTINGS:
         setattr(args, name, value)
 
 

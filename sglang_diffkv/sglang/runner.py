@@ -16,6 +16,7 @@ from typing import Any
 
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import ConfigError, DiffKVConfig
+from sglang_diffkv.sglang.args import FORCED_SETTINGS
 from sglang_diffkv.sglang.pool import (
     CapacityPlan,
     DiffKVPoolError,
@@ -124,6 +125,8 @@ def init_pools(runner: Any) -> None:
     )
     # The scheduler reads the slot count from here (tp_worker.get_worker_info).
     runner.max_total_num_tokens = slots
+    for name, value, why in FORCED_SETTINGS:
+        logger.info("diffkv: %s=%s (forced): %s", name, value, why)
     for line in capacity_report(plan, num_pages, slots, max_reqs, context_len):
         logger.info(line)
     if not kv.fits_empty_pool(context_len):

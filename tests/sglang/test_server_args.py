@@ -30,6 +30,8 @@ def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
     # one line per forced setting, each with its reason; the user's values are named
     assert len(forced) == len(FORCED_SETTINGS)
     assert any("page_size=1 (was 16)" in m for m in forced)
+    overridden = [r for r in caplog.records if "(was " in r.getMessage()]
+    assert overridden and all(r.levelno == logging.WARNING for r in overridden)
     assert any("chunked_prefill_size=-1 (was 4096)" in m for m in forced)
     assert all(": " in m and len(m.split(": ", 1)[1]) > 20 for m in forced)
     assert any("SGLANG_DIFFKV_CONFIG" in r.getMessage() for r in caplog.records)
