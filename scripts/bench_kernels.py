@@ -47,8 +47,25 @@ HQ, HKV, D = 32, 8, 128
 
 
 def bench(fn, warmup=25, rep=100) -> float:
-    """Median milliseconds (CUDA events, triton.testing.do_bench)."""
+    """Median milliseconds (CUDA events, triton.testing.do_bench): eager launches, so the
+    host's launch overhead counts wherever the GPU work is shorter than it."""
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, reps: int = 20) -> float:
+    """Median milliseconds per call of ``fn`` captured in a CUDA graph (``reps`` calls per
+    graph, the way a decode step runs under CUDA graphs: no host launch overhead)."""
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / reps
 
 
 def copy_bandwidth() -> float:
@@ -92,14 +109,14 @@ def baseline_time(fwd, b: int, ctx: int) -> float:
         logits = torch.empty(b, HQ, splits, D, device=DEV, dtype=torch.float32)
         lse = torch.empty(b, HQ, splits, device=DEV, dtype=torch.float32)
         nsplit = torch.full((b,), splits, device=DEV, dtype=torch.int32)
-        ms = bench(partial(fwd, q, k, v, o, indptr, indices, logits, lse, nsplit, splits,
-                           D**-0.5, 1.0, 1.0))
+        ms = bench_graph(partial(fwd, q, k, v, o, indptr, indices, logits, lse, nsplit,
+                                 splits, D**-0.5, 1.0, 1.0))
     else:
         k = torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
         v = torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
         qq = q.unsqueeze(2)
-        ms = bench(partial(torch.nn.functional.scaled_dot_product_attention, qq, k, v,
-                           enable_gqa=True))
+        ms = bench_graph(partial(torch.nn.functional.scaled_dot_product_attention, qq, k, v,
+                                 enable_gqa=True))
     return ms
 
 
@@ -140,8 +157,9 @@ def decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_ms) -> dict:
                               device=DEV, seed=b + ctx)
     plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV, **TUNED)
     q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-    ms = bench(partial(plan.run, q, case.pages, case.table, case.counts,
-                       case.req_idx, 0, D**-0.5))
+    run = partial(plan.run, q, case.pages, case.table, case.counts, case.req_idx, 0, D**-0.5)
+    ms = bench_graph(run)
+    eager = bench(run)
     stored = case.stored_bytes(0)
     bf16 = b * ctx * HKV * D * 2 * 2
     bw = stored / (ms * 1e-3)
@@ -150,7 +168,7 @@ def decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_ms) -> dict:
     row = dict(batch=b, context=ctx, mix=mix, ms=ms, stored_mb=stored / 1e6,
                bw_tbs=bw / 1e12, bw_frac=bw / copy_bw, base_ms=base_ms,
                speedup=speedup, byte_ratio=ratio, speedup_vs_ratio=speedup / ratio,
-               tokens=b * ctx, scratch_mb=plan.scratch_bytes() / 1e6)
+               tokens=b * ctx, scratch_mb=plan.scratch_bytes() / 1e6, eager_ms=eager)
     print(f"decode B{b} ctx{ctx} {mix}: {ms * 1e3:.1f} us, {bw / 1e12:.2f} TB/s "
           f"({bw / copy_bw:.0%} of copy), speedup {speedup:.2f}x "
           f"(byte ratio {ratio:.2f})", flush=True)
@@ -184,9 +202,9 @@ def sweep(copy_bw: float) -> list[dict]:
                                                  target_programs=per_sm * sms)
                 args = (q, case.pages, case.table, case.counts, case.req_idx, 0,
                         D**-0.5)
-                t = bench(partial(plan.run, *args))
-                tp = bench(partial(plan.run, *args, stages="partition"))
-                tm = bench(partial(plan.run, *args, stages="merge"))
+                t = bench_graph(partial(plan.run, *args))
+                tp = bench_graph(partial(plan.run, *args, stages="partition"))
+                tm = bench_graph(partial(plan.run, *args, stages="merge"))
             except Exception as e:  # noqa: BLE001
                 print(f"sweep {mix} ppi{ppi} w{warps} s{stages}: FAILED {e}")
                 continue
@@ -298,12 +316,13 @@ def md_tables(meta, decode, base_label, prefill, compaction) -> str:
     lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"measured copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write); "
              f"baseline: {base_label}; decode config {meta.get('tuned', 'default')}.", ""]
-    lines += ["| batch | context | mix | time (us) | stored MB | TB/s | % of copy BW | "
-              "baseline (us) | speedup | byte ratio | speedup / ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| batch | context | mix | time (us, graph) | eager (us) | stored MB | TB/s | "
+              "% of copy BW | baseline (us, graph) | speedup | byte ratio | speedup / ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
         lines.append(f"| {r['batch']} | {r['context']} | {r['mix']} | {r['ms'] * 1e3:.1f} | "
-                     f"{r['stored_mb']:.1f} | {r['bw_tbs']:.2f} | {r['bw_frac']:.0%} | "
+                     f"{r['eager_ms'] * 1e3:.1f} | {r['stored_mb']:.1f} | {r['bw_tbs']:.2f} | "
+                     f"{r['bw_frac']:.0%} | "
                      f"{r['base_ms'] * 1e3:.1f} | {r['speedup']:.2f} | {r['byte_ratio']:.2f} | "
                      f"{r['speedup_vs_ratio']:.2f} |")
     lines += ["", "| prompt length | prefill attention (ms) | scoring incl. LSE pass (ms) | "
