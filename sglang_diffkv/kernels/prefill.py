@@ -31,8 +31,6 @@ from sglang_diffkv.policy import (
     classify_prompt,
     group_max,
     prompt_attention_mass,
-    thresholds,
-    virtual_positions,
 )
 
 LOG2E = 1.4426950408889634
@@ -84,7 +82,8 @@ def _lse_kernel(
 
 @triton.jit
 def _colsum_kernel(
-    q, q_sb, q_sh, q_sl, k, k_sb, k_sh, k_sl, lengths, lse, sig, Lmax, qk_scale,
+    q, q_sb, q_sh, q_sl, k, k_sb, k_sh, k_sl, lengths, lse, lse_row, lse_mul, sig, Lmax,
+    qk_scale,
     G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -108,8 +107,8 @@ def _colsum_kernel(
             hq = h * G + g
             qt = tl.load(q + b * q_sb + hq * q_sh + qpos[:, None] * q_sl + d[None, :],
                          mask=rmask[:, None], other=0.0)
-            l2 = tl.load(lse + (b * tl.num_programs(1) * G + hq) * QB + r, mask=rmask,
-                         other=0.0)
+            l2 = tl.load(lse + (b * tl.num_programs(1) * G + hq) * lse_row + r, mask=rmask,
+                         other=0.0) * lse_mul
             s = _qk(qt, kt, DOT_F32) * qk_scale
             p = tl.where(ok, tl.exp2(s - l2[:, None]), 0.0)
             best = tl.maximum(best, tl.sum(p, axis=0))
@@ -151,20 +150,22 @@ def prefill_scores(
     hkv = k.shape[1]
     qb = max(16, triton.next_power_of_2(score_queries))
     lengths = lengths.to(device=q.device, dtype=torch.int32)
-    lse2 = torch.empty(b, hq, qb, dtype=torch.float32, device=q.device)
     if lse is None:
+        lse2 = torch.empty(b, hq, qb, dtype=torch.float32, device=q.device)
+        lse_row, lse_mul = qb, 1.0
         _lse_kernel[(b, hq)](
             q, *q.stride()[:3], k, *k.stride()[:3], lengths, lse2, sm_scale * LOG2E,
             G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=64, DOT_F32=INTERPRET, num_warps=4,
         )
     else:
-        if lse.shape != (b, hq, score_queries):
-            raise ValueError(f"lse must be [{b}, {hq}, {score_queries}]")
-        lse2[..., :score_queries] = lse.float() * LOG2E
+        if lse.shape != (b, hq, score_queries) or lse.dtype != torch.float32:
+            raise ValueError(f"lse must be fp32 [{b}, {hq}, {score_queries}]")
+        lse2, lse_row, lse_mul = lse.contiguous(), score_queries, LOG2E  # natural -> base 2
     sig = torch.empty(b, hkv, lmax, dtype=torch.float32, device=q.device)
     bk = 64
     _colsum_kernel[(b, hkv, triton.cdiv(lmax, bk))](
-        q, *q.stride()[:3], k, *k.stride()[:3], lengths, lse2, sig, lmax, sm_scale * LOG2E,
+        q, *q.stride()[:3], k, *k.stride()[:3], lengths, lse2, lse_row, lse_mul, sig, lmax,
+        sm_scale * LOG2E,
         G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=bk, DOT_F32=INTERPRET,
         num_warps=4,
     )
@@ -193,8 +194,15 @@ def prefill_scores_reference(
 
 
 @triton.jit
+def _threshold(alpha, n):
+    # policy.thresholds: alpha / max(L, 1) in float64, clamped to [0, 1], then float32
+    t = alpha.to(tl.float64) / tl.maximum(n, 1).to(tl.float64)
+    return tl.minimum(tl.maximum(t, 0.0), 1.0).to(tl.float32)
+
+
+@triton.jit
 def _classify_kernel(
-    sig, lengths, t_high, t_low, tier_out, block_counts, Lmax, NB,
+    sig, lengths, alpha_h, alpha_l, tier_out, score_out, pos_out, block_counts, Lmax, NB,
     WINDOW: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -206,9 +214,13 @@ def _classify_kernel(
     s = tl.load(sig + (b * tl.num_programs(1) + h) * Lmax + i, mask=inside, other=0.0)
     count = tl.maximum(tl.minimum(n - i, Q), 1).to(tl.float32)
     mean = tl.math.div_rn(s, count)
-    th = tl.load(t_high + b)
-    tlow = tl.load(t_low + b)
+    th = _threshold(tl.load(alpha_h + b), n)
+    tlow = _threshold(tl.load(alpha_l + b), n)
     valid = i < n
+    tl.store(score_out + (b * tl.num_programs(1) + h) * Lmax + i, tl.where(valid, s, 0.0),
+             mask=inside)
+    if h == 0:  # policy.virtual_positions: L - clamp(L - i, 0, Q)
+        tl.store(pos_out + b * Lmax + i, n - tl.minimum(tl.maximum(n - i, 0), Q), mask=inside)
     high = ((mean >= th) | (i >= n - WINDOW)) & valid
     low = (mean >= tlow) & ~high & valid
     tier = tl.where(high, 0, tl.where(low, 1, 2)).to(tl.int8)
@@ -216,6 +228,19 @@ def _classify_kernel(
     cbase = block_counts + ((b * tl.num_programs(1) + h) * NB + blk) * 2
     tl.store(cbase, tl.sum(high.to(tl.int32), axis=0))
     tl.store(cbase + 1, tl.sum(low.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _scan_kernel(block_counts, first_rank, totals, NB, BLOCK_NB: tl.constexpr):
+    """Exclusive prefix sum of one head's per-block (high, low) member counts."""
+    head = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    j = tl.arange(0, BLOCK_NB)
+    base = (head * NB + j) * 2
+    for t in tl.static_range(2):
+        c = tl.load(block_counts + base + t, mask=j < NB, other=0)
+        inc = tl.cumsum(c, 0)
+        tl.store(first_rank + base + t, inc - c, mask=j < NB)
+        tl.store(totals + head * 2 + t, tl.sum(c, 0))
 
 
 @triton.jit
@@ -240,7 +265,7 @@ def _store_prefill_kernel(
         inside = i < n
         tier = tl.load(tier_in + head * Lmax + i, mask=inside, other=2)
         row = table + tl.load(req + b).to(tl.int64) * t_sr + h * t_sh
-        hp = tl.cdiv(tl.load(n_high + head), H_N)
+        hp = tl.cdiv(tl.load(n_high + head * 2), H_N)  # n_high: the totals [B, Hkv, 2]
         d = tl.arange(0, D)
         kx = tl.load(key + b * k_sb + h * k_sh + i[:, None] * k_sl + d[None, :],
                      mask=inside[:, None], other=0.0).to(tl.float32)
@@ -300,38 +325,38 @@ def compress_prefill(
     if req_idx.shape != (b,) or table.shape[2] != hkv:
         raise ValueError("req_idx must be [B] and table [max_reqs, layers, Hkv, row_len]")
     dev = key.device
+    # (three launches and no torch ops in between: at short prompts the host's launch
+    # overhead, not the GPU, bounds this function)
     lengths_i = lengths.to(device=dev, dtype=torch.int32)
-    t_h = thresholds(alpha_h.to(dev), lengths_i)
-    t_l = thresholds(alpha_l.to(dev), lengths_i)
     bl = 64
     nb = triton.cdiv(lmax, bl)
     tier = torch.empty(b, hkv, lmax, dtype=torch.int8, device=dev)
+    score = torch.empty(b, hkv, lmax, dtype=torch.float32, device=dev)
+    pos = torch.empty(b, lmax, dtype=torch.int32, device=dev)
     block_counts = torch.empty(b, hkv, nb, 2, dtype=torch.int32, device=dev)
-    sig = significance.float().contiguous()
+    first_rank = torch.empty_like(block_counts)
+    totals = torch.empty(b, hkv, 2, dtype=torch.int32, device=dev)
+    sig = significance if significance.dtype == torch.float32 else significance.float()
+    sig = sig.contiguous()
     _classify_kernel[(b, hkv, nb)](
-        sig, lengths_i, t_h, t_l, tier, block_counts, lmax, nb, WINDOW=window,
-        Q=score_queries, BL=bl, num_warps=2,
+        sig, lengths_i, alpha_h.to(device=dev, dtype=torch.float32).contiguous(),
+        alpha_l.to(device=dev, dtype=torch.float32).contiguous(), tier, score, pos,
+        block_counts, lmax, nb, WINDOW=window, Q=score_queries, BL=bl, num_warps=2,
     )
-    totals = block_counts.sum(2, dtype=torch.int32)  # [B, Hkv, 2]
-    first_rank = (torch.cumsum(block_counts, 2, dtype=torch.int32) - block_counts).contiguous()
-    n_high = totals[..., 0].contiguous()
+    _scan_kernel[(b, hkv)](block_counts, first_rank, totals, nb,
+                           BLOCK_NB=triton.next_power_of_2(nb), num_warps=1)
+    n_high = totals[..., 0]
     u8, f16, f32, i32 = page_views(pages)
     tab = table[:, layer]
     _store_prefill_kernel[(b, hkv, nb)](
         u8, f16, f32, i32, key, *key.stride()[:3], value, *value.stride()[:3], sig, tier,
-        first_rank, n_high, lengths_i, tab, tab.stride(0), tab.stride(1), req_idx, lmax, nb,
+        first_rank, totals, lengths_i, tab, tab.stride(0), tab.stride(1), req_idx, lmax, nb,
         PAGE_BYTES=geometry.page_bytes, D=d, Q=score_queries, BL=bl,
         **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"),
         num_warps=4, enable_fp_fusion=False,
     )
-    valid = torch.arange(lmax, device=dev)[None, :] < lengths_i[:, None]
-    return PromptClassification(
-        tier=tier,
-        score=sig * valid[:, None, :],
-        pos=virtual_positions(lengths_i, lmax, score_queries),
-        n_high=n_high,
-        n_low=totals[..., 1].contiguous(),
-    )
+    return PromptClassification(tier=tier, score=score, pos=pos, n_high=n_high,
+                                n_low=totals[..., 1])
 
 
 def compress_prefill_reference(

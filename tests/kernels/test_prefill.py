@@ -77,7 +77,7 @@ def test_compress_prefill_cpu(dtype):
     (kc, kcls), (rc, rcls) = out
     assert torch.equal(kcls.tier, rcls.tier)
     assert torch.equal(kcls.n_high, rcls.n_high) and torch.equal(kcls.n_low, rcls.n_low)
-    assert torch.equal(kcls.pos, rcls.pos)
+    assert torch.equal(kcls.pos, rcls.pos) and torch.equal(kcls.score, rcls.score)
     assert torch.equal(kc.pages, rc.pages)
     assert 0 < int(kcls.n_low.sum()) and int((kcls.tier == 2).sum()) > 0  # all tiers occur
     # and the reference cache's own store_prefill agrees with the reference placement
