@@ -42,63 +42,90 @@ __device__ __forceinline__ void plan_row(const Args& a, int64_t i, int64_t* slot
   *room = (c.z + *w_hi) + (c.w + *w_lo) <= a.row_len;
 }
 
+// Rows are split into 32 contiguous runs, one per warp; a warp walks its run 32 rows at a
+// time (lane = row, so the 16-byte counter loads coalesce), ranks its pages with a warp
+// scan, and warps are ranked by one scan over their totals. Flat order (row, tier) is kept.
 __global__ void __launch_bounds__(kThreads, 1) decode_room_kernel(Args a) {
-  __shared__ int64_t scan[kThreads];
-  const int tid = threadIdx.x;
+  constexpr int kWarps = kThreads / 32;
+  __shared__ int64_t warp_base[kWarps];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int64_t rows = a.batch * a.rows_per_req;
-  const int64_t per = (rows + kThreads - 1) / kThreads;
-  const int64_t lo = tid * per;
-  const int64_t hi = lo + per < rows ? lo + per : rows;
+  const int64_t per_warp = ((rows + kWarps - 1) / kWarps + 31) / 32 * 32;
+  const int64_t lo = warp * per_warp;
+  const int64_t hi = lo + per_warp < rows ? lo + per_warp : rows;
 
-  // 1. plan: pages wanted by this thread's contiguous run of rows
-  int64_t mine = 0;
+  // 1. plan: pages wanted by this warp's run, and whether every row has room
+  int64_t total = 0;
   bool room_all = true;
-  for (int64_t i = lo; i < hi; ++i) {
-    int64_t slot;
-    bool w_hi, w_lo, room;
-    plan_row(a, i, &slot, &w_hi, &w_lo, &room);
-    mine += w_hi + w_lo;
-    room_all &= room;
+#pragma unroll 4
+  for (int64_t base = lo; base < hi; base += 32) {
+    const int64_t i = base + lane;
+    int want = 0;
+    if (i < hi) {
+      int64_t slot;
+      bool w_hi, w_lo, room;
+      plan_row(a, i, &slot, &w_hi, &w_lo, &room);
+      want = w_hi + w_lo;
+      room_all &= room;
+    }
+    total += __reduce_add_sync(0xffffffffu, want);
   }
   const bool rows_ok = __syncthreads_and(room_all);
-
-  // 2. inclusive Hillis-Steele scan over the block (1024 entries, 10 steps)
-  scan[tid] = mine;
+  if (lane == 0) warp_base[warp] = total;
   __syncthreads();
-  for (int off = 1; off < kThreads; off <<= 1) {
-    const int64_t add = tid >= off ? scan[tid - off] : 0;
-    __syncthreads();
-    scan[tid] += add;
-    __syncthreads();
+  if (warp == 0) {  // exclusive scan of the 32 warp totals
+    const int64_t mine = warp_base[lane];
+    int64_t incl = mine;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int64_t up = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += up;
+    }
+    warp_base[lane] = incl - mine;
   }
-  const int64_t needed = scan[kThreads - 1];
+  __syncthreads();
+  // the grand total is the last warp's base plus its total
+  __shared__ int64_t grand;
+  if (warp == kWarps - 1 && lane == 0) grand = warp_base[kWarps - 1] + total;
+  __syncthreads();
+  const int64_t needed = grand;
   const int64_t head = *a.head;
   const int64_t free_now = *a.tail - head;
   const bool ok = rows_ok && needed <= free_now;
 
-  // 3. take: each wanting (row, tier) gets ring slot head + its exclusive rank
+  // 2. take: each wanting (row, tier) gets ring slot head + its exclusive rank
   if (ok) {
-    int64_t cursor = head + scan[tid] - mine;
-    for (int64_t i = lo; i < hi; ++i) {
-      int64_t slot;
-      bool w_hi, w_lo, room;
-      plan_row(a, i, &slot, &w_hi, &w_lo, &room);
-      int32_t* c = a.counts + 4 * slot;
-      int32_t* row = a.table + slot * a.row_len;
-      if (w_hi) {
-        row[c[2]] = a.free_pages[cursor % a.num_pages];
-        c[2] += 1;
-        ++cursor;
+    int64_t cursor = head + warp_base[warp];
+    for (int64_t base = lo; base < hi; base += 32) {
+      const int64_t i = base + lane;
+      int64_t slot = 0;
+      bool w_hi = false, w_lo = false, room;
+      if (i < hi) plan_row(a, i, &slot, &w_hi, &w_lo, &room);
+      const int want = w_hi + w_lo;
+      int incl = want;
+      for (int off = 1; off < 32; off <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += up;
       }
-      if (w_lo) {
-        row[a.row_len - 1 - c[3]] = a.free_pages[cursor % a.num_pages];
-        c[3] += 1;
-        ++cursor;
+      int64_t c = cursor + incl - want;
+      if (want) {
+        int32_t* cnt = a.counts + 4 * slot;
+        int32_t* row = a.table + slot * a.row_len;
+        if (w_hi) {
+          row[cnt[2]] = a.free_pages[c % a.num_pages];
+          cnt[2] += 1;
+          ++c;
+        }
+        if (w_lo) {
+          row[a.row_len - 1 - cnt[3]] = a.free_pages[c % a.num_pages];
+          cnt[3] += 1;
+        }
       }
+      cursor += __shfl_sync(0xffffffffu, incl, 31);
     }
   }
   __syncthreads();  // every thread has read *a.head before it moves
-  if (tid == 0) {
+  if (threadIdx.x == 0) {
     if (ok) *a.head = head + needed;
     a.result[0] = ok;
     a.result[1] = needed;

@@ -96,7 +96,10 @@ def decode_compaction(
         return manager.ensure_decode_room(req_idx, tiers)
     op = "ensure_decode_room"
     req = manager._req(req_idx, op, (Phase.DECODING,)).contiguous()
-    want = torch.as_tensor(tiers, device=manager.device).to(torch.uint8).contiguous()
+    want = torch.as_tensor(tiers, device=manager.device)
+    if want.dtype not in (torch.bool, torch.uint8):  # bool is one byte of 0/1: read as is
+        want = want.to(torch.uint8)
+    want = want.contiguous()
     if manager.validate:
         check_shape("tiers", want, (req.shape[0], 2))
     for name, t in (("table", manager.table), ("counts", manager.counts)):
@@ -114,7 +117,8 @@ def decode_compaction(
     )
     if rc != 0:
         raise RuntimeError(f"decode compaction launch failed: CUDA error {rc}")
-    res = AllocResult(op, result[0].bool(), result[1], result[2], result[3].bool())
+    flags = result.view(torch.bool)  # byte 0 of each little-endian int64: views, no launch
+    res = AllocResult(op, flags[0], result[1], result[2], flags[24])
     if manager.validate and not bool(res.rows_ok):
         raise PageTableRowFull(f"{op}: a page-table row would exceed row_len={s.row_len}")
     return res
