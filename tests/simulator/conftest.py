@@ -1,5 +1,5 @@
 import sys
 from pathlib import Path
 
-# the shared helpers module sits next to the tests (no __init__.py in this folder)
+# sim_helpers.py sits next to the tests (no __init__.py in this folder)
 sys.path.insert(0, str(Path(__file__).parent))

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import scenario
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sim_helpers import scenario
 
 from simulator.engine.cluster import simulate
 from simulator.kv.mix import TierMix

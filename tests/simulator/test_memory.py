@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import scenario
+from sim_helpers import scenario
 
 from simulator.serving.memory import (
     GIB,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import req, scenario, token_scheduler
+from sim_helpers import req, scenario, token_scheduler
 
 from simulator.metrics.summary import summarize
 from simulator.serving.prefix_cache import PrefixCache

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import req, token_scheduler
+from sim_helpers import req, token_scheduler
 
 from simulator.serving.settings import MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS
 
