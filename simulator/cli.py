@@ -1,8 +1,9 @@
 """diffkv-sim: capacity planning for SGLang with bf16, fp8 and DiffKV KV caches.
 
 Subcommands: compare (the default comparison), replay (one format, full metrics), sweep
-(request rates x KV formats), capacity (max QPS and GPUs needed under an SLO), export (write a
-trace as Mooncake JSONL for sglang.bench_serving), traces (list bundled traces and models).
+(request rates x KV formats), capacity (max QPS and GPUs needed under an SLO), validate
+(simulate a measured SGLang run and compare), export (write a trace as Mooncake JSONL for
+sglang.bench_serving), list (bundled traces, length models, models and GPUs).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from sglang_diffkv.config import ConfigError, DiffKVConfig
 from simulator.errors import SimulatorInputError
@@ -214,6 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     _server_options(k)
     _slo_options(k, required=True)
     _output_options(k)
+
+    v = sub.add_parser("validate", help="simulate a run and compare with SGLang's measurements",
+                       description="Replay the trace a real SGLang run served and compare the "
+                                   "server log (pool size, decode batch, token usage, "
+                                   "retractions) and bench_serving's result (throughput, TTFT, "
+                                   "TPOT, ITL, E2E) with the simulation, metric by metric.")
+    v.add_argument("--server-log", default=None, metavar="PATH",
+                   help="SGLang server log (launch_server output)")
+    v.add_argument("--bench-json", default=None, metavar="PATH",
+                   help="bench_serving --output-file result (JSONL; the last run is used)")
+    v.add_argument("--bench-index", type=int, default=-1,
+                   help="which run of --bench-json to use (default: %(default)s, the last)")
+    _workload_options(v, "sharegpt")
+    _format_options(v, many=False)
+    _deployment_options(v)
+    _server_options(v)
+    _output_options(v)
 
     e = sub.add_parser("export", help="write a trace as Mooncake JSONL (for bench_serving)",
                        description="Write the (possibly resampled or synthetic) workload as "
@@ -433,6 +453,30 @@ def cmd_capacity(a: argparse.Namespace, out: Any) -> dict[str, Any]:
             "trace_rate": trace.mean_rate, "results": results}
 
 
+def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    from simulator.validation.bench_result import read_bench_result
+    from simulator.validation.compare import compare_runs
+    from simulator.validation.sglang_log import parse_server_log
+
+    if a.server_log is None and a.bench_json is None:
+        raise SimulatorInputError("give --server-log and/or --bench-json to compare against")
+    log = parse_server_log(a.server_log) if a.server_log else None
+    bench = read_bench_result(a.bench_json, a.bench_index) if a.bench_json else None
+    sc = _scenario(a)
+    workload = _workload(a)
+    res, s = sc.run_summary(workload, a.format)
+    running = [rep.log.arrays()["running"] for rep in res.replicas]
+    decode = np.concatenate([x[x > 0] for x in running]) if running else np.zeros(0)
+    rows = compare_runs(s, bench, log, decode)
+    print(_header(sc, workload) + f" | {a.format}", file=out)
+    print(table.render(["metric", "measured", "simulated", "error"],
+                       [[r["metric"], r["measured"], r["simulated"],
+                         "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"]
+                        for r in rows]), file=out)
+    return {"command": "validate", "scenario": sc.describe(), "summary": s, "rows": rows,
+            "server_log": a.server_log, "bench_json": a.bench_json}
+
+
 def cmd_export(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     a.max_new_tokens = getattr(a, "max_new_tokens", None)
     w = _workload(a)
@@ -455,7 +499,8 @@ def cmd_list(a: argparse.Namespace, out: Any) -> dict[str, Any]:
 
 
 COMMANDS = {"compare": cmd_compare, "replay": cmd_replay, "sweep": cmd_sweep,
-            "capacity": cmd_capacity, "export": cmd_export, "list": cmd_list}
+            "capacity": cmd_capacity, "validate": cmd_validate, "export": cmd_export,
+            "list": cmd_list}
 
 
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:

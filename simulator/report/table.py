@@ -23,6 +23,8 @@ def fmt_num(v: Any, digits: int = 1) -> str:
             return "inf"
         if abs(v) >= 1000:
             return f"{v:,.0f}"
+        if abs(v) < 10:
+            return f"{v:.3g}"      # small values keep three significant digits
         return f"{v:.{digits}f}"
     return str(v)
 

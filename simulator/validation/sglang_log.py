@@ -1,0 +1,87 @@
+"""Parse an SGLang server log: the start-up pool size and the per-batch scheduler lines.
+
+Recognised lines (SGLang 0.5.x, ``scheduler_metrics_mixin``; optional ``[YYYY-MM-DD HH:MM:SS]``
+prefix, older ``#token``/``token usage`` and newer ``#full token``/``full token usage`` names):
+
+  ... max_total_num_tokens=409907, chunked_prefill_size=8192, ... max_running_requests=4096 ...
+  Prefill batch, #new-seq: 4, #new-token: 2048, #cached-token: 0, token usage: 0.05,
+      #running-req: 12, #queue-req: 3, ...
+  Decode batch, #running-req: 128, #token: 51234, token usage: 0.12, cuda graph: True,
+      gen throughput (token/s): 4567.89, #queue-req: 0, ...
+
+Decode lines appear every ``--decode-log-interval`` (40) decode steps, so they sample the
+running batch; their mean is compared with the simulator's decode-step mean.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from simulator.errors import SimulatorInputError
+
+_NUM = r"([0-9]+(?:\.[0-9]+)?)"
+_POOL = re.compile(r"max_total_num_tokens=(\d+)")
+_MAX_RUNNING = re.compile(r"max_running_requests=(\d+)")
+_DECODE = re.compile(
+    r"Decode batch, #running-req: (\d+), #(?:full )?token: (\d+), (?:full )?token usage: " + _NUM)
+_GEN = re.compile(r"gen throughput \(token/s\): " + _NUM)
+_QUEUE = re.compile(r"#queue-req: (\d+)")
+_PREFILL = re.compile(
+    r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+), "
+    r"(?:full )?token usage: " + _NUM + r".*?#running-req: (\d+)")
+_RETRACT = re.compile(r"#retracted-req: (\d+)|Retract requests: (\d+)|retract(?:ed)? (\d+) req",
+                      re.IGNORECASE)
+
+
+@dataclass
+class ServerLog:
+    path: str
+    max_total_num_tokens: int | None = None
+    max_running_requests: int | None = None
+    decode_running: list[int] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)
+    decode_usage: list[float] = field(default_factory=list)
+    decode_gen_throughput: list[float] = field(default_factory=list)
+    prefill_new_tokens: list[int] = field(default_factory=list)
+    prefill_cached_tokens: list[int] = field(default_factory=list)
+    retractions: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        total = sum(self.prefill_new_tokens) + sum(self.prefill_cached_tokens)
+        return sum(self.prefill_cached_tokens) / total if total else None
+
+
+def parse_server_log(path: str | Path) -> ServerLog:
+    p = Path(path)
+    try:
+        text = p.read_text(errors="replace")
+    except OSError as e:
+        raise SimulatorInputError(f"cannot read SGLang log {str(p)!r}: {e.strerror}") from e
+    log = ServerLog(str(p))
+    for line in text.splitlines():
+        if log.max_total_num_tokens is None and (m := _POOL.search(line)):
+            log.max_total_num_tokens = int(m.group(1))
+            if mr := _MAX_RUNNING.search(line):
+                log.max_running_requests = int(mr.group(1))
+            continue
+        if m := _DECODE.search(line):
+            log.decode_running.append(int(m.group(1)))
+            log.decode_tokens.append(int(m.group(2)))
+            log.decode_usage.append(float(m.group(3)))
+            if g := _GEN.search(line):
+                log.decode_gen_throughput.append(float(g.group(1)))
+            continue
+        if m := _PREFILL.search(line):
+            log.prefill_new_tokens.append(int(m.group(2)))
+            log.prefill_cached_tokens.append(int(m.group(3)))
+            continue
+        if m := _RETRACT.search(line):
+            log.retractions += int(next(g for g in m.groups() if g is not None))
+    if log.max_total_num_tokens is None and not log.decode_running:
+        raise SimulatorInputError(
+            f"{p}: no 'max_total_num_tokens=' start-up line and no 'Decode batch' lines; is "
+            "this an SGLang server log?")
+    return log
