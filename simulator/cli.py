@@ -2,8 +2,9 @@
 
 Subcommands: compare (the default comparison), replay (one format, full metrics), sweep
 (request rates x KV formats), capacity (max QPS and GPUs needed under an SLO), validate
-(simulate a measured SGLang run and compare), export (write a trace as Mooncake JSONL for
-sglang.bench_serving), list (bundled traces, length models, models and GPUs).
+(simulate a measured SGLang run and compare), calibrate (fit eta from an SGLang log), export
+(write a trace as Mooncake JSONL for sglang.bench_serving), list (bundled traces, length
+models, models and GPUs).
 """
 
 from __future__ import annotations
@@ -234,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     _deployment_options(v)
     _server_options(v)
     _output_options(v)
+
+    cal = sub.add_parser("calibrate", help="fit eta and fixed costs from an SGLang log",
+                         description="Fit the memory efficiencies (weights, decode attention "
+                                     "for --format) and the per-step and per-sequence costs "
+                                     "from the 'Decode batch' lines of an SGLang server log, "
+                                     "and write a calibration JSON for --calibration.")
+    cal.add_argument("--server-log", required=True, metavar="PATH",
+                     help="SGLang server log with 'Decode batch' lines")
+    cal.add_argument("--out", required=True, metavar="PATH", help="calibration JSON to write")
+    _format_options(cal, many=False)
+    _deployment_options(cal)
+    _server_options(cal)
+    cal.add_argument("--json", default=None, metavar="PATH", help="write the fit as JSON")
+    cal.set_defaults(seed=0, progress=False)
 
     e = sub.add_parser("export", help="write a trace as Mooncake JSONL (for bench_serving)",
                        description="Write the (possibly resampled or synthetic) workload as "
@@ -477,6 +492,31 @@ def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
             "server_log": a.server_log, "bench_json": a.bench_json}
 
 
+def cmd_calibrate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    from simulator.validation.fit import (
+        calibration_file,
+        decode_samples,
+        fit_decode,
+        write_calibration,
+    )
+    from simulator.validation.sglang_log import parse_server_log
+
+    log = parse_server_log(a.server_log)
+    srv = _scenario(a).server(a.format)
+    fit = fit_decode(srv, decode_samples(log))
+    path = write_calibration(a.out, calibration_file(srv, fit, a.server_log))
+    rows = [["eta_mem_gemm", fit["eta_mem_gemm"]],
+            [f"eta_mem_decode_attention[{srv.deployment.kv_format.calibration_key}]",
+             fit["eta_mem_decode_attention"]],
+            ["step_overhead_s", fit["step_overhead_s"]], ["seq_overhead_s", fit["seq_overhead_s"]],
+            ["decode lines used / dropped", f"{fit['samples']} / "
+                                            f"{fit['samples_dropped_compute_bound']}"],
+            ["fit error (MAPE)", f"{100 * fit['mape']:.1f}%"]]
+    print(table.render(["parameter", "fitted"], rows), file=out)
+    print(f"calibration: {path} (use with --calibration {path})", file=out)
+    return {"command": "calibrate", "fit": fit, "calibration": str(path)}
+
+
 def cmd_export(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     a.max_new_tokens = getattr(a, "max_new_tokens", None)
     w = _workload(a)
@@ -499,8 +539,8 @@ def cmd_list(a: argparse.Namespace, out: Any) -> dict[str, Any]:
 
 
 COMMANDS = {"compare": cmd_compare, "replay": cmd_replay, "sweep": cmd_sweep,
-            "capacity": cmd_capacity, "validate": cmd_validate, "export": cmd_export,
-            "list": cmd_list}
+            "capacity": cmd_capacity, "validate": cmd_validate, "calibrate": cmd_calibrate,
+            "export": cmd_export, "list": cmd_list}
 
 
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:

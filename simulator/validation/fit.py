@@ -1,0 +1,141 @@
+"""Fit a calibration from measured decode steps (the 'Decode batch' lines of an SGLang log).
+
+Each line gives the running batch B, the KV tokens in use T and the generation throughput G
+over the last logging interval, so a decode step took about B / G seconds. In the
+memory-bound decode regime the cost model reduces to a linear form
+
+    step = dense_bytes(B) / (eta_mem_gemm * BW) + layers * layer_overhead
+           + attention_bytes(B, T) / (eta_attn * BW) + step_overhead + c_seq * B
+
+with the byte counts the cost model uses; eta_attn, the per-step constant and c_seq are
+fitted by non-negative least squares on the lines whose batch is below half the GPU's ridge
+point (larger batches become compute-bound and are left out), with the weight streaming and
+per-layer costs of the current calibration as a fixed offset. Decode lines of one model cannot
+separate the weight-streaming efficiency from the per-step cost (both are constant), so the
+fitted constant keeps the current per-step cost and moves the rest into eta_mem_gemm, or, if
+that is not a valid efficiency, keeps eta_mem_gemm and becomes the per-step cost.
+The result is a calibration entry with ``measured_on`` provenance.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from simulator.errors import SimulatorInputError
+from simulator.serving.cost import ACT_BYTES
+from simulator.serving.server import ResolvedServer
+from simulator.validation.sglang_log import ServerLog
+
+MIN_SAMPLES = 8
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with theta >= 0: drop the most negative coefficient until none is."""
+    active = list(range(x.shape[1]))
+    theta = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            theta[active] = sol
+            return theta
+        active.pop(int(np.argmin(sol)))
+    return theta
+
+
+def decode_samples(log: ServerLog) -> np.ndarray:
+    """(B, T, step seconds) per decode line with a positive throughput."""
+    rows = [(b, t, b / g) for b, t, g in zip(log.decode_running, log.decode_tokens,
+                                             log.decode_gen_throughput, strict=False)
+            if b > 0 and g > 0]
+    return np.array(rows, dtype=float).reshape(-1, 3)
+
+
+def fit_decode(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
+    cost = server.cost
+    dep = server.deployment
+    bw = dep.gpu.hbm_bandwidth
+    ridge = dep.gpu.bf16_flops / bw * dep.model.weight_bytes_per_param / 2
+    keep = samples[:, 0] <= 0.5 * ridge
+    s = samples[keep]
+    if len(s) < MIN_SAMPLES:
+        raise SimulatorInputError(
+            f"need at least {MIN_SAMPLES} memory-bound decode lines (batch <= {0.5 * ridge:.0f});"
+            f" the log has {len(s)}")
+    cal = dep.calibration
+    weight = cost.layers * sum(op[0] for op in cost.gemms) + cost.lm_head[0]
+    dense, attn = decode_bytes(server, s[:, 0], s[:, 1])
+    # what the current calibration already explains: weight streaming and per-layer costs
+    offset = dense / (bw * cal.eta_mem_gemm) + cost.layers * cal.layer_overhead_s
+    x = np.column_stack([attn / bw, np.ones(len(s)), s[:, 0]])
+    inv_eta_a, const, c_seq = _nnls(x, s[:, 2] - offset)
+    pred = offset + x @ np.array([inv_eta_a, const, c_seq])
+    mape = float(np.mean(np.abs(pred / s[:, 2] - 1)))
+    # ``const`` = per-step cost + the error of the current weight-streaming estimate; keep the
+    # per-step cost and move the rest into eta_mem_gemm when that stays a valid efficiency
+    stream = weight / (bw * cal.eta_mem_gemm) + const - cal.step_overhead_s
+    eta_w = weight / (bw * stream) if stream > 0 else None
+    if eta_w is not None and 0 < eta_w <= 1:
+        step_overhead = cal.step_overhead_s
+    else:
+        eta_w = None
+        step_overhead = max(0.0, const)
+    return {"eta_mem_gemm": eta_w,
+            "eta_mem_decode_attention": (1 / inv_eta_a) if inv_eta_a > 0 else None,
+            "step_overhead_s": float(step_overhead), "seq_overhead_s": float(c_seq),
+            "samples": int(len(s)), "samples_dropped_compute_bound": int((~keep).sum()),
+            "mape": mape}
+
+
+def decode_bytes(server: ResolvedServer, batch: np.ndarray,
+                 kv_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per decode step: bytes the weight GEMMs and the LM head move (CUDA-graph padded batch)
+    and bytes decode attention moves (KV read + write + queries), as the cost model counts."""
+    cost, pool = server.cost, server.pool
+    dense, attn = [], []
+    for b, t in zip(batch.astype(int), kv_tokens.astype(int), strict=True):
+        padded = cost.padded_batch(b) if cost.graphs_enabled and b <= cost.graph_max else b
+        per_layer = sum(w + padded * (i + o) * ACT_BYTES for w, _, i, o in cost.gemms)
+        w, _, i, o = cost.lm_head
+        dense.append(cost.layers * per_layer + w + padded * (i + o) * ACT_BYTES)
+        read = pool.read_bytes_per_layer(np.full(b, max(1, t // b)), None)
+        q = b * cost.q_heads * cost.head_dim * ACT_BYTES * 2
+        attn.append(cost.layers * (read + b * cost.write_bpt + q))
+    return np.array(dense, dtype=float), np.array(attn, dtype=float)
+
+
+def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str) -> dict:
+    """A calibration JSON (same schema as the default) with the fitted values filled in;
+    values the fit could not determine keep the current calibration's."""
+    cal = server.deployment.calibration
+    entry = {k: v for k, v in asdict(cal).items() if k not in ("gpu", "source_file")}
+    key = server.deployment.kv_format.calibration_key
+    if fit["eta_mem_gemm"] is not None:
+        entry["eta_mem_gemm"] = round(min(1.0, fit["eta_mem_gemm"]), 4)
+    if fit["eta_mem_decode_attention"] is not None:
+        entry["eta_mem_decode_attention"] = {**cal.eta_mem_decode_attention,
+                                             key: round(min(1.0, fit["eta_mem_decode_attention"]),
+                                                        4)}
+    entry["step_overhead_s"] = fit["step_overhead_s"]
+    entry["seq_overhead_s"] = fit["seq_overhead_s"]
+    entry["provenance"] = {
+        "source": f"fitted by diffkv-sim calibrate from {log_path}",
+        "measured_on": f"{server.deployment.gpu.name}, {server.deployment.model.name}, "
+                       f"KV format {key}",
+        "date": dt.date.today().isoformat(),
+        "fit": {k: fit[k] for k in ("samples", "samples_dropped_compute_bound", "mape")},
+        "based_on": cal.source_file,
+    }
+    return {"_about": "Calibration fitted from an SGLang server log's decode lines.",
+            "version": 1, "gpus": {server.deployment.gpu.key: entry}}
+
+
+def write_calibration(path: str | Path, data: dict) -> Path:
+    p = Path(path)
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    return p
