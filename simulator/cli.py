@@ -268,11 +268,11 @@ def _workload(a: argparse.Namespace) -> Trace | ClosedLoop:
     if a.synthetic:
         if a.rate is None:
             raise SimulatorInputError("--synthetic needs --rate (req/s, or inf)")
-        trace = synthetic_trace(length_model(a.synthetic), a.num_requests or 1000, a.rate,
-                                seed=a.seed, cv=a.cv)
+        n = 1000 if a.num_requests is None else a.num_requests
+        trace = synthetic_trace(length_model(a.synthetic), n, a.rate, seed=a.seed, cv=a.cv)
     else:
         trace = load_named_trace(a.trace, a.trace_format)
-        if a.num_requests:
+        if a.num_requests is not None:
             trace = trace.head(a.num_requests)
         if a.time_scale is not None:
             trace = trace.time_scaled(a.time_scale)

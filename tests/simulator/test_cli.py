@@ -75,6 +75,11 @@ def test_replay_sweep_capacity_and_export(tmp_path):
     (["compare", "--diffkv-config", "nope"], "unknown preset"),
     (["replay", "--synthetic", "sharegpt"], "needs --rate"),
     (["replay", "--tp", "3"], "tp=3"),
+    (["replay", "-n", "0"], "n=0 must be >= 1"),
+    (["replay", "--rate", "-2"], "rate=-2.0 must be > 0"),
+    (["replay", "--replicas", "0", "-n", "5"], "replicas=0"),
+    (["replay", "--gpu", "tpu"], "unknown GPU 'tpu'"),
+    (["replay", "--closed-loop", "0", "-n", "5"], "users=0"),
 ])
 def test_bad_input_is_one_clear_error(argv, needle, capsys):
     rc, _ = run(*argv)
