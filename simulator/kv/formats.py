@@ -67,6 +67,7 @@ class DiffKVFormat:
             mix=self.mix,
             layers=model.num_layers,
             heads_per_rank=model.kv_heads_per_rank(tp),
+            score_queries=self.config.score_queries,
         )
 
     def describe(self) -> str:

@@ -69,6 +69,11 @@ class KVPool(ABC):
     @abstractmethod
     def write_bytes_per_token_layer(self) -> float: ...
 
+    def compression_pairs(self, prompt_tokens: int) -> float:
+        """Extra query-key pairs (per query head and layer) a finished prompt costs before
+        decoding: 0, except for DiffKV's significance scoring."""
+        return 0.0
+
 
 @dataclass
 class TokenPool(KVPool):
@@ -141,6 +146,7 @@ class DiffKVPool(KVPool):
     mix: TierMix
     layers: int
     heads_per_rank: int
+    score_queries: int = 0          # prompt queries that score every prompt token
     unit: str = field(default="pages")
 
     def __post_init__(self) -> None:
@@ -172,9 +178,15 @@ class DiffKVPool(KVPool):
 
     @classmethod
     def from_rest_bytes(cls, rest_bytes: float, geometry: PageGeometry, window: int,
-                        mix: TierMix, layers: int, heads_per_rank: int) -> DiffKVPool:
+                        mix: TierMix, layers: int, heads_per_rank: int,
+                        score_queries: int = 0) -> DiffKVPool:
         pages = int(max(rest_bytes, 0) // geometry.page_bytes)
-        return cls(pages, geometry, window, mix, layers, heads_per_rank)
+        return cls(pages, geometry, window, mix, layers, heads_per_rank, score_queries)
+
+    def compression_pairs(self, prompt_tokens: int) -> float:
+        """DiffKV scores each prompt token with the last ``score_queries`` queries (an extra
+        attention of score_queries x prompt pairs) before classifying it."""
+        return float(min(self.score_queries, prompt_tokens) * prompt_tokens)
 
     @property
     def pages_per_token(self) -> float:

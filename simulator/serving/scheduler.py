@@ -391,6 +391,8 @@ class Scheduler:
             tokens += extend
             pairs += extend * r.prefilled + extend * extend / 2.0
             past += r.prefilled
+            if r.prefilled + extend == r.fill_len:     # the prompt completes in this step
+                pairs += pool.compression_pairs(r.fill_len)
         b = Batch(chunks=chunks, decode=mixed)
         dec_reqs = dec_kv = 0
         dec_bytes = 0.0

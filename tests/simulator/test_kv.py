@@ -115,3 +115,11 @@ def test_mix_parsing_and_distributions():
     assert np.array_equal(a, b)
     draws = [per_req.request_fractions(np.random.default_rng(s)).sum() for s in range(300)]
     assert np.mean(draws) == pytest.approx(0.8, rel=0.05) and np.std(draws) > 0.05
+
+
+def test_diffkv_prompt_scoring_pairs():
+    pool = make_format("diffkv", 128).build_pool(load_model("llama-3-8b"), 1, 10 * GIB)
+    assert pool.compression_pairs(1000) == 64 * 1000      # 64 scoring queries x 1000 keys
+    assert pool.compression_pairs(10) == 10 * 10
+    assert make_format("bf16", 128).build_pool(load_model("llama-3-8b"), 1,
+                                               GIB).compression_pairs(1000) == 0
