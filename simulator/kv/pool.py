@@ -172,7 +172,8 @@ class DiffKVPool(KVPool):
         h, low = self._mean_prof
         self._pages_per_token = float((self.class_counts * (h / self.n_high
                                                             + low / self.n_low)).sum())
-        # shared-mix lookup tables indexed by KV length: pages held and bytes read per layer
+        # shared-mix lookup tables indexed by KV length: pages held and bytes read per layer;
+        # grown lazily, a pure cache (results never depend on how far it has grown)
         self._pages_tab = np.zeros(0, dtype=np.int64)
         self._read_tab = np.zeros(0, dtype=np.float64)
 

@@ -37,7 +37,8 @@ class Deployment:
 
 
 class ResolvedServer:
-    """Immutable after construction; replicas each build their own Scheduler from it."""
+    """Fixed after construction (the pool and the cost model only keep pure memo caches);
+    replicas each build their own Scheduler from it."""
 
     def __init__(self, d: Deployment):
         s, model, gpu = d.settings, d.model, d.gpu

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,6 @@ class GPUSpec:
                    float(d["interconnect_bandwidth"]), str(d["provenance"]), usable)
 
 
-@lru_cache(maxsize=1)
 def _bundled() -> dict[str, Any]:
     return json.loads(resources.files("simulator.specs").joinpath("gpus.json").read_text())
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from importlib import resources
 from typing import Any
 
@@ -147,7 +146,6 @@ class LengthModel:
                    interarrival_cv=d.get("interarrival_cv"))
 
 
-@lru_cache(maxsize=1)
 def _fits_json() -> dict[str, Any]:
     text = resources.files("simulator.workload").joinpath("length_fits.json").read_text()
     return json.loads(text)
