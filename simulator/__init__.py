@@ -9,6 +9,7 @@ Layers (a folder each):
   metrics/   bench_serving metric definitions, time series, goodput
   studies/   questions built from runs: compare, sweep, max QPS, GPUs needed
   report/    tables, JSON and plots
+  validation/  SGLang server logs and bench_serving results: measured vs simulated, fitting
 The model never imports the engine; the engine drives the model through a narrow interface.
 """
 
