@@ -176,9 +176,9 @@ def decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_ms) -> dict:
     return row
 
 
-# (pages per iteration, warps, pipeline stages, target programs per SM)
-SWEEP = [(1, 4, 2, 8), (1, 4, 3, 8), (1, 4, 3, 4), (1, 4, 3, 16), (2, 4, 3, 8), (1, 8, 3, 8),
-         (1, 2, 3, 8), (1, 2, 3, 16)]
+# (pages per iteration, warps, pipeline stages, target programs per SM, register cap)
+SWEEP = [(1, 4, 2, 8, 0), (1, 4, 3, 8, 0), (1, 4, 2, 16, 0), (1, 2, 2, 16, 0), (2, 4, 2, 8, 0),
+         (1, 4, 2, 8, 96), (1, 4, 2, 16, 80)]
 TUNED: dict[str, int] = {}
 
 
@@ -195,12 +195,13 @@ def sweep(copy_bw: float) -> list[dict]:
         q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
         stored = case.stored_bytes(0)
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-        for ppi, warps, stages, per_sm in SWEEP:
+        for ppi, warps, stages, per_sm, regs in SWEEP:
             try:
                 plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV,
                                                  pages_per_iter=ppi, num_warps=warps,
                                                  num_stages=stages,
-                                                 target_programs=per_sm * sms)
+                                                 target_programs=per_sm * sms,
+                                                 maxnreg=regs or None)
                 args = (q, case.pages, case.table, case.counts, case.req_idx, 0,
                         D**-0.5)
                 t = bench_graph(partial(plan.run, *args))
@@ -211,10 +212,10 @@ def sweep(copy_bw: float) -> list[dict]:
                 continue
             bw = stored / (t * 1e-3)
             rows.append(dict(mix=mix, ppi=ppi, warps=warps, stages=stages,
-                             per_sm=per_sm, ms=t, partition_ms=tp, merge_ms=tm,
+                             per_sm=per_sm, regs=regs, ms=t, partition_ms=tp, merge_ms=tm,
                              bw_frac=bw / copy_bw))
             print(f"sweep {mix} B{b} ctx{ctx} ppi{ppi} w{warps} s{stages} "
-                  f"{per_sm}/SM: "
+                  f"{per_sm}/SM regs<={regs or '-'}: "
                   f"{t * 1e3:.0f} us (partition {tp * 1e3:.0f}, merge {tm * 1e3:.0f}) "
                   f"{bw / copy_bw:.0%} of copy", flush=True)
         del case
@@ -384,18 +385,18 @@ def main() -> int:
     sweep_rows = sweep(meta["copy_tbs"] * 1e12) if "sweep" in only else []
     if sweep_rows:
         # the decode table runs with the configuration fastest over both sweep cases
-        keys = {(r["ppi"], r["warps"], r["stages"], r["per_sm"]) for r in sweep_rows}
-        total = {k: sum(r["ms"] for r in sweep_rows
-                        if (r["ppi"], r["warps"], r["stages"], r["per_sm"]) == k)
-                 for k in keys
-                 if sum((r["ppi"], r["warps"], r["stages"], r["per_sm"]) == k
-                        for r in sweep_rows) == 2}
-        ppi, warps, stages, per_sm = min(total, key=total.get)
+        def key(r: dict) -> tuple:
+            return (r["ppi"], r["warps"], r["stages"], r["per_sm"], r["regs"])
+
+        total = {k: sum(r["ms"] for r in sweep_rows if key(r) == k)
+                 for k in {key(r) for r in sweep_rows}
+                 if sum(key(r) == k for r in sweep_rows) == 2}
+        ppi, warps, stages, per_sm, regs = min(total, key=total.get)
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
         TUNED.update(pages_per_iter=ppi, num_warps=warps, num_stages=stages,
-                     target_programs=per_sm * sms)
+                     target_programs=per_sm * sms, maxnreg=regs or None)
         meta["tuned"] = dict(pages_per_iter=ppi, num_warps=warps, num_stages=stages,
-                             programs_per_sm=per_sm)
+                             programs_per_sm=per_sm, maxnreg=regs or None)
         print(f"tuned decode config: {meta['tuned']}", flush=True)
     decode, base_label = decode_rows(meta["copy_tbs"] * 1e12, args.quick) if "decode" in only \
         else ([], "n/a")

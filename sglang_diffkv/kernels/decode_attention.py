@@ -388,6 +388,7 @@ class DecodeAttentionPlan:
     iters_max: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # register cap per thread (more programs per SM)
 
     @classmethod
     def build(
@@ -403,6 +404,7 @@ class DecodeAttentionPlan:
         target_programs: int | None = None,
         num_warps: int = 4,
         num_stages: int = 2,
+        maxnreg: int | None = None,
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
@@ -428,7 +430,7 @@ class DecodeAttentionPlan:
         iters_max = max(math.ceil(p / pages_per_iter) for p in ppp)
         return cls(geometry, num_q_heads, num_kv_heads, batch, max_context, device,
                    pages_per_iter, ppp[0], ppp[1], maxp[0], maxp[1], iters_max, num_warps,
-                   num_stages)
+                   num_stages, maxnreg)
 
     def __post_init__(self) -> None:
         g = self.num_q_heads // self.num_kv_heads
@@ -511,6 +513,7 @@ class DecodeAttentionPlan:
             cnt, cnt.stride(0), cnt.stride(1), req_idx, self.acc, self.ml, self.pbuf,
             self.mit, sm_scale * LOG2E, self.ppp_hi, self.ppp_lo, **common, **hi, **lo,
             num_warps=self.num_warps, num_stages=self.num_stages,
+            **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
         )
 
     def _merge(self, grid, f32, tab, cnt, req_idx, out, lse, common, hi, lo, maxp):
