@@ -123,8 +123,13 @@ class Scheduler:
         if r.max_new > room:
             r.max_new = room
             r.output_len = min(r.output_len, room)
-        need = self.pool.prompt_units(0, r.input_len) + self.pool.future_units(
-            min(r.max_new, CLIP_MAX_NEW_TOKENS))
+        # liveness: a request must be admissible into an empty server, or it would wait forever
+        if lim.ignore_eos_admission:
+            need = (self.pool.prompt_units(0, r.input_len) + self.pool.future_units(r.max_new)
+                    + self.pool.decode_step_need(np.zeros(1, dtype=np.int64)))
+        else:
+            need = self.pool.prompt_units(0, r.input_len) + self.pool.future_units(
+                min(r.max_new, CLIP_MAX_NEW_TOKENS))
         if need >= self.pool.capacity:
             r.rejected = (f"prompt of {r.input_len} tokens needs {need:.0f} of "
                           f"{self.pool.capacity} {self.pool.unit} even in an empty pool")
@@ -185,7 +190,9 @@ class Scheduler:
             return None
         retracted = self._update_running_batch()
         if not self.run_reqs:
-            return None
+            # every running request was retracted or aborted: the freed memory may admit
+            # waiting ones now (returning None would idle the engine until the next arrival)
+            return self._prefill_batch()
         b = Batch(decode=True, retracted=retracted)
         kv_total = int(self.kv.sum())
         read = (self.pool.read_bytes_for_tokens(kv_total) if self._linear_read

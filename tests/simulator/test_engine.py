@@ -117,17 +117,25 @@ def test_ignore_eos_admission_never_retracts():
     assert summarize(scenario(max_total_tokens=40_000).run(trace, "bf16"))["retractions"] > 0
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.floats(0, 2), st.integers(1, 3000), st.integers(1, 400)),
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.floats(0, 2), st.integers(1, 3000), st.integers(1, 400),
+                          st.integers(0, 300), st.integers(0, 2)),
                 min_size=1, max_size=25),
-       st.sampled_from(["bf16", "diffkv"]), st.integers(2000, 20000))
-def test_property_pool_accounting_never_leaks(rows, fmt, pool_tokens):
-    sc = scenario(max_total_tokens=pool_tokens, chunked_prefill_size=1024)
-    trace = Trace(tuple(TraceRequest(t, i, o) for t, i, o in rows))
+       st.sampled_from(["bf16", "k8v4", "diffkv"]), st.sampled_from([3000, 6000, 20000]),
+       st.booleans(), st.booleans(), st.sampled_from([256, 1024, -1]))
+def test_property_every_request_ends_and_pool_accounting_never_leaks(
+        rows, fmt, pool_tokens, no_radix, mixed, chunk):
+    sc = scenario(max_total_tokens=pool_tokens, chunked_prefill_size=chunk,
+                  disable_radix_cache=no_radix, enable_mixed_chunk=mixed)
+    # extra max_new_tokens beyond the output, and prompts sharing 512-token prefix blocks
+    trace = Trace(tuple(TraceRequest(t, i, o, o + extra,
+                                     tuple(group * 1000 + k for k in range(i // 512)))
+                        for t, i, o, extra, group in rows))
     res = sc.run(trace, fmt)
     s = summarize(res)
-    assert s["completed"] + s["rejected"] == len(rows)
-    assert res.replicas[0].scheduler.used == 0
+    sched = res.replicas[0].scheduler
+    assert s["completed"] + s["rejected"] == len(rows) and s["unfinished"] == 0
+    assert sched.used == sched.cache_units               # only unlocked cache remains
     assert max(res.replicas[0].log.usage, default=0) <= 1.0
 
 

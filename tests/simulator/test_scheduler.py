@@ -174,3 +174,33 @@ def test_ignore_eos_admission_replays_requests_to_max_new(max_new, admitted):
     #   max_new 400: 700 - 400*2 = -100 <= 2 -> NO_TOKEN
     assert (b.kind == "prefill") == admitted
     assert s.batch_is_full != admitted
+
+
+def test_an_emptied_batch_admits_waiting_requests_at_once():
+    s = token_scheduler(100)
+    r0 = req(0, 60, 50, 30)
+    r0.gen, r0.fill_len, r0.prefilled, r0.held, r0.last_token = 1, 60, 60, 100, 0.0
+    s._join([r0])
+    s.used = 100                                   # r0 fills the pool: its next step cannot fit
+    waiting = req(1, 10, 5)
+    s.waiting.append(waiting)
+    b = s.next_batch()
+    # the lone request is aborted (out of memory even after retracting), which frees the pool:
+    # the same call admits the waiting request instead of idling until another arrival
+    assert r0.rejected and s.aborted == [r0]
+    assert b is not None and b.chunks == [(waiting, 10)]
+
+
+def test_submit_rejects_what_ignore_eos_admission_could_never_admit():
+    from simulator.kv.pool import TokenPool
+    from simulator.serving.scheduler import Scheduler, SchedulerLimits
+
+    def sched(ignore_eos: bool) -> Scheduler:
+        limits = SchedulerLimits(None, 16384, 4096, 100_000, 1023, 1.0, False, ignore_eos)
+        return Scheduler(TokenPool(1024, 32, 512.0), limits, np.random.default_rng(0))
+
+    # prompt 500 -> 512 paged slots; 512 + 480 = 992 < 1024 fits the regular rule, but the
+    # ignore_eos rule also keeps one page (32 slots) per request: 992 + 32 >= 1024
+    assert sched(False).submit(req(0, 500, 480))
+    r = req(1, 500, 480)
+    assert not sched(True).submit(r) and "even in an empty pool" in r.rejected
