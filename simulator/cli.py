@@ -79,6 +79,10 @@ def _format_options(p: argparse.ArgumentParser, many: bool) -> None:
     g.add_argument("--head-spread", type=float, default=0.0,
                    help="spread of the kept fraction across KV heads (0: every head alike; "
                         "0.5: classes at roughly 0.4x..1.6x the mean) (default: %(default)s)")
+    g.add_argument("--mix-file", default=None, metavar="PATH",
+                   help='measured per-head DiffKV fractions, JSON {"heads": [[high, low], ...]} '
+                        'or {"layers": [[[high, low], ...], ...]}; replaces --mix and '
+                        "--head-spread")
     g.add_argument("--request-spread", type=float, default=0.0,
                    help="standard deviation of a per-request factor on the kept fraction "
                         "(default: %(default)s)")
@@ -322,7 +326,8 @@ def _scenario(a: argparse.Namespace) -> Scenario:
         dcfg = DiffKVConfig.from_spec(a.diffkv_config)
     except ConfigError as e:
         raise SimulatorInputError(f"--diffkv-config {a.diffkv_config!r}: {e}") from e
-    mix = TierMix.parse(a.mix, a.head_spread, a.request_spread)
+    mix = (TierMix.from_file(a.mix_file, a.request_spread) if a.mix_file
+           else TierMix.parse(a.mix, a.head_spread, a.request_spread))
     return Scenario(model, gpu, calib, settings, dcfg, mix, a.replicas, a.router, a.seed,
                     a.progress)
 

@@ -44,8 +44,17 @@ class TierMix:
     low: float
     head_spread: float = 0.0
     request_spread: float = 0.0
+    # measured per-head (high, low) fractions, one entry per KV head (equal weights); when
+    # given they replace the parametric head classes and high/low are their means
+    heads: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        for i, hl in enumerate(self.heads):
+            if len(hl) != 2 or any(not (isinstance(x, (int, float)) and 0 <= x <= 1)
+                                   for x in hl) or hl[0] + hl[1] > 1 + 1e-9:
+                raise SimulatorInputError(
+                    f"head {i}: fractions {hl!r} must be [high, low] in [0, 1] with high + low "
+                    "<= 1")
         for name in ("high", "low", "head_spread", "request_spread"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
@@ -58,6 +67,8 @@ class TierMix:
             )
         if self.high + self.low <= 0:
             raise SimulatorInputError("mix keeps no token (high = low = 0); keep some tokens")
+        if self.heads and self.head_spread:
+            raise SimulatorInputError("give measured heads or head_spread, not both")
 
     @property
     def pruned(self) -> float:
@@ -84,8 +95,46 @@ class TierMix:
             raise SimulatorInputError(f"mix {text!r}: high + low + pruned must be 1 (or 100)")
         return cls(parts[0], parts[1], head_spread, request_spread)
 
+    @classmethod
+    def from_heads(cls, heads: list[tuple[float, float]], request_spread: float = 0.0) -> TierMix:
+        if not heads:
+            raise SimulatorInputError("a measured mix needs at least one head")
+        arr = np.asarray(heads, dtype=float)
+        if arr.ndim != 2 or arr.shape[1] != 2:
+            raise SimulatorInputError("measured heads must be a list of [high, low] pairs")
+        return cls(float(arr[:, 0].mean()), float(arr[:, 1].mean()), 0.0, request_spread,
+                   tuple((float(h), float(lo)) for h, lo in arr))
+
+    @classmethod
+    def from_file(cls, path: str, request_spread: float = 0.0) -> TierMix:
+        """JSON ``{"heads": [[high, low], ...]}`` (any number of heads, e.g. layers x KV heads
+        flattened) or ``{"layers": [[[high, low] per head] per layer]}``."""
+        import json
+        from pathlib import Path
+
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except OSError as e:
+            raise SimulatorInputError(f"cannot read mix file {str(p)!r}: {e.strerror}") from e
+        except json.JSONDecodeError as e:
+            raise SimulatorInputError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
+        if isinstance(data, dict) and "heads" in data:
+            heads = data["heads"]
+        elif isinstance(data, dict) and "layers" in data:
+            heads = [h for layer in data["layers"] for h in layer]
+        else:
+            raise SimulatorInputError(f"{p}: expected {{\"heads\": [[high, low], ...]}} or "
+                                      "{\"layers\": [[[high, low], ...], ...]}")
+        try:
+            return cls.from_heads([tuple(h) for h in heads], request_spread)
+        except (TypeError, ValueError) as e:
+            raise SimulatorInputError(f"{p}: {e}") from e
+
     def class_fractions(self) -> np.ndarray:
         """(2, K) array: high and low fraction of each head class (equal shares)."""
+        if self.heads:
+            return np.asarray(self.heads, dtype=float).T.copy()
         if self.head_spread == 0:
             return np.array([[self.high], [self.low]], dtype=float)
         scale = np.clip(1 + self.head_spread * np.array(_CLASS_Z), 0.0, None)
@@ -106,6 +155,8 @@ class TierMix:
 
     def describe(self) -> str:
         s = f"{self.high:.0%}/{self.low:.0%}/{self.pruned:.0%} high/low/pruned"
+        if self.heads:
+            s += f" (mean of {len(self.heads)} measured heads)"
         if self.head_spread:
             s += f", head spread {self.head_spread:g}"
         if self.request_spread:

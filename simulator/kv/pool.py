@@ -159,10 +159,10 @@ class DiffKVPool(KVPool):
         self.head_count = self.layers * self.heads_per_rank      # (layer, head) pairs
         base = self.mix.class_fractions()
         self.classes = base.shape[1]
-        # (layer, head) pairs per class; equal shares with the remainder spread from class 0
-        counts = np.full(self.classes, self.head_count // self.classes)
-        counts[: self.head_count % self.classes] += 1
-        self.class_counts = counts.astype(np.float64)
+        # (layer, head) pairs per class: equal shares, fractional when the classes do not
+        # divide the heads (e.g. measured heads of all ranks against one rank's heads);
+        # page totals are rounded to whole pages
+        self.class_counts = np.full(self.classes, self.head_count / self.classes)
         self._mean_prof = base
         # the decode reserve: one page per (layer, head) for the high tier, and one for the
         # low tier when the mix stores anything low
@@ -230,7 +230,7 @@ class DiffKVPool(KVPool):
         kv = np.arange(n)[:, None]
         high, low = self._tier_tokens(kv[:, 0], None)
         pages = np.ceil(high / self.n_high) + np.ceil(low / self.n_low)
-        self._pages_tab = (pages @ self.class_counts).astype(np.int64)
+        self._pages_tab = np.rint(pages @ self.class_counts).astype(np.int64)
         self._read_tab = ((high * self._high_bpt + low * self._low_bpt) @ self.class_counts
                           / self.layers)
 
@@ -243,7 +243,7 @@ class DiffKVPool(KVPool):
         pages = np.ceil(high / self.n_high) + np.ceil(low / self.n_low)
         per_class = high * self._high_bpt + low * self._low_bpt
         read = float((per_class @ self.class_counts).sum()) / self.layers
-        return (pages @ self.class_counts).astype(np.int64), read
+        return np.rint(pages @ self.class_counts).astype(np.int64), read
 
     def future_units(self, tokens: float) -> float:
         return tokens * self.pages_per_token

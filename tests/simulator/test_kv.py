@@ -123,3 +123,30 @@ def test_diffkv_prompt_scoring_pairs():
     assert pool.compression_pairs(10) == 10 * 10
     assert make_format("bf16", 128).build_pool(load_model("llama-3-8b"), 1,
                                                GIB).compression_pairs(1000) == 0
+
+
+def test_measured_per_head_mix(tmp_path):
+    import json
+
+    heads = [[0.5, 0.3], [0.1, 0.7], [0.2, 0.2], [0.4, 0.4]] * 64     # 256 = 32 layers x 8
+    p = tmp_path / "mix.json"
+    p.write_text(json.dumps({"heads": heads}))
+    mix = TierMix.from_file(str(p))
+    assert mix.high == pytest.approx(0.3) and mix.low == pytest.approx(0.4)
+    assert "256 measured heads" in mix.describe()
+    pool = _pool(mix, heads=8, layers=32)
+    # every (layer, head) pair holds its own measured mix: pages add up head by head
+    kv = 2000
+    w = pool.window
+    expect = 0
+    for h, lo in heads:
+        n_hi = w + math.floor(h * (kv - w))
+        n_lo = math.floor(lo * (kv - w))
+        expect += math.ceil(n_hi / pool.n_high) + math.ceil(n_lo / pool.n_low)
+    assert pool.decode_units(np.array([kv]), None)[0] == expect
+    p.write_text(json.dumps({"layers": [[[0.5, 0.6]]]}))
+    with pytest.raises(SimulatorInputError, match=r"head 0: fractions \(0.5, 0.6\)"):
+        TierMix.from_file(str(p))
+    p.write_text(json.dumps({"other": 1}))
+    with pytest.raises(SimulatorInputError, match="expected"):
+        TierMix.from_file(str(p))
