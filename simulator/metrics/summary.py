@@ -76,7 +76,9 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
     unfinished = n_total - n_done - len(rejected)
     first_arrival = min((r.arrival for r in result.requests), default=0.0)
     last_finish = float(arrs["arrival"].size and (arrs["arrival"] + arrs["e2e"]).max())
-    duration = max(last_finish - first_arrival, 1e-12)
+    # no completed request: no duration, and every rate is 0 (not a division by ~0)
+    duration = max(last_finish - first_arrival, 0.0) if n_done else 0.0
+    per_s = (lambda x: x / duration if duration > 0 else 0.0)  # noqa: E731
     itl_parts = [a for rep in result.replicas for a in rep.itl]
     itl_parts += [np.asarray(r.itl) for r in result.requests if r.itl]
     itl = np.concatenate(itl_parts) if itl_parts else np.zeros(0)
@@ -108,11 +110,11 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
         "rejection_reasons": dict(Counter(re.sub(r"\d+", "N", r.rejected or "")
                                           for r in rejected).most_common(5)),
         "duration_s": duration,
-        "request_throughput": n_done / duration,
-        "input_throughput": in_tokens / duration,
-        "output_throughput": out_tokens / duration,
-        "total_throughput": (in_tokens + out_tokens) / duration,
-        "concurrency": float(arrs["e2e"].sum()) / duration,
+        "request_throughput": per_s(n_done),
+        "input_throughput": per_s(in_tokens),
+        "output_throughput": per_s(out_tokens),
+        "total_throughput": per_s(in_tokens + out_tokens),
+        "concurrency": per_s(float(arrs["e2e"].sum())),
         "ttft_ms": _stats(arrs["ttft"]),
         "tpot_ms": _stats(arrs["tpot"][~np.isnan(arrs["tpot"])]),
         "itl_ms": _stats(itl),
@@ -134,7 +136,7 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
         met = slo_met(arrs, slo)
         summary["slo"] = slo.describe()
         summary["slo_attainment"] = float(met.sum() / max(n_total, 1))
-        summary["goodput"] = float(met.sum()) / duration
+        summary["goodput"] = per_s(float(met.sum()))
         summary["slo_met"] = bool(summary["slo_attainment"] >= slo.attainment)
     return summary
 

@@ -169,3 +169,12 @@ def test_capacity_searches_bracket_the_slo():
     assert need["replicas"] >= 2
     by_n = {p["replicas"]: p["met"] for p in need["probes"]}
     assert by_n[need["replicas"]] and not by_n.get(need["replicas"] - 1, False)
+
+
+def test_all_rejected_run_reports_zero_rates():
+    sc = scenario(context_len=64)
+    res = sc.run(Trace((TraceRequest(0.0, 100, 10), TraceRequest(1.0, 80, 5))), "fp8")
+    s = summarize(res, SLO(ttft_s=1.0))
+    assert (s["completed"], s["rejected"], s["duration_s"]) == (0, 2, 0.0)
+    assert s["output_throughput"] == 0.0 and s["goodput"] == 0.0
+    assert s["rejection_reasons"] == {"input N + max_new_tokens N >= context length N": 2}
