@@ -60,8 +60,16 @@ COMPARE_COLUMNS = (
 
 
 def compare_table(summaries: Sequence[dict[str, Any]], title: str = "") -> str:
-    rows = [[get(s) for _, get in COMPARE_COLUMNS] for s in summaries]
-    return render([h for h, _ in COMPARE_COLUMNS], rows, title)
+    """One row per KV format; "x first" is output throughput relative to the first row."""
+    base = summaries[0]["output_throughput"] if summaries else 0.0
+    headers = [h for h, _ in COMPARE_COLUMNS]
+    headers.insert(3, f"x {summaries[0]['kv_format']}" if summaries else "x")
+    rows = []
+    for s in summaries:
+        row = [get(s) for _, get in COMPARE_COLUMNS]
+        row.insert(3, f"{s['output_throughput'] / base:.2f}" if base > 0 else "-")
+        rows.append(row)
+    return render(headers, rows, title)
 
 
 def summary_table(s: dict[str, Any]) -> str:
