@@ -1,5 +1,5 @@
 """A model of SGLang 0.5.10's scheduler (managers/scheduler.py, schedule_policy.py,
-schedule_batch.py) for one server, radix cache without prefix reuse, no overlap effects:
+schedule_batch.py) for one server, without the overlap scheduler's one-step lag:
 
   * FCFS waiting queue; a prefill batch, when one can be formed, runs before decoding
     (``get_next_batch_to_run``), and with ``enable_mixed_chunk`` the running requests decode
@@ -15,7 +15,12 @@ schedule_batch.py) for one server, radix cache without prefix reuse, no overlap 
   * ``check_decode_mem`` before each decode step; on failure ``retract_decode`` pops requests
     in order of fewest outputs then longest prompt (at least one) until the step fits and sends
     them to the back of the queue to be recomputed;
-  * ``batch_is_full`` stops admission attempts until a running request finishes or leaves.
+  * ``batch_is_full`` stops admission attempts until a running request finishes or leaves;
+  * with the radix cache (``serving/prefix_cache.py``) a request reuses its longest cached
+    prefix, locks it, and unlocked cached blocks count as available and are evicted LRU first;
+  * with the radix cache disabled and ignore_eos clients, ``add_one_req_ignore_eos`` admits;
+  * liveness: ``submit`` rejects what an empty server could not admit, and ``next_batch``
+    returns None only when nothing can run until a new arrival.
 
 Memory is counted in the pool's units (tokens or DiffKV pages) via ``simulator.kv.pool``; the
 scheduler never looks at bytes. Time is not known here: the engine passes ``now``.
