@@ -29,17 +29,26 @@ case $mode in
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     ;;
   start)
-    cat $D/p1 .dk/p2 > $GGUF
+    echo "$SHA  $GGUF" | sha256sum -c - 2>/dev/null || cat $D/p1 .dk/p2 > $GGUF
     echo "$SHA  $GGUF" | sha256sum -c - || exit 1
-    python3 -m pip install -q --no-index --no-deps --target $D/site $D/*.whl || exit 1
+    [ -d $D/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target $D/site $D/*.whl || exit 1
+    # the evaluation data (../shared/data/eval here) travels in .dk/data
+    [ -f .dk/data/wikitext2_raw_test.txt ] || { echo "carry .dk/data"; exit 1; }
     mkdir -p $D/out
-    PYTHONPATH=$D/site:$PWD HF_HUB_OFFLINE=1 SGLANG_DIFFKV_CACHE=$D/cache PYTHONUNBUFFERED=1 \
+    SGLANG_DIFFKV_DATA=$PWD/.dk/data PYTHONPATH=$D/site:$PWD HF_HUB_OFFLINE=1 SGLANG_DIFFKV_CACHE=$D/cache PYTHONUNBUFFERED=1 \
       setsid nohup python3 scripts/run_quality.py --model $GGUF --device cuda \
       --out-dir $D/out --preset $D/out/smollm2-135m.json "$@" > $D/log 2>&1 &
     echo $! > $D/pid
     wait_and_pack
     ;;
   wait)
+    wait_and_pack
+    ;;
+  cli)  # any diffkv-eval command, detached, e.g. a needles-only run (carry .dk/data)
+    mkdir -p $D/data $D/out && cp .dk/data/* $D/data/
+    SGLANG_DIFFKV_DATA=$D/data PYTHONPATH=$D/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
+      setsid nohup python3 -m sglang_diffkv.eval.cli "$@" > $D/log 2>&1 &
+    echo $! > $D/pid
     wait_and_pack
     ;;
 esac

@@ -99,9 +99,12 @@ class DenseBackend(KVBackend):
     def start(self, prompt_len: int, max_len: int) -> None:
         s = self.shape
         dims = (self.rows, s.num_kv_heads, max_len, s.head_dim)
-        self.k = [torch.zeros(dims) for _ in range(s.num_layers)]
-        self.v = [torch.zeros(dims) for _ in range(s.num_layers)]
-        self.keep = [torch.zeros(dims[:3], dtype=torch.bool) for _ in range(s.num_layers)]
+        dev = s.device
+        self.k = [torch.zeros(dims, device=dev) for _ in range(s.num_layers)]
+        self.v = [torch.zeros(dims, device=dev) for _ in range(s.num_layers)]
+        self.keep = [
+            torch.zeros(dims[:3], dtype=torch.bool, device=dev) for _ in range(s.num_layers)
+        ]
         self.n = prompt_len
         self.max_len = max_len
 
@@ -144,7 +147,7 @@ class DenseBackend(KVBackend):
         """Hook for score accumulation; prob fp32 [rows, Hq, n]."""
 
     def kept_fractions(self, seq_len: int) -> torch.Tensor:
-        kept = torch.stack([m[:, :, :seq_len].sum(-1) for m in self.keep], 1).double()
+        kept = torch.stack([m[:, :, :seq_len].sum(-1) for m in self.keep], 1).double().cpu()
         hi = kept / seq_len
         return torch.stack([hi, torch.zeros_like(hi), 1 - hi], -1)
 

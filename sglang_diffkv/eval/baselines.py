@@ -141,7 +141,8 @@ class PruningBackend(DenseBackend):
         super().start(prompt_len, max_len)
         s = self.shape
         self.score = [
-            torch.zeros(self.rows, s.num_kv_heads, max_len) for _ in range(s.num_layers)
+            torch.zeros(self.rows, s.num_kv_heads, max_len, device=s.device)
+            for _ in range(s.num_layers)
         ]
 
     def after_prefill(self, layer: int, q: torch.Tensor, length: int) -> None:
@@ -158,14 +159,16 @@ class PruningBackend(DenseBackend):
                 for r in range(self.rows)
             ]
         )  # [R, H, L]: summed attention from the observation window
-        count = contributing_queries(torch.tensor([length]), length, self.score_queries)
+        dev = self.shape.device
+        count = contributing_queries(
+            torch.tensor([length], device=dev), length, self.score_queries)
         mean = sig / count.clamp_min(1)[:, None, :]
         self.score[layer][:, :, :length] = sig
-        recent = torch.arange(length) >= length - self.window
+        recent = torch.arange(length, device=dev) >= length - self.window
         ranked = torch.where(recent, float("inf"), mean)
         k = self.budget(length)
         top = ranked.topk(k, dim=-1).indices
-        keep = torch.zeros(self.rows, hkv, length, dtype=torch.bool)
+        keep = torch.zeros(self.rows, hkv, length, dtype=torch.bool, device=dev)
         keep.scatter_(-1, top, True)
         self.keep[layer][:, :, :length] = keep
 
@@ -174,7 +177,7 @@ class PruningBackend(DenseBackend):
         over = keep.sum(-1) + 1 > self.budget(p + 1)  # [R, H]
         if not bool(over.any()):
             return
-        old = torch.arange(p) < p + 1 - self.window
+        old = torch.arange(p, device=keep.device) < p + 1 - self.window
         cand = torch.where(keep & old, self.score[layer][:, :, :p], float("inf"))
         val, idx = cand.min(-1)
         evict = over & torch.isfinite(val)

@@ -33,7 +33,7 @@ def grid_points(alpha_h: list[float], alpha_l: list[float]) -> list[tuple[float,
 
 
 def point_name(ah: float, al: float) -> str:
-    return f"diffkv@{ah:g},{al:g}"
+    return f"diffkv@{ah:g}/{al:g}"
 
 
 def choose(

@@ -63,6 +63,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared 2-core box OpenMP spinning "
                         "with 2 threads was 5x slower)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device for the model and caches (default cpu; the reference "
+                        "cache is plain torch, so 'cuda' runs the same code faster)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -100,19 +103,29 @@ def cmd_run(args) -> int:
     from sglang_diffkv.eval.model import load_model
 
     _setup(args)
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     specs = [s for s in args.configs.split(",") if s.strip()]
     match = "prune:match" in specs
     parsed = [cfgs.parse(s) for s in specs if s != "prune:match"]
     results: dict = {"meta": _meta(lm, args)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every part, so a cut-off run keeps what it measured
+        out.write_text(json.dumps(results, indent=1) + "\n")
+
     t0 = time.perf_counter()
-    win = _windows(lm, args, "eval")
-    tf = pipeline.teacher_forcing(lm, parsed, win, args.prompt_len)
+    tf: dict = {}
+    if args.windows > 0:  # --windows 0: only greedy / needles
+        win = _windows(lm, args, "eval")
+        tf = pipeline.teacher_forcing(lm, parsed, win, args.prompt_len)
     pruning = pipeline.matched_pruning(parsed, tf) if match else []
     if pruning:
         tf.update(pipeline.teacher_forcing(lm, pruning, win, args.prompt_len))
     results["teacher_forcing"] = tf
-    all_cfgs = parsed + pruning
+    save()
+    # threshold-grid points (names with '@') are for the teacher-forced Pareto curve only
+    all_cfgs = [c for c in parsed + pruning if "@" not in c.name]
     if args.greedy_prompts > 0:
         qs = data.gsm8k_questions(data.find(data.GSM8K, args.data_dir), args.greedy_prompts)
         prompts = [
@@ -124,6 +137,7 @@ def cmd_run(args) -> int:
         ]
         results["greedy"] = pipeline.greedy_agreement_eval(
             lm, all_cfgs, prompts, args.greedy_tokens)
+        save()
     if args.needle_lengths:
         wanted = set(args.needle_configs.split(",")) if args.needle_configs else None
         ncfgs = [c for c in all_cfgs if wanted is None or c.name in wanted]
@@ -133,9 +147,7 @@ def cmd_run(args) -> int:
         results["needles"] = pipeline.needles(
             lm, ncfgs, filler, args.needle_lengths, args.needle_depths, args.answer_tokens)
     results["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    save()
     log.info("wrote %s (%.0fs)", out, results["meta"]["seconds"])
     print(report.table(results))
     return 0
@@ -147,7 +159,7 @@ def cmd_calibrate(args) -> int:
     from sglang_diffkv.eval.model import load_model
 
     _setup(args)
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     base = DiffKVConfig.from_spec(args.base)
     points = cal.grid_points(args.alpha_h, args.alpha_l)
     log.info("calibrating %s on %d grid points", base.name, len(points))
@@ -221,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="comma list: bf16, uniform:K4V4, kivi:2, prune:0.3, prune:bytes=80, "
                         "prune:match (pruning at each DiffKV config's bytes), "
-                        "diffkv:PRESET|FILE.json[@alpha_h,alpha_l] (default: %(default)s)")
+                        "diffkv:PRESET|FILE.json[@alpha_h/alpha_l] (default: %(default)s)")
     r.add_argument("--greedy-prompts", type=int, default=4, help="GSM8K questions (0: skip)")
     r.add_argument("--greedy-tokens", type=int, default=32)
     r.add_argument("--needle-lengths", type=_ints, default=[],

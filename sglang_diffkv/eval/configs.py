@@ -6,7 +6,7 @@ Spec strings (CLI ``--configs``):
 - ``uniform:K4V4`` (any tier name of :class:`TierConfig`, e.g. K8V8, K8V4, K4V2g24).
 - ``kivi:2`` (bits; optional ``:residual=128:group=32``): KIVI-style with a full-precision window.
 - ``prune:0.3`` (kept fraction) or ``prune:bytes=80`` (bytes/token budget, bf16 tokens).
-- ``diffkv:default`` (a preset name or JSON path), optionally ``@alpha_h,alpha_l``.
+- ``diffkv:default`` (a preset name or JSON path), optionally ``@alpha_h/alpha_l``.
 
 DiffKV configs that differ only in thresholds share one reference cache (per-request
 alphas): one prefill, one model batch, one set of cache calls per step.
@@ -92,15 +92,15 @@ def parse(spec: str) -> EvalConfig:
         name = cfg.name if not base.endswith(".json") else base.rsplit("/", 1)[-1][:-5]
         if th:
             try:
-                ah, al = (float(x) for x in th.split(","))
+                ah, al = (float(x) for x in th.split("/"))
             except ValueError as e:
-                raise ConfigError(f"{spec!r}: thresholds must be '@alpha_h,alpha_l'") from e
+                raise ConfigError(f"{spec!r}: thresholds must be '@alpha_h/alpha_l'") from e
             cfg = cfg.with_thresholds(ah, al)
-            name = f"{name}@{ah:g},{al:g}"
+            name = f"{name}@{ah:g}/{al:g}"
         return EvalConfig(f"diffkv-{name}", "diffkv", diffkv=cfg)
     raise ConfigError(
         f"unknown config spec {spec!r}; use bf16, uniform:K4V4, kivi:2, prune:0.3, "
-        "prune:bytes=80 or diffkv:PRESET[@alpha_h,alpha_l]"
+        "prune:bytes=80 or diffkv:PRESET[@alpha_h/alpha_l]"
     )
 
 

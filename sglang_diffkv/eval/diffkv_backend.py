@@ -72,7 +72,7 @@ class DiffKVBackend(KVBackend):
         self.alphas = [(float(a), float(b)) for a, b in alphas]
         self.geometry = PageGeometry.for_config(config, shape.head_dim)
         self.cache: _EvalCache | None = None
-        self.req = torch.arange(self.rows)
+        self.req = torch.arange(self.rows, device=shape.device)
 
     def start(self, prompt_len: int, max_len: int) -> None:
         s = self.shape
@@ -88,9 +88,10 @@ class DiffKVBackend(KVBackend):
             num_pages=pages,
             max_reqs=self.rows,
             max_context=max_len + 1,
+            device=s.device,
             validate=False,
         )
-        self.lengths = torch.full((self.rows,), prompt_len, dtype=torch.long)
+        self.lengths = torch.full((self.rows,), prompt_len, dtype=torch.long, device=s.device)
         ok = self.cache.begin_prefill(
             self.req, self.lengths, [a for a, _ in self.alphas], [b for _, b in self.alphas]
         ).ok
@@ -119,13 +120,13 @@ class DiffKVBackend(KVBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         assert self.cache is not None
-        positions = torch.full((self.rows,), self.position, dtype=torch.long)
+        positions = torch.full((self.rows,), self.position, dtype=torch.long, device=k.device)
         self.cache.decode_layer_store(layer, self.req, positions, k.float(), v.float())
         return self.cache.decode_layer_attend(layer, self.req, q.float(), self.shape.sm_scale).out
 
     def memory(self, seq_len: int) -> MemoryUse:
         assert self.cache is not None
-        frac = self.cache.tier_fractions(self.req, torch.full((self.rows,), seq_len)).cpu()
+        frac = self.cache.tier_fractions(self.req, torch.full((self.rows,), seq_len)).cpu().double()
         g = self.geometry
         per_head = frac[..., 0] * g.high.bytes_per_token + frac[..., 1] * g.low.bytes_per_token
         return MemoryUse(

@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_positions: int
+    device: str = field(default="cpu", compare=False)  # where the model (and caches) live
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "max_positions"):
@@ -55,7 +56,7 @@ class ModelShape:
         return self.head_dim**-0.5
 
     @classmethod
-    def from_config(cls, cfg) -> ModelShape:
+    def from_config(cls, cfg, device: str = "cpu") -> ModelShape:
         hq = cfg.num_attention_heads
         return cls(
             num_layers=cfg.num_hidden_layers,
@@ -63,6 +64,7 @@ class ModelShape:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or hq,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // hq,
             max_positions=getattr(cfg, "max_position_embeddings", 2048),
+            device=str(device),
         )
 
 
@@ -133,8 +135,10 @@ def _gguf_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
 
 
-def load_model(spec: str = DEFAULT_MODEL, *, use_cache_dir: bool = True) -> LoadedModel:
-    """Load in fp32 on the CPU, eval mode. GGUF models are converted once and cached."""
+def load_model(
+    spec: str = DEFAULT_MODEL, *, use_cache_dir: bool = True, device: str = "cpu"
+) -> LoadedModel:
+    """Load in fp32, eval mode, on ``device``. GGUF models are converted once and cached."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -158,12 +162,18 @@ def load_model(spec: str = DEFAULT_MODEL, *, use_cache_dir: bool = True) -> Load
         tok = AutoTokenizer.from_pretrained(load_from, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(load_from, local_files_only=True, **kwargs)
     if gguf is not None and "gguf_file" in kwargs and use_cache_dir:
-        conv.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(conv)
-        tok.save_pretrained(conv)
-        log.info("saved converted copy to %s", conv)
-    model.eval()
-    shape = ModelShape.from_config(model.config)
+        try:
+            model.save_pretrained(conv)
+            tok.save_pretrained(conv)
+            log.info("saved converted copy to %s", conv)
+        except ValueError as e:  # newer transformers refuse to serialise GGUF-loaded models
+            log.warning("not caching the converted model (%s); it is dequantised each run", e)
+    model.eval().to(device)
+    if str(device).startswith("cuda"):
+        # fp32 means fp32: TF32 matmuls would add their own error to every config
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    shape = ModelShape.from_config(model.config, device)
     log.info(
         "model %s: %d layers, %d query / %d KV heads, head_dim %d",
         name, shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,

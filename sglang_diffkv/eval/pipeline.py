@@ -23,10 +23,11 @@ log = logging.getLogger(__name__)
 
 
 def matched_pruning(configs: list[EvalConfig], quality: dict[str, dict]) -> list[EvalConfig]:
-    """One pruning-only config per DiffKV config, at the bytes/token DiffKV used."""
+    """One pruning-only config per DiffKV config (grid points, named with '@', excluded),
+    at the bytes/token DiffKV used."""
     out = []
     for c in configs:
-        if c.kind == "diffkv" and c.name in quality:
+        if c.kind == "diffkv" and c.name in quality and "@" not in c.name:
             b = quality[c.name]["summary"]["bytes_per_token"]
             out.append(
                 EvalConfig(f"prune-as-{c.name}", "prune", budget_bytes=b, params={"match": c.name})

@@ -58,7 +58,7 @@ def _decode(model, router: Router, tokens: torch.Tensor, position: int) -> torch
     router.mode = "decode"
     for b in router.backends:
         b.begin_step(position)
-    pos = torch.full((tokens.shape[0], 1), position, dtype=torch.long)
+    pos = torch.full((tokens.shape[0], 1), position, dtype=torch.long, device=tokens.device)
     out = model(input_ids=tokens[:, None], position_ids=pos, use_cache=False)
     return out.logits[:, -1].float()
 
@@ -68,13 +68,15 @@ def teacher_force(
     model, backends: Sequence[KVBackend], ids: torch.Tensor, prompt_len: int
 ) -> list[BackendScores]:
     """ids [R, P + T + 1] (equal lengths, no padding); scores T decode steps per row."""
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
     r, total = ids.shape
     steps = total - 1 - prompt_len
     if steps < 1:
         raise ValueError(f"sequence of {total} tokens leaves nothing to score after {prompt_len}")
     ref = reference_logprobs(model, ids[:, : prompt_len + steps], steps)  # [R, T, V]
     targets = ids[:, prompt_len + 1 :]  # [R, T]
-    ref_nll_all = -ref.gather(-1, targets[..., None])[..., 0].double()
+    ref_nll_all = -ref.gather(-1, targets[..., None])[..., 0].double().cpu()
     router = Router(backends)
     src = router.source_rows()
     rows = router.rows
@@ -89,9 +91,9 @@ def teacher_force(
             p = prompt_len + j
             logp = torch.log_softmax(_decode(model, router, ids[src, p], p), dim=-1)
             rl = ref[src, j]
-            kl[:, j] = (rl.exp() * (rl - logp)).sum(-1).double()
-            top1[:, j] = logp.argmax(-1) == rl.argmax(-1)
-            nll[:, j] = -logp.gather(-1, targets[src, j, None])[:, 0].double()
+            kl[:, j] = (rl.exp() * (rl - logp)).sum(-1).double().cpu()
+            top1[:, j] = (logp.argmax(-1) == rl.argmax(-1)).cpu()
+            nll[:, j] = -logp.gather(-1, targets[src, j, None])[:, 0].double().cpu()
             if (j + 1) % PROGRESS_EVERY == 0:
                 el = time.perf_counter() - t1
                 log.info("step %d/%d, %.1f s/step, KL so far %s", j + 1, steps, el / (j + 1),
@@ -124,7 +126,9 @@ def greedy(
     router = Router(backends)
     src = router.source_rows()
     p0 = prompt.shape[1]
-    toks = torch.zeros(router.rows, new_tokens, dtype=torch.long)
+    dev = next(model.parameters()).device
+    prompt = prompt.to(dev)
+    toks = torch.zeros(router.rows, new_tokens, dtype=torch.long, device=dev)
     with hooked(model, router):
         first = _prefill(model, router, prompt, p0 + new_tokens).argmax(-1)
         toks[:, 0] = first[src]
@@ -133,7 +137,7 @@ def greedy(
         mems = [b.memory(p0 + new_tokens - 1) for b in backends]
     out, start = [], 0
     for b in backends:
-        out.append(toks[start : start + b.rows])
+        out.append(toks[start : start + b.rows].cpu())
         start += b.rows
         b.close()
     return out, mems
