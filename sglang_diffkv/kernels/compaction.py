@@ -24,6 +24,7 @@ from sglang_diffkv.memory.inputs import Phase, check_shape
 
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "compaction.cu"
 ARCH_FLAGS = ("-gencode=arch=compute_90,code=sm_90",)
+SCRATCH = 2 * 8 * 1024  # int64 slots: (total, room) per warp of up to 1024 blocks of 8 warps
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 
@@ -74,7 +75,7 @@ def _load() -> ctypes.CDLL | None:
         fn = lib.diffkv_decode_room_launch
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int32] * 2 + [
-            ctypes.c_void_p]
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         _lib = lib
     except (RuntimeError, OSError) as e:
         _error = str(e)
@@ -106,13 +107,14 @@ def decode_compaction(
         if not t.is_contiguous():
             raise ValueError(f"manager.{name} must be contiguous")
     result = torch.empty(4, dtype=torch.int64, device=manager.device)
+    scratch = torch.empty(SCRATCH, dtype=torch.int64, device=manager.device)  # 2 per warp
     fl = manager.free_list
     s = manager.spec
     rc = lib.diffkv_decode_room_launch(
         req.data_ptr(), want.data_ptr(), manager.counts.data_ptr(), manager.table.data_ptr(),
         fl.free_pages.data_ptr(), fl.head.data_ptr(), fl.tail.data_ptr(), result.data_ptr(),
         req.shape[0], s.num_layers * s.num_kv_heads, s.row_len, s.num_pages,
-        s.high_tokens_per_page, s.low_tokens_per_page,
+        s.high_tokens_per_page, s.low_tokens_per_page, scratch.data_ptr(), SCRATCH,
         torch.cuda.current_stream(manager.device).cuda_stream,
     )
     if rc != 0:

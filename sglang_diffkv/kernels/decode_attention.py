@@ -371,7 +371,10 @@ class DecodeAttentionPlan:
     """Static launch shape and scratch for one (geometry, heads, batch, max_context).
 
     Plan once per batch size (CUDA graphs capture ``run``); ``run`` checks shapes and
-    launches two kernels without any host synchronisation.
+    launches two kernels without any host synchronisation. Defaults (one page per
+    iteration, 4 warps, 2 stages, 8 programs per SM, 96 registers per thread: 5 programs
+    resident per SM instead of 4) are the fastest of ``scripts/bench_kernels.py``'s sweep
+    on an H100 (docs/benchmarks.md, "Kernels").
     """
 
     geometry: PageGeometry
@@ -400,11 +403,11 @@ class DecodeAttentionPlan:
         max_context: int,
         device: torch.device | str,
         *,
-        pages_per_iter: int = 4,
+        pages_per_iter: int = 1,
         target_programs: int | None = None,
         num_warps: int = 4,
         num_stages: int = 2,
-        maxnreg: int | None = None,
+        maxnreg: int | None = 96,
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
@@ -513,7 +516,7 @@ class DecodeAttentionPlan:
             cnt, cnt.stride(0), cnt.stride(1), req_idx, self.acc, self.ml, self.pbuf,
             self.mit, sm_scale * LOG2E, self.ppp_hi, self.ppp_lo, **common, **hi, **lo,
             num_warps=self.num_warps, num_stages=self.num_stages,
-            **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
+            **({"maxnreg": self.maxnreg} if self.maxnreg and q.is_cuda else {}),
         )
 
     def _merge(self, grid, f32, tab, cnt, req_idx, out, lse, common, hi, lo, maxp):
