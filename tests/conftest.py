@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in its interpreter; it must be chosen before triton loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
