@@ -46,7 +46,12 @@ DEV = "cuda"
 ROWS: list[tuple[str, str, str, bool, float]] = []
 
 
+ONLY: list[str] = []
+
+
 def check(name: str, config: str, fn: Callable[[], tuple[str, bool]]) -> None:
+    if ONLY and not any(o in name for o in ONLY):
+        return
     t0 = time.perf_counter()
     try:
         metric, ok = fn()
@@ -253,7 +258,9 @@ def compaction_check(batch, layers, heads):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    ap.add_argument("--only", default="", help="comma-separated substrings of check names")
     args = ap.parse_args()
+    ONLY.extend(x for x in args.only.split(",") if x)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     long_ctx = 1024 if args.quick else 4096
     for d, tiers, name in ((128, (K8V4, K4V2), "K8V4/K4V2"),
