@@ -95,11 +95,13 @@ class FakeRunner(ModelRunnerKVCacheMixin):
     """What SGLang's ModelRunner holds that the pools, ForwardBatch and backend read."""
 
     def __init__(self, server_args: ServerArgs, shape: ModelShape, kv_budget_bytes: int,
-                 max_running_requests: int) -> None:
+                 max_running_requests: int, *, use_mla_backend: bool = False,
+                 hybrid_swa: bool = False) -> None:
         self.server_args = server_args
         self.model_config = FakeModelConfig(shape)
+        self.model_config.is_hybrid_swa = hybrid_swa
         self.device = "cpu"
-        self.use_mla_backend = False
+        self.use_mla_backend = use_mla_backend
         self.mambaish_config = None
         self.is_hybrid_swa = False
         self.is_draft_worker = False

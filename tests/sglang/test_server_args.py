@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 
-import harness  # noqa: F401  (sglang importable on CPU, diffkv registered)
+import harness as H  # sglang importable on CPU, diffkv registered
 import pytest
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 from sglang_diffkv.sglang.args import FORCED_SETTINGS, DiffKVUnsupportedError
+from sglang_diffkv.sglang.pool import DiffKVPoolError
 
 
 def _args(*extra: str) -> ServerArgs:
@@ -65,3 +66,20 @@ def test_bad_config_env_fails_at_startup(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "no-such-preset")
     with pytest.raises(DiffKVUnsupportedError, match="unknown preset 'no-such-preset'"):
         _args()
+
+
+@pytest.mark.parametrize(
+    ("tweak", "message"),
+    [
+        ({"head_dim": 96}, r"head_dim=96 is not supported; supported: \(64, 128, 256\)"),
+        ({"use_mla_backend": True}, "MLA models are not supported"),
+        ({"is_hybrid_swa": True}, "hybrid sliding-window / linear-attention models"),
+    ],
+)
+def test_model_level_refusals_when_the_pool_is_built(monkeypatch, tweak, message):
+    H.cpu_sglang_helpers(monkeypatch)
+    shape = H.ModelShape(head_dim=tweak.get("head_dim", 64))
+    args = ServerArgs(model_path="dummy", attention_backend="diffkv")
+    with pytest.raises(DiffKVPoolError, match=message):
+        H.FakeRunner(args, shape, 10**7, 8, use_mla_backend=tweak.get("use_mla_backend", False),
+                     hybrid_swa=tweak.get("is_hybrid_swa", False))
