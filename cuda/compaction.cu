@@ -240,7 +240,8 @@ extern "C" int diffkv_decode_room_launch(
     const int64_t* req, const uint8_t* want_tier, int32_t* counts, int32_t* table,
     const int32_t* free_pages, int64_t* head, const int64_t* tail, int64_t* result,
     int64_t batch, int64_t rows_per_req, int64_t row_len, int64_t num_pages, int32_t tpp_high,
-    int32_t tpp_low, int64_t* scratch, int64_t scratch_len, cudaStream_t stream) {
+    int32_t tpp_low, int64_t* scratch, int64_t scratch_len, int32_t cooperative,
+    cudaStream_t stream) {
   Args a{req,  want_tier, counts, table,        free_pages,   head,     tail,     result,
          batch, rows_per_req, row_len, num_pages, tpp_high, tpp_low};
   // co-resident blocks for the cooperative launch: queried once per process
@@ -259,7 +260,7 @@ extern "C" int diffkv_decode_room_launch(
   int64_t blocks = (rows + kCoopThreads - 1) / kCoopThreads;
   if (blocks > max_blocks) blocks = max_blocks;
   if (blocks > scratch_len / (2 * kCoopWarps)) blocks = scratch_len / (2 * kCoopWarps);
-  if (blocks >= 1) {
+  if (cooperative && blocks >= 1) {
     void* args[] = {&a, &scratch};
     const cudaError_t err = cudaLaunchCooperativeKernel(
         reinterpret_cast<void*>(decode_room_coop_kernel), dim3(static_cast<unsigned>(blocks)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import sys
 import time
 import types
@@ -303,7 +304,15 @@ def compaction_rows() -> list[dict]:
     snap = m.snapshot()
     tiers = torch.ones(b, 2, dtype=torch.bool, device=DEV)
     out = []
-    for name, fn in (("cuda one-launch", decode_compaction),
+    def coop(m, req, tiers):
+        os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "1"
+        try:
+            return decode_compaction(m, req, tiers)
+        finally:
+            os.environ.pop("SGLANG_DIFFKV_COOP_COMPACTION")
+
+    for name, fn in (("cuda single block", decode_compaction),
+                     ("cuda cooperative grid", coop),
                      ("torch reference", decode_compaction_reference)):
         times, kernel_us = [], []
         for i in range(60):

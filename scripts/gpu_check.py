@@ -11,6 +11,7 @@ non-zero if any check fails.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -284,6 +285,10 @@ def main() -> int:
     check("decode_policy", "B3 Hkv8 D128, 24 steps", policy_check([300, 150, 513], 8, 128, 24))
     check("compaction(cuda)", "B128 x 32 layers x 8 heads", compaction_check(128, 32, 8))
     check("compaction(cuda)", "B7 x 3 layers x 2 heads", compaction_check(7, 3, 2))
+    os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "1"
+    check("compaction(coop)", "B128 x 32 layers x 8 heads", compaction_check(128, 32, 8))
+    check("compaction(coop)", "B7 x 3 layers x 2 heads", compaction_check(7, 3, 2))
+    os.environ.pop("SGLANG_DIFFKV_COOP_COMPACTION")
 
     print("\n| check | config | result | pass | s |\n|---|---|---|---|---|")
     for name, cfg, metric, ok, sec in ROWS:

@@ -22,6 +22,14 @@ wait_and_pack() {
   grep -v "Warning\|Loading weights\|de-quantizing" $D/log | tail -60
   tar czf "$OUT/quality_out.tgz" -C $D out log 2>/dev/null
 }
+assemble() {  # the GGUF from its two parts, the gguf wheel, the data (carry .dk/p2 .dk/data)
+  echo "$SHA  $GGUF" | sha256sum -c - 2>/dev/null || cat $D/p1 .dk/p2 > $GGUF
+  echo "$SHA  $GGUF" | sha256sum -c - || return 1
+  [ -d $D/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target $D/site \
+    $D/*.whl || return 1
+  # the evaluation data (../shared/data/eval here) travels in .dk/data
+  mkdir -p $D/data $D/out && cp .dk/data/* $D/data/ || { echo "carry .dk/data"; return 1; }
+}
 case $mode in
   part1)
     mkdir -p $D && cp .dk/p1 $D/p1 && cp .dk/whl/*.whl $D/
@@ -29,13 +37,9 @@ case $mode in
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     ;;
   start)
-    echo "$SHA  $GGUF" | sha256sum -c - 2>/dev/null || cat $D/p1 .dk/p2 > $GGUF
-    echo "$SHA  $GGUF" | sha256sum -c - || exit 1
-    [ -d $D/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target $D/site $D/*.whl || exit 1
-    # the evaluation data (../shared/data/eval here) travels in .dk/data
-    [ -f .dk/data/wikitext2_raw_test.txt ] || { echo "carry .dk/data"; exit 1; }
+    assemble || exit 1
     mkdir -p $D/out
-    SGLANG_DIFFKV_DATA=$PWD/.dk/data PYTHONPATH=$D/site:$PWD HF_HUB_OFFLINE=1 SGLANG_DIFFKV_CACHE=$D/cache PYTHONUNBUFFERED=1 \
+    SGLANG_DIFFKV_DATA=$D/data PYTHONPATH=$D/site:$PWD HF_HUB_OFFLINE=1 SGLANG_DIFFKV_CACHE=$D/cache PYTHONUNBUFFERED=1 \
       setsid nohup python3 scripts/run_quality.py --model $GGUF --device cuda \
       --out-dir $D/out --preset $D/out/smollm2-135m.json "$@" > $D/log 2>&1 &
     echo $! > $D/pid
@@ -44,8 +48,8 @@ case $mode in
   wait)
     wait_and_pack
     ;;
-  cli)  # any diffkv-eval command, detached, e.g. a needles-only run (carry .dk/data)
-    mkdir -p $D/data $D/out && cp .dk/data/* $D/data/
+  cli)  # any diffkv-eval command, detached, e.g. a needles-only run
+    assemble || exit 1
     SGLANG_DIFFKV_DATA=$D/data PYTHONPATH=$D/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
       setsid nohup python3 -m sglang_diffkv.eval.cli "$@" > $D/log 2>&1 &
     echo $! > $D/pid

@@ -24,6 +24,9 @@ from sglang_diffkv.memory.inputs import Phase, check_shape
 
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "compaction.cu"
 ARCH_FLAGS = ("-gencode=arch=compute_90,code=sm_90",)
+# The multi-block cooperative kernel is opt-in until it has been checked on a GPU; the
+# single-block kernel (checked, docs/benchmarks.md) is the default.
+COOPERATIVE_DEFAULT = "0"
 SCRATCH = 2 * 8 * 1024  # int64 slots: (total, room) per warp of up to 1024 blocks of 8 warps
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
@@ -75,7 +78,7 @@ def _load() -> ctypes.CDLL | None:
         fn = lib.diffkv_decode_room_launch
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int32] * 2 + [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
         _lib = lib
     except (RuntimeError, OSError) as e:
         _error = str(e)
@@ -115,6 +118,7 @@ def decode_compaction(
         fl.free_pages.data_ptr(), fl.head.data_ptr(), fl.tail.data_ptr(), result.data_ptr(),
         req.shape[0], s.num_layers * s.num_kv_heads, s.row_len, s.num_pages,
         s.high_tokens_per_page, s.low_tokens_per_page, scratch.data_ptr(), SCRATCH,
+        int(os.environ.get("SGLANG_DIFFKV_COOP_COMPACTION", COOPERATIVE_DEFAULT)),
         torch.cuda.current_stream(manager.device).cuda_stream,
     )
     if rc != 0:
