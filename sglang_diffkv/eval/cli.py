@@ -191,6 +191,10 @@ def cmd_report(args) -> int:
     from sglang_diffkv.eval import report
 
     results = json.loads(Path(args.results).read_text())
+    for extra in args.merge or []:  # e.g. needles from a second run
+        for part, rows in json.loads(Path(extra).read_text()).items():
+            if part != "meta":
+                results.setdefault(part, {}).update(rows)
     if args.calibration:
         results["calibration"] = json.loads(Path(args.calibration).read_text())
     print(report.table(results))
@@ -265,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--calibration", default=None, help="calibration results JSON (grid dots)")
     rp.add_argument("--png", default=None)
     rp.add_argument("--mark", default="", help="comma list of config names to star")
+    rp.add_argument("--merge", action="append",
+                    help="another results JSON whose parts/configs are added (repeatable)")
     rp.set_defaults(func=cmd_report)
 
     m = sub.add_parser("memory", help="bytes/token of configs from the page layout")

@@ -39,7 +39,8 @@ def table(results: dict) -> str:
         ne = nd.get(n)
         if s:
             mem = f"{s['bytes_per_token']:.1f} | {100 * s['ratio_vs_bf16']:.1f}%"
-            mix = f"{s['high']:.2f}/{s['low']:.2f}/{s['pruned']:.2f}"
+            # fractions come from 1 - high - low: clamp the -0.00 of rounding
+            mix = "/".join(f"{max(s[k], 0.0):.2f}" for k in ("high", "low", "pruned"))
             q = (f"{s['kl_mean']:.4f} | {s['kl_p99']:.3f} | {s['kl_max']:.2f} | {s['top1']:.3f} | "
                  f"{s['ppl']:.3f} ({s['ppl_delta']:+.3f} ± {s['ppl_delta_se']:.3f})")
         elif n == "bf16":
@@ -56,7 +57,8 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path, mark: list[str] | None = None) -> Path:
-    """Scatter of mean KL (log) vs bytes/token, frontier drawn, ``mark`` names starred."""
+    """Mean KL (log) vs bytes/token: baselines labelled, DiffKV threshold-grid points (names
+    with '@') as small dots, ``mark``ed configs starred, the eval-split frontier dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,32 +66,36 @@ def plot(results: dict, path: Path, mark: list[str] | None = None) -> Path:
 
     tf = results["teacher_forcing"]
     bf16 = next(iter(tf.values()))["summary"]["bf16_bytes_per_token"]
-    grid = results.get("calibration", {}).get("grid", [])
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    if grid:
-        ax.scatter([g["bytes_per_token"] for g in grid],
-                   [max(g["kl_mean"], 1e-5) for g in grid],
-                   s=14, c="0.7", label="DiffKV grid (calibration split)")
-    pts = []
-    for n, v in tf.items():
-        s = v["summary"]
-        pts.append((s["bytes_per_token"], max(s["kl_mean"], 1e-5), n))
+    fig, ax = plt.subplots(figsize=(9, 6))
+    pts = [(v["summary"]["bytes_per_token"], max(v["summary"]["kl_mean"], 1e-5), n)
+           for n, v in tf.items()]
     front = sorted((p for p in pts if p[2] in set(pareto_front(pts))), key=lambda p: p[0])
     ax.plot([p[0] for p in front], [p[1] for p in front], "--", c="tab:green", lw=1,
-            label="Pareto frontier (eval split)")
+            label="Pareto frontier")
+    grid = [p for p in pts if "@" in p[2]]
+    ax.scatter([p[0] for p in grid], [p[1] for p in grid], s=14, c="tab:red", alpha=0.45,
+               label="DiffKV (alpha_h, alpha_l) grid")
     for b, k, n in pts:
+        if "@" in n and n not in (mark or []):
+            continue
         diff = n.startswith("diffkv")
         starred = n in (mark or [])
-        ax.scatter([b], [k], s=160 if starred else 50, marker="*" if starred else "o",
-                   c="tab:red" if diff else "tab:blue", zorder=3)
-        ax.annotate(n, (b, k), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.scatter([b], [k], s=220 if starred else 45, marker="*" if starred else "o",
+                   c="tab:red" if diff else ("tab:purple" if n.startswith("prune") else
+                                             "tab:blue"),
+                   edgecolors="k" if starred else "none", zorder=3)
+        ax.annotate(n, (b, k), textcoords="offset points", xytext=(6, 3), fontsize=8)
     ax.axvline(bf16, c="0.5", lw=0.8)
-    ax.text(bf16, ax.get_ylim()[1], " bf16", va="top", fontsize=8, color="0.4")
+    ax.annotate("bf16 (reference)", (bf16, 1e-4), rotation=90, fontsize=8, color="0.4",
+                xytext=(-10, 0), textcoords="offset points")
     ax.set_yscale("log")
-    ax.set_xlabel("physical KV bytes per token per KV head (metadata included)")
+    ax.set_xlim(0, bf16 + 10)
+    ax.set_xlabel("physical KV bytes per token per KV head (page layout, metadata included)")
     ax.set_ylabel("teacher-forced KL(bf16 || config), mean nats/token")
-    model = results.get("meta", {}).get("model", "")
-    ax.set_title(f"Quality vs memory, {model} (red: DiffKV, star: default/calibrated)")
+    m = results.get("meta", {})
+    ax.set_title(f"Quality vs memory: {m.get('model', '')}, {m.get('windows', '?')} windows x "
+                 f"({m.get('prompt_len', '?')} prefilled + {m.get('score_tokens', '?')} scored)",
+                 fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(True, which="both", lw=0.3)
     fig.tight_layout()

@@ -96,9 +96,13 @@ def teacher_force(
             nll[:, j] = -logp.gather(-1, targets[src, j, None])[:, 0].double().cpu()
             if (j + 1) % PROGRESS_EVERY == 0:
                 el = time.perf_counter() - t1
-                log.info("step %d/%d, %.1f s/step, KL so far %s", j + 1, steps, el / (j + 1),
-                         " ".join(f"{b.name[:12]}={float(kl[:, : j + 1].mean()):.3f}"
-                                  for b in backends[:4]))
+                done, start = [], 0
+                for b in backends[:4]:
+                    mean_kl = float(kl[start : start + b.rows, : j + 1].mean())
+                    done.append(f"{b.name[:16]}={mean_kl:.3f}")
+                    start += b.rows
+                log.info("step %d/%d, %.2f s/step, mean KL so far: %s", j + 1, steps,
+                         el / (j + 1), " ".join(done))
         mems = [b.memory(prompt_len + steps) for b in backends]
     t2 = time.perf_counter()
     log.info(
