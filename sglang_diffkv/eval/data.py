@@ -13,6 +13,7 @@ tokens they are judged on.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -23,6 +24,7 @@ WIKITEXT = "wikitext2_raw_test.txt"
 GSM8K = "gsm8k_test.jsonl"
 EXCERPT = {WIKITEXT: "wikitext2_excerpt.txt", GSM8K: "gsm8k_excerpt.jsonl"}
 CALIBRATION_SHARE = 0.3
+log = logging.getLogger(__name__)
 
 
 class DataError(FileNotFoundError):
@@ -45,6 +47,8 @@ def find(name: str, data_dir: str | Path | None = None, allow_excerpt: bool = Tr
         if (d / name).is_file():
             return d / name
     if allow_excerpt and (PACKAGE_DATA / EXCERPT[name]).is_file():
+        log.warning("%s not found in %s: using the bundled excerpt (smoke-test size only)",
+                    name, [str(d) for d in dirs])
         return PACKAGE_DATA / EXCERPT[name]
     raise DataError(f"{name} not found in {[str(d) for d in dirs]} (set SGLANG_DIFFKV_DATA)")
 
