@@ -253,13 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(c)
     c.add_argument("--base", default="default",
                    help="preset whose tiers/window are kept (default: %(default)s)")
-    c.add_argument("--alpha-h", type=_floats, default=[0.5, 1.0, 2.0, 4.0, 8.0])
-    c.add_argument("--alpha-l", type=_floats, default=[0.0, 0.05, 0.2])
-    c.add_argument("--max-kl", type=float, default=0.05,
+    c.add_argument("--alpha-h", type=_floats, default=[0.5, 1.0, 2.0, 4.0, 8.0, 16.0],
+                   help="demotion thresholds to try, comma list (default %(default)s)")
+    c.add_argument("--alpha-l", type=_floats, default=[0.0, 0.05, 0.1, 0.2, 0.4, 0.8],
+                   help="pruning thresholds to try (pairs with alpha_l > alpha_h are skipped)")
+    c.add_argument("--max-kl", type=float, default=0.035,
                    help="tolerance: mean KL(bf16 || DiffKV) in nats/token (default %(default)s)")
     c.add_argument("--min-top1", type=float, default=0.9,
                    help="tolerance: top-1 agreement with bf16 (default %(default)s)")
-    c.add_argument("--out", default="sglang_diffkv/presets/smollm2-135m.json")
+    c.add_argument("--out", default="sglang_diffkv/presets/smollm2-135m.json",
+                   help="preset file to write (+ <stem>.provenance.json beside it)")
     c.add_argument("--name", default=None, help="preset name (default: file stem)")
     c.add_argument("--results", default=None, help="also write the grid results JSON here")
     c.set_defaults(func=cmd_calibrate)
