@@ -44,8 +44,7 @@ def gather_cache(
     tiers = []
     for t, layout in enumerate(geometry.tiers):
         n = cnt[..., t]
-        # at least one (masked) column: an all-empty tier must still reshape ([B, H, 0, -1] cannot)
-        cap = max(int(n.max()) if n.numel() else 0, 1)
+        cap = int(n.max()) if n.numel() else 0
         loc = token_locations(rows, n, layout.tokens_per_page, low=t == 1, capacity=cap)
         tiers.append((gather_tokens(pages, layout, loc), loc.mask))
     return GatheredCache(tiers[0][0], tiers[1][0], tiers[0][1], tiers[1][1])

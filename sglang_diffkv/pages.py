@@ -156,8 +156,8 @@ def gather_tokens(pages: torch.Tensor, layout: TierLayout, loc: TokenLocations) 
     shape = loc.page_ids.shape
     data = read_tokens(pages, layout, loc.page_ids.reshape(-1), loc.slots.reshape(-1))
     return TokenData(
-        data.key.reshape(*shape, -1),
-        data.value.reshape(*shape, -1),
+        data.key.reshape(*shape, layout.head_dim),
+        data.value.reshape(*shape, layout.head_dim),
         data.score.reshape(shape),
         data.pos.reshape(shape),
     )

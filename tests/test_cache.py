@@ -168,6 +168,12 @@ def test_no_compression_keeps_every_token_high():
                 layer, req, lengths, torch.randn(1, HKV, D), torch.randn(1, HKV, D)
             )
             assert torch.all(d.action == DecodeAction.APPEND_HIGH)
+            # every row's low tier is empty: attention runs over the high tier alone
+            res = cache.decode_layer_attend(layer, req, torch.randn(1, HKV * GROUP, D), SCALE)
+            assert res.prob_low.shape[-1] == 0 and torch.all(torch.isfinite(res.out))
+            # max over the group of distributions that each sum to 1: in [1, GROUP]
+            total = res.prob_high.sum(-1)
+            assert torch.all(total >= 1 - 1e-5) and torch.all(total <= GROUP + 1e-5)
         lengths = lengths + 1
     assert torch.all(cache.counts[1, :, :, 0] == 153) and torch.all(cache.counts[1, :, :, 1] == 0)
     # the low tier is never grown without demotion thresholds: no page wasted on it

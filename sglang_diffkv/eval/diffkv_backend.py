@@ -14,41 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_diffkv.attention import DecodeAttention, masked_group_attention
-from sglang_diffkv.cache import CompressedKVCache, IndexLike
+from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.eval.backend import KVBackend, MemoryUse
 from sglang_diffkv.eval.model import ModelShape
 from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
-from sglang_diffkv.pages import add_scores, gather_tokens, token_locations
-
-
-class _EvalCache(CompressedKVCache):
-    """The reference cache, except when a layer's low tier is empty in every row (e.g. the
-    no-compression preset): ``pages.gather_tokens`` cannot reshape a zero-capacity grid
-    (``reshape(*shape, -1)`` of 0 elements), so this path attends over the high tier alone
-    with the same reference pieces. Remove once gather_tokens reshapes to head_dim."""
-
-    def decode_layer_attend(
-        self, layer: int, req_idx: IndexLike, query: torch.Tensor, sm_scale: float
-    ) -> DecodeAttention:
-        req = self._index(req_idx)
-        cnt = self.manager.counts[req, layer].long()
-        if int(cnt[..., 1].max()) > 0:
-            return super().decode_layer_attend(layer, req_idx, query, sm_scale)
-        rows = self.manager.table[req, layer]
-        high = self.geometry.high
-        loc = token_locations(
-            rows, cnt[..., 0], high.tokens_per_page, low=False, capacity=int(cnt[..., 0].max())
-        )
-        tok = gather_tokens(self.pages, high, loc)
-        out, prob, lse = masked_group_attention(query, tok.key, tok.value, loc.mask, sm_scale)
-        hkv = tok.key.shape[1]
-        group_prob = prob.unflatten(1, (hkv, -1)).amax(dim=2) * loc.mask
-        add_scores(self.pages, high, loc.page_ids[loc.mask], loc.slots[loc.mask],
-                   group_prob[loc.mask])
-        empty = group_prob.new_zeros(*group_prob.shape[:2], 0)
-        return DecodeAttention(out, group_prob, empty, lse)
 
 
 class DiffKVBackend(KVBackend):
@@ -71,7 +41,7 @@ class DiffKVBackend(KVBackend):
             config.with_thresholds(ah, al)  # validates (alpha_l <= alpha_h, finite, >= 0)
         self.alphas = [(float(a), float(b)) for a, b in alphas]
         self.geometry = PageGeometry.for_config(config, shape.head_dim)
-        self.cache: _EvalCache | None = None
+        self.cache: CompressedKVCache | None = None
         self.req = torch.arange(self.rows, device=shape.device)
 
     def start(self, prompt_len: int, max_len: int) -> None:
@@ -80,7 +50,7 @@ class DiffKVBackend(KVBackend):
         # one page per tier and a low page per row.
         per_row = math.ceil(max_len / self.geometry.high.tokens_per_page) + 3
         pages = self.rows * s.num_layers * s.num_kv_heads * per_row
-        self.cache = _EvalCache(
+        self.cache = CompressedKVCache(
             self.config,
             head_dim=s.head_dim,
             num_layers=s.num_layers,
