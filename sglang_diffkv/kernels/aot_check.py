@@ -1,0 +1,91 @@
+"""Compile every Triton kernel ahead of time for Hopper (sm_90), no GPU needed.
+
+The CPU tests run the kernels under TRITON_INTERPRET=1, which accepts code the GPU compiler
+rejects (it did: module-level ``x: tl.constexpr = ...`` globals). Run with TRITON_INTERPRET
+unset (the decorators must build real JIT functions):
+
+    python -m sglang_diffkv.kernels.aot_check      # exit 0 when all compile
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import triton
+
+from sglang_diffkv.config import K4V2_GROUPED, K8V4_GROUPED
+from sglang_diffkv.kernels._tier import tier_constexprs
+from sglang_diffkv.layout import PageGeometry
+
+GEO = PageGeometry.build(128, K8V4_GROUPED, K4V2_GROUPED)
+HI, LO = tier_constexprs(GEO.high, "H_"), tier_constexprs(GEO.low, "L_")
+T = tier_constexprs(GEO.high, "T_")
+ATTN = dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, G=4, BLOCK_G=16, D=128, PPI=1, RS=64)
+POINTERS = {  # pointer arguments and their element types; everything else is an i32 scalar
+    "q": "*bf16", "k": "*bf16", "key": "*bf16", "value": "*bf16", "u8": "*u8",
+    "f16": "*fp16", "f32": "*fp32", "i32": "*i32", "table": "*i32", "counts": "*i32",
+    "req": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "p_ptr": "*fp16", "mit_ptr": "*fp32",
+    "out": "*bf16", "lse_out": "*fp32", "score": "*fp32", "pos": "*i32", "page_ids": "*i32",
+    "slots": "*i32", "lengths": "*i32", "lse": "*fp32", "sig": "*fp32", "alpha_h": "*fp32",
+    "alpha_l": "*fp32", "tier_out": "*i8", "score_out": "*fp32", "pos_out": "*i32",
+    "block_counts": "*i32", "first_rank": "*i32", "totals": "*i32", "tier_in": "*i8",
+    "n_high": "*i32", "positions": "*i64", "alpha": "*fp32", "action_out": "*i8",
+    "hmin_out": "*i64", "lmin_out": "*i64",
+}
+FLOATS = {"qk_scale", "lse_mul"}
+KERNELS = [
+    ("decode_attention", "_partition_kernel", {**ATTN, **HI, **LO}),
+    ("decode_attention", "_merge_kernel",
+     {**ATTN, "BLOCK_P": 16, "CH": 4, **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF")},
+      **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF")}}),
+    ("store", "_store_tokens_kernel", {"PAGE_BYTES": GEO.page_bytes, "D": 128, "BLOCK_T": 16,
+                                       **T}),
+    ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False)),
+    ("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False)),
+    ("prefill", "_classify_kernel", dict(WINDOW=64, Q=64, BL=64)),
+    ("prefill", "_scan_kernel", dict(BLOCK_NB=64)),
+    ("prefill", "_store_prefill_kernel", dict(PAGE_BYTES=GEO.page_bytes, D=128, Q=64, BL=64,
+                                              **HI, **LO)),
+    ("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
+                                             WINDOW=64, BT=256, **HI, **LO)),
+]
+
+
+def compile_one(module: str, name: str, constexprs: dict) -> str:
+    """Compile one kernel for sm_90; returns its PTX."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(f"sglang_diffkv.kernels.{module}"), name)
+    signature = {}
+    for arg, param in zip(fn.arg_names, fn.params, strict=True):
+        if param.is_constexpr:
+            signature[arg] = "constexpr"
+        else:
+            signature[arg] = POINTERS.get(arg, "fp32" if arg in FLOATS else "i32")
+    missing = [a for a in fn.arg_names if signature[a] == "constexpr" and a not in constexprs]
+    if missing:
+        raise ValueError(f"{name}: constexprs without a value: {missing}")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if signature[a].startswith("*")}
+    src = ASTSource(fn, signature, constexprs, attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "num_stages": 2})
+    return kernel.asm["ptx"]
+
+
+def main() -> int:
+    failed = 0
+    for module, name, constexprs in KERNELS:
+        try:
+            compile_one(module, name, constexprs)
+            print(f"ok      {module}.{name}")
+        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+            failed += 1
+            print(f"FAILED  {module}.{name}: {type(e).__name__}: {str(e)[:2000]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
