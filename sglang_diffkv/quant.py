@@ -57,7 +57,10 @@ def quantize(x: torch.Tensor, bits: int, groups: int = 1) -> Quantized:
     lo = xg.amin(dim=-1)
     hi = xg.amax(dim=-1)
     zero = _fp16_down(lo)
-    scale = _fp16_up(((hi - zero.float()) / levels).clamp_min(SCALE_EPS))
+    # Divide by a tensor: torch on CUDA turns division by a Python scalar into a multiply by
+    # its reciprocal, which can round an ulp away from the IEEE quotient the kernels compute.
+    span = hi - zero.float()
+    scale = _fp16_up((span / torch.full_like(span, levels)).clamp_min(SCALE_EPS))
     q = torch.round((xg - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1))
     codes = q.clamp(0, levels).to(torch.uint8).flatten(-2)
     return Quantized(codes, scale, zero)
