@@ -22,6 +22,7 @@ from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.memory import AllocResult, MemorySpec, PageManager, alloc_page_storage
 from sglang_diffkv.pages import (
+    TokenLocations,
     add_scores,
     read_scores,
     read_tokens,
@@ -207,15 +208,6 @@ class CompressedKVCache:
         tiers = torch.stack([torch.ones_like(a[:, 0], dtype=torch.bool), a[:, 0] > a[:, 1]], -1)
         return self.manager.ensure_decode_room(req, tiers)
 
-    def _tier_state(self, rows, n, tier: int):
-        layout = self.geometry.tiers[tier]
-        cap = max(int(n.max()) if n.numel() else 0, 1)
-        loc = token_locations(rows, n, layout.tokens_per_page, low=tier == 1, capacity=cap)
-        score, pos = read_scores(
-            self.pages, layout, loc.page_ids.reshape(-1), loc.slots.reshape(-1)
-        )
-        return loc, score.view(loc.mask.shape), pos.view(loc.mask.shape)
-
     def decode_layer_store(
         self,
         layer: int,
@@ -227,73 +219,21 @@ class CompressedKVCache:
         """Policy step for one layer, then write the new token (key/value [B, Hkv, D]) at
         position ``positions[b]``: evict / demote per the decision, then store."""
         req = self._index(req_idx)
-        rows = self.manager.table[req, layer]
-        cnt = self.manager.counts[req, layer].long()
-        p = positions.to(self.device).long()
-        hi_loc, hi_score, hi_pos = self._tier_state(rows, cnt[..., 0], 0)
-        lo_loc, lo_score, lo_pos = self._tier_state(rows, cnt[..., 1], 1)
-        a = self.alpha[req]
-        d = decode_step(
-            hi_score,
-            hi_pos,
-            cnt[..., 0],
-            lo_score,
-            lo_pos,
-            cnt[..., 1],
-            p,
-            a[:, 0],
-            a[:, 1],
-            self.config.window,
-        )
-        high, low = self.geometry.tiers
-        b_idx, h_idx = torch.meshgrid(
-            torch.arange(req.shape[0], device=self.device),
-            torch.arange(rows.shape[1], device=self.device),
-            indexing="ij",
-        )
-        act = d.action.long()
-        hmin = d.hmin.clamp(min=0)
-        lmin = d.lmin.clamp(min=0)
-
-        # Demotion first: it reads hmin's high copy before the new token overwrites it.
-        demote = (act == DecodeAction.DEMOTE_APPEND) | (act == DecodeAction.DEMOTE_REPLACE)
-        if bool(demote.any()):
-            bi, hi = b_idx[demote], h_idx[demote]
-            src = read_tokens(
-                self.pages,
-                high,
-                hi_loc.page_ids[bi, hi, hmin[demote]],
-                hi_loc.slots[bi, hi, hmin[demote]],
-            )
-            append = act[demote] == DecodeAction.DEMOTE_APPEND
-            dst_slot_index = torch.where(append, cnt[bi, hi, 1], lmin[demote])
-            page_index = rows.shape[-1] - 1 - dst_slot_index // low.tokens_per_page
-            dst_pages = rows[bi, hi, page_index]
-            dst_slots = (dst_slot_index % low.tokens_per_page).int()
-            write_tokens(
-                self.pages, low, dst_pages, dst_slots, src.key, src.value, src.score, src.pos
-            )
-
-        new_slot_index = torch.where(act == DecodeAction.APPEND_HIGH, cnt[..., 0], hmin)
-        new_pages = torch.gather(rows, -1, (new_slot_index // high.tokens_per_page)[..., None])
-        new_slots = (new_slot_index % high.tokens_per_page).int()
-        n_new = new_pages.numel()
-        write_tokens(
+        d, growth = apply_decode_step(
             self.pages,
-            high,
-            new_pages.reshape(-1),
-            new_slots.reshape(-1),
-            key.reshape(n_new, -1),
-            value.reshape(n_new, -1),
-            torch.zeros(n_new, device=self.device),
-            p[:, None].expand_as(new_slots).reshape(-1).int(),
+            self.geometry,
+            self.manager.table[req, layer],
+            self.manager.counts[req, layer],
+            positions.to(self.device),
+            self.alpha[req],
+            self.config.window,
+            key,
+            value,
         )
-
         deltas = torch.zeros(
             *self.manager.counts[req].shape[:-1], 2, dtype=torch.int64, device=self.device
         )
-        deltas[:, layer, :, 0] = (act == DecodeAction.APPEND_HIGH).long()
-        deltas[:, layer, :, 1] = (act == DecodeAction.DEMOTE_APPEND).long()
+        deltas[:, layer] = growth
         self.manager.add_tokens(req, deltas)
         return d
 
@@ -334,3 +274,97 @@ class CompressedKVCache:
         total = seq_lens.to(self.device).double().view(-1, 1, 1)
         hi, lo = cnt[..., 0] / total, cnt[..., 1] / total
         return torch.stack([hi, lo, 1 - hi - lo], -1)
+
+
+def _tier_scores(
+    pages: torch.Tensor, geometry: PageGeometry, rows: torch.Tensor, n: torch.Tensor, tier: int
+) -> tuple[TokenLocations, torch.Tensor, torch.Tensor]:
+    """Locations, scores and virtual positions of one tier's tokens ([B, H, C], C >= 1)."""
+    layout = geometry.tiers[tier]
+    cap = max(int(n.max()) if n.numel() else 0, 1)
+    loc = token_locations(rows, n, layout.tokens_per_page, low=tier == 1, capacity=cap)
+    score, pos = read_scores(pages, layout, loc.page_ids.reshape(-1), loc.slots.reshape(-1))
+    return loc, score.view(loc.mask.shape), pos.view(loc.mask.shape)
+
+
+def apply_decode_step(
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    positions: torch.Tensor,
+    alpha: torch.Tensor,
+    window: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> tuple[DecodeDecision, torch.Tensor]:
+    """One layer's decode policy step over raw tensors: decide, demote / evict in ``pages``,
+    store the new token. rows: [B, H, row_len] table rows; counts: [B, H, >=2] with
+    (n_high, n_low) first; positions: [B]; alpha: [B, 2] = (alpha_h, alpha_l); key/value:
+    [B, H, D]. Counters are left to the caller: returns the decision and the tokens each
+    tier gained, int64 [B, H, 2]. The rows must already have room (``ensure_decode_room``)."""
+    cnt = counts.long()
+    p = positions.long()
+    hi_loc, hi_score, hi_pos = _tier_scores(pages, geometry, rows, cnt[..., 0], 0)
+    _, lo_score, lo_pos = _tier_scores(pages, geometry, rows, cnt[..., 1], 1)
+    d = decode_step(
+        hi_score,
+        hi_pos,
+        cnt[..., 0],
+        lo_score,
+        lo_pos,
+        cnt[..., 1],
+        p,
+        alpha[:, 0],
+        alpha[:, 1],
+        window,
+    )
+    high, low = geometry.tiers
+    b_idx, h_idx = torch.meshgrid(
+        torch.arange(rows.shape[0], device=rows.device),
+        torch.arange(rows.shape[1], device=rows.device),
+        indexing="ij",
+    )
+    act = d.action.long()
+    hmin = d.hmin.clamp(min=0)
+    lmin = d.lmin.clamp(min=0)
+
+    # Demotion first: it reads hmin's high copy before the new token overwrites it.
+    demote = (act == DecodeAction.DEMOTE_APPEND) | (act == DecodeAction.DEMOTE_REPLACE)
+    if bool(demote.any()):
+        bi, hi = b_idx[demote], h_idx[demote]
+        src = read_tokens(
+            pages, high, hi_loc.page_ids[bi, hi, hmin[demote]], hi_loc.slots[bi, hi, hmin[demote]]
+        )
+        append = act[demote] == DecodeAction.DEMOTE_APPEND
+        dst_slot_index = torch.where(append, cnt[bi, hi, 1], lmin[demote])
+        page_index = rows.shape[-1] - 1 - dst_slot_index // low.tokens_per_page
+        write_tokens(
+            pages,
+            low,
+            rows[bi, hi, page_index],
+            (dst_slot_index % low.tokens_per_page).int(),
+            src.key,
+            src.value,
+            src.score,
+            src.pos,
+        )
+
+    new_slot_index = torch.where(act == DecodeAction.APPEND_HIGH, cnt[..., 0], hmin)
+    new_pages = torch.gather(rows, -1, (new_slot_index // high.tokens_per_page)[..., None])
+    new_slots = (new_slot_index % high.tokens_per_page).int()
+    n_new = new_pages.numel()
+    write_tokens(
+        pages,
+        high,
+        new_pages.reshape(-1),
+        new_slots.reshape(-1),
+        key.reshape(n_new, -1),
+        value.reshape(n_new, -1),
+        torch.zeros(n_new, device=pages.device),
+        p[:, None].expand_as(new_slots).reshape(-1).int(),
+    )
+    growth = torch.stack(
+        [(act == DecodeAction.APPEND_HIGH).long(), (act == DecodeAction.DEMOTE_APPEND).long()], -1
+    )
+    return d, growth

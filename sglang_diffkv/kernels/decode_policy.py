@@ -11,13 +11,11 @@ Preconditions as there: ``ensure_decode_room`` ran for this step.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.cache import apply_decode_step
 from sglang_diffkv.kernels._quant import load_dequant, quantize_store, store_score_pos
 from sglang_diffkv.kernels._tier import page_views, tier_constexprs
 from sglang_diffkv.layout import PageGeometry
@@ -191,17 +189,6 @@ def decode_policy_step(
     return DecodeDecision(action=action, hmin=hmin, lmin=lmin)
 
 
-class _Counts:
-    """The two fields of PageManager that decode_layer_store touches."""
-
-    def __init__(self, table: torch.Tensor, counts: torch.Tensor) -> None:
-        self.table = table
-        self.counts = counts
-
-    def add_tokens(self, req: torch.Tensor, deltas: torch.Tensor) -> None:
-        self.counts[req, ..., :2] += deltas.to(self.counts.dtype)
-
-
 def decode_policy_step_reference(
     pages: torch.Tensor,
     geometry: PageGeometry,
@@ -215,15 +202,12 @@ def decode_policy_step_reference(
     key: torch.Tensor,
     value: torch.Tensor,
 ) -> DecodeDecision:
-    """Runs ``CompressedKVCache.decode_layer_store`` itself over these tensors."""
-    view = type("CacheView", (), {})()
-    view.pages, view.geometry, view.device = pages, geometry, pages.device
-    view.manager = _Counts(table, counts)
-    view.config = type("Config", (), {"window": window})()
-    view.alpha = torch.zeros(table.shape[0], 2, device=pages.device)
-    view.alpha[req_idx.long()] = alpha.float()
-    view._index = functools.partial(CompressedKVCache._index, view)
-    view._tier_state = functools.partial(CompressedKVCache._tier_state, view)
-    return CompressedKVCache.decode_layer_store(view, layer, req_idx, positions, key, value)
+    """``cache.apply_decode_step`` (what ``CompressedKVCache.decode_layer_store`` runs) over
+    these tensors, with the counters advanced as the kernel does."""
+    req = req_idx.long()
+    d, growth = apply_decode_step(pages, geometry, table[req, layer], counts[req, layer],
+                                  positions, alpha.float(), window, key, value)
+    counts[req, layer, :, :2] += growth.to(counts.dtype)
+    return d
 
 
