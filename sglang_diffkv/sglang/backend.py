@@ -151,9 +151,8 @@ class DiffKVAttnBackend(AttentionBackend):
                        ) -> torch.Tensor:
         self._check_layer(layer, save_kv_cache)
         md = self.forward_metadata
-        hq, hkv, d, dv = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
-                          layer.v_head_dim)
-        q3, k3, v3 = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, dv)
+        q3, k3, v3 = _per_head(layer, q, k, v)
+        hq, hkv, dv = q3.shape[1], k3.shape[1], v3.shape[2]
         n, b, lmax = md.num_tokens, md.req_idx.numel(), md.max_len
 
         def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, Lmax, D]
@@ -185,9 +184,8 @@ class DiffKVAttnBackend(AttentionBackend):
                        ) -> torch.Tensor:
         self._check_layer(layer, save_kv_cache)
         md = self.forward_metadata
-        hq, hkv, d, dv = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
-                          layer.v_head_dim)
-        q3, k3, v3 = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, dv)
+        q3, k3, v3 = _per_head(layer, q, k, v)
+        hq, dv = q3.shape[1], v3.shape[2]
         layer_idx = layer.layer_id - self.start_layer
         rows = md.rows
         self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])
@@ -212,3 +210,12 @@ class DiffKVAttnBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
+
+
+def _per_head(
+    layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, H * D] projections as [T, H, D] with the layer's (tensor-parallel) head counts."""
+    d = layer.qk_head_dim
+    return (q.reshape(-1, layer.tp_q_head_num, d), k.reshape(-1, layer.tp_k_head_num, d),
+            v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim))
