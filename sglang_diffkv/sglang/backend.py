@@ -46,7 +46,6 @@ class DiffKVForwardMetadata:
     max_len: int = 0
     token_b: torch.Tensor | None = None
     token_i: torch.Tensor | None = None
-    attn_mask: torch.Tensor | None = None  # bool [B, 1, Lmax, Lmax]: causal and in-prompt
 
 
 class DiffKVAttnBackend(AttentionBackend):
@@ -115,10 +114,6 @@ class DiffKVAttnBackend(AttentionBackend):
         token_b = torch.repeat_interleave(torch.arange(b, device=req.device), lengths)
         starts = torch.cumsum(lengths, 0) - lengths
         token_i = torch.arange(int(lengths.sum()), device=req.device) - starts[token_b]
-        pos = torch.arange(lmax, device=req.device)
-        causal = pos[None, :] <= pos[:, None]  # [query, key]
-        in_prompt = pos[None, :] < lengths[:, None]  # [B, key]
-        mask = (causal[None] & in_prompt[:, None, :])[:, None]
         return DiffKVForwardMetadata(
             False,
             torch.arange(b, device=req.device),
@@ -129,7 +124,6 @@ class DiffKVAttnBackend(AttentionBackend):
             max_len=lmax,
             token_b=token_b,
             token_i=token_i,
-            attn_mask=mask,
         )
 
     # ---- per-layer forward ---------------------------------------------------------------
@@ -152,7 +146,7 @@ class DiffKVAttnBackend(AttentionBackend):
         self._check_layer(layer, save_kv_cache)
         md = self.forward_metadata
         q3, k3, v3 = _per_head(layer, q, k, v)
-        hq, hkv, dv = q3.shape[1], k3.shape[1], v3.shape[2]
+        hq, dv = q3.shape[1], v3.shape[2]
         n, b, lmax = md.num_tokens, md.req_idx.numel(), md.max_len
 
         def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, Lmax, D]
@@ -161,13 +155,11 @@ class DiffKVAttnBackend(AttentionBackend):
             return out.transpose(1, 2)
 
         qp, kp, vp = pad(q3), pad(k3), pad(v3)
-        group = hq // hkv
+        # Prompts are right-padded, so a causal mask alone keeps every real query on real
+        # keys (padded query rows are dropped below); no [B, L, L] mask, no K/V copies per
+        # query head: SDPA can take its flash / memory-efficient path.
         out = F.scaled_dot_product_attention(
-            qp,
-            kp.repeat_interleave(group, dim=1),
-            vp.repeat_interleave(group, dim=1),
-            attn_mask=md.attn_mask,
-            scale=layer.scaling,
+            qp, kp, vp, is_causal=True, scale=layer.scaling, enable_gqa=True
         )
         o = q.new_zeros(q3.shape[0], hq, dv)
         o[:n] = out.transpose(1, 2)[md.token_b, md.token_i].to(q.dtype)
