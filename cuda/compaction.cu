@@ -44,6 +44,39 @@ __device__ __forceinline__ void plan_row(const Args& a, int64_t i, int64_t* slot
   *room = (c.z + *w_hi) + (c.w + *w_lo) <= a.row_len;
 }
 
+// One warp takes pages for rows [lo, hi) in flat order: 32 rows at a time, each wanting
+// (row, tier) gets ring slot ``cursor`` + its exclusive rank (a warp scan of the wants).
+__device__ __forceinline__ void take_rows(const Args& a, int64_t lo, int64_t hi,
+                                          int64_t cursor, int lane) {
+  for (int64_t base = lo; base < hi; base += 32) {
+    const int64_t i = base + lane;
+    int64_t slot = 0;
+    bool w_hi = false, w_lo = false, room;
+    if (i < hi) plan_row(a, i, &slot, &w_hi, &w_lo, &room);
+    const int want = w_hi + w_lo;
+    int incl = want;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += up;
+    }
+    int64_t c = cursor + incl - want;
+    if (want) {
+      int32_t* cnt = a.counts + 4 * slot;
+      int32_t* row = a.table + slot * a.row_len;
+      if (w_hi) {
+        row[cnt[2]] = a.free_pages[c % a.num_pages];
+        cnt[2] += 1;
+        ++c;
+      }
+      if (w_lo) {
+        row[a.row_len - 1 - cnt[3]] = a.free_pages[c % a.num_pages];
+        cnt[3] += 1;
+      }
+    }
+    cursor += __shfl_sync(0xffffffffu, incl, 31);
+  }
+}
+
 // Rows are split into 32 contiguous runs, one per warp; a warp walks its run 32 rows at a
 // time (lane = row, so the 16-byte counter loads coalesce), ranks its pages with a warp
 // scan, and warps are ranked by one scan over their totals. Flat order (row, tier) is kept.
@@ -97,34 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_room_kernel(Args a) {
 
   // 2. take: each wanting (row, tier) gets ring slot head + its exclusive rank
   if (ok) {
-    int64_t cursor = head + warp_base[warp];
-    for (int64_t base = lo; base < hi; base += 32) {
-      const int64_t i = base + lane;
-      int64_t slot = 0;
-      bool w_hi = false, w_lo = false, room;
-      if (i < hi) plan_row(a, i, &slot, &w_hi, &w_lo, &room);
-      const int want = w_hi + w_lo;
-      int incl = want;
-      for (int off = 1; off < 32; off <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += up;
-      }
-      int64_t c = cursor + incl - want;
-      if (want) {
-        int32_t* cnt = a.counts + 4 * slot;
-        int32_t* row = a.table + slot * a.row_len;
-        if (w_hi) {
-          row[cnt[2]] = a.free_pages[c % a.num_pages];
-          cnt[2] += 1;
-          ++c;
-        }
-        if (w_lo) {
-          row[a.row_len - 1 - cnt[3]] = a.free_pages[c % a.num_pages];
-          cnt[3] += 1;
-        }
-      }
-      cursor += __shfl_sync(0xffffffffu, incl, 31);
-    }
+    take_rows(a, lo, hi, head + warp_base[warp], lane);
   }
   __syncthreads();  // every thread has read *a.head before it moves
   if (threadIdx.x == 0) {
@@ -194,34 +200,7 @@ __global__ void __launch_bounds__(kCoopThreads) decode_room_coop_kernel(Args a,
 
   // 2. take, 32 rows at a time in flat order, ranks by warp scan
   if (ok) {
-    int64_t cursor = head + before;
-    for (int64_t base = lo; base < hi; base += 32) {
-      const int64_t i = base + lane;
-      int64_t slot = 0;
-      bool w_hi = false, w_lo = false, room;
-      if (i < hi) plan_row(a, i, &slot, &w_hi, &w_lo, &room);
-      const int want = w_hi + w_lo;
-      int incl = want;
-      for (int off = 1; off < 32; off <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += up;
-      }
-      int64_t c = cursor + incl - want;
-      if (want) {
-        int32_t* cnt = a.counts + 4 * slot;
-        int32_t* row = a.table + slot * a.row_len;
-        if (w_hi) {
-          row[cnt[2]] = a.free_pages[c % a.num_pages];
-          cnt[2] += 1;
-          ++c;
-        }
-        if (w_lo) {
-          row[a.row_len - 1 - cnt[3]] = a.free_pages[c % a.num_pages];
-          cnt[3] += 1;
-        }
-      }
-      cursor += __shfl_sync(0xffffffffu, incl, 31);
-    }
+    take_rows(a, lo, hi, head + before, lane);
   }
   grid.sync();  // every thread has read *a.head before it moves
   if (blockIdx.x == 0 && threadIdx.x == 0) {
