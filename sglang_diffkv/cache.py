@@ -38,6 +38,7 @@ from sglang_diffkv.policy import (
     decode_step,
     group_max,
     prompt_attention_mass,
+    tier_growth,
 )
 
 IndexLike = torch.Tensor | Sequence[int]
@@ -364,7 +365,5 @@ def apply_decode_step(
         torch.zeros(n_new, device=pages.device),
         p[:, None].expand_as(new_slots).reshape(-1).int(),
     )
-    growth = torch.stack(
-        [(act == DecodeAction.APPEND_HIGH).long(), (act == DecodeAction.DEMOTE_APPEND).long()], -1
-    )
+    growth = torch.stack([g.long() for g in tier_growth(act)], -1)
     return d, growth
