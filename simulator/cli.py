@@ -248,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--server-log", required=True, metavar="PATH",
                      help="SGLang server log with 'Decode batch' lines")
     cal.add_argument("--out", required=True, metavar="PATH", help="calibration JSON to write")
+    cal.add_argument("--fit", default="auto", choices=("auto", "fixed", "decode"),
+                     help="what to fit: 'fixed' = only the per-step and per-sequence costs "
+                          "(kernel times from the calibration's measured grids, e.g. "
+                          "scripts/calibrate_gpu.py's file given as --calibration); 'decode' = "
+                          "also the weight and decode-attention efficiencies; 'auto' = fixed "
+                          "when --calibration has measured grids (default: %(default)s)")
     _format_options(cal, many=False)
     _deployment_options(cal)
     _server_options(cal)
@@ -502,21 +508,34 @@ def cmd_calibrate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         calibration_file,
         decode_samples,
         fit_decode,
+        fit_fixed_costs,
         write_calibration,
     )
     from simulator.validation.sglang_log import parse_server_log
 
     log = parse_server_log(a.server_log)
     srv = _scenario(a).server(a.format)
-    fit = fit_decode(srv, decode_samples(log))
+    fixed = a.fit == "fixed" or (a.fit == "auto" and bool(srv.deployment.calibration.measured))
+    if fixed:
+        graphed = not a.disable_cuda_graph
+        fit = {**fit_fixed_costs(srv, decode_samples(log, graphed)), "fixed_only": True}
+        rows = [["step_overhead_s", fit["step_overhead_s"]],
+                ["seq_overhead_s", fit["seq_overhead_s"]],
+                ["clean decode intervals used", fit["samples"]],
+                ["kernels' share of a step", f"{100 * fit['kernel_share']:.0f}%"],
+                ["fit error (MAPE) before / after",
+                 f"{100 * fit['mape_before']:.1f}% / {100 * fit['mape']:.1f}%"]]
+    else:
+        fit = fit_decode(srv, decode_samples(log))
+        rows = [["eta_mem_gemm", fit["eta_mem_gemm"]],
+                [f"eta_mem_decode_attention[{srv.deployment.kv_format.calibration_key}]",
+                 fit["eta_mem_decode_attention"]],
+                ["step_overhead_s", fit["step_overhead_s"]],
+                ["seq_overhead_s", fit["seq_overhead_s"]],
+                ["decode lines used / dropped", f"{fit['samples']} / "
+                                                f"{fit['samples_dropped_compute_bound']}"],
+                ["fit error (MAPE)", f"{100 * fit['mape']:.1f}%"]]
     path = write_calibration(a.out, calibration_file(srv, fit, a.server_log))
-    rows = [["eta_mem_gemm", fit["eta_mem_gemm"]],
-            [f"eta_mem_decode_attention[{srv.deployment.kv_format.calibration_key}]",
-             fit["eta_mem_decode_attention"]],
-            ["step_overhead_s", fit["step_overhead_s"]], ["seq_overhead_s", fit["seq_overhead_s"]],
-            ["decode lines used / dropped", f"{fit['samples']} / "
-                                            f"{fit['samples_dropped_compute_bound']}"],
-            ["fit error (MAPE)", f"{100 * fit['mape']:.1f}%"]]
     print(table.render(["parameter", "fitted"], rows), file=out)
     print(f"calibration: {path} (use with --calibration {path})", file=out)
     return {"command": "calibrate", "fit": fit, "calibration": str(path)}

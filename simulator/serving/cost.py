@@ -6,6 +6,13 @@ Operators per layer: the four weight GEMM groups (qkv, o, gate+up, down), decode
 (bytes follow the KV format: the pool says how many bytes a context reads), prefill attention
 (causal FLOPs of each chunk against its cached past), and two all-reduces when tp > 1. Once per
 step: the LM head over the sampled positions (one per sequence).
+
+With measured grids in the calibration (``Calibration.measured``), an operator's time is its
+speed-of-light time (``*_sol`` below: bytes at the datasheet bandwidth or FLOPs at the datasheet
+peak, whichever is larger) divided by the measured efficiency at its shape: eta(m) for a GEMM of
+m tokens, eta(batch, mean context) for decode attention, eta(chunk tokens, mean past) for
+prefill attention. ``scripts/calibrate_gpu.py`` computes those etas with these same ``*_sol``
+methods, so at a measured grid point the model reproduces the measured kernel time exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import bisect
 from dataclasses import dataclass
 
 from simulator.kv.pool import KVPool
-from simulator.specs.calibration import Calibration
+from simulator.specs.calibration import Calibration, EtaGrid1D
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
 
@@ -60,8 +67,17 @@ class CostModel:
             (h * 2 * inter * bpp, h * 2 * inter, h, 2 * inter),
             (inter * h * bpp, inter * h, inter, h),
         ]
+        self.gemm_names = ("qkv", "o", "gate_up", "down")
         self.lm_head = (model.vocab_size // tp * h * bpp, model.vocab_size // tp * h, h,
                         model.vocab_size // tp)
+        grids = calib.measured
+        # (op tuple, eta grid or None) per GEMM; the grid is looked up by (n, k) = (out, in)
+        self._gemm_grids = [grids.gemm_grid(name, op[3], op[2])
+                            for name, op in zip(self.gemm_names, self.gemms, strict=True)]
+        self._lm_grid = grids.gemm_grid("lm_head", self.lm_head[3], self.lm_head[2])
+        self._decode_grid = grids.decode_attention.get(attention_key)
+        self._prefill_grid = (grids.prefill_attention.get(attention_key)
+                              or grids.prefill_attention.get("bf16"))
         self.q_heads = model.num_heads // tp
         self.head_dim = d
         self.hidden = h
@@ -76,17 +92,72 @@ class CostModel:
         i = bisect.bisect_left(self.graph_sizes, bs)
         return self.graph_sizes[i]
 
-    def _gemm(self, tokens: int, op: tuple[float, int, int, int]) -> float:
+    # ---- speed-of-light times (datasheet bandwidth and peak, no efficiency) ----
+    def gemm_sol(self, tokens: int, op: tuple[float, int, int, int]) -> float:
+        wbytes, params, n_in, n_out = op
+        nbytes = wbytes + tokens * (n_in + n_out) * ACT_BYTES
+        return max(nbytes / self.bw, 2.0 * tokens * params / self.flops)
+
+    def decode_attention_work(self, reqs: int, kv_tokens: int,
+                              read_bytes: float) -> tuple[float, float]:
+        """(bytes, FLOPs) of one layer's decode attention: the KV the contexts read, one new
+        token's KV written per request, queries in and outputs out."""
+        q_bytes = reqs * self.q_heads * self.head_dim * ACT_BYTES * 2
+        nbytes = read_bytes + reqs * self.write_bpt + q_bytes
+        return nbytes, 4.0 * self.q_heads * self.head_dim * kv_tokens
+
+    def decode_attention_sol(self, reqs: int, kv_tokens: int, read_bytes: float) -> float:
+        nbytes, fl = self.decode_attention_work(reqs, kv_tokens, read_bytes)
+        return max(nbytes / self.bw, fl / self.flops)
+
+    def prefill_attention_work(self, tokens: int, past_tokens: int,
+                               pairs: float) -> tuple[float, float]:
+        """(bytes, FLOPs) of one layer's prefill attention over chunks with ``pairs`` causal
+        query-key pairs: the KV of past and new tokens, 4 * heads * d FLOPs per pair."""
+        nbytes = (past_tokens + tokens) * self.write_bpt
+        return nbytes, 4.0 * self.q_heads * self.head_dim * pairs
+
+    def prefill_attention_sol(self, tokens: int, past_tokens: int, pairs: float) -> float:
+        nbytes, fl = self.prefill_attention_work(tokens, past_tokens, pairs)
+        return max(nbytes / self.bw, fl / self.flops)
+
+    # ---- modelled times ----
+    def _gemm(self, tokens: int, op: tuple[float, int, int, int], grid: EtaGrid1D | None = None
+              ) -> float:
+        if grid is not None:
+            return self.gemm_sol(tokens, op) / grid(tokens)
         wbytes, params, n_in, n_out = op
         nbytes = wbytes + tokens * (n_in + n_out) * ACT_BYTES
         return max(nbytes / self.mem_rate, 2.0 * tokens * params / self.comp_rate)
+
+    def decode_attention_time(self, reqs: int, kv_tokens: int, read_bytes: float) -> float:
+        """One layer's decode attention for ``reqs`` requests holding ``kv_tokens`` in all."""
+        if self._decode_grid is not None:
+            return (self.decode_attention_sol(reqs, kv_tokens, read_bytes)
+                    / self._decode_grid(reqs, kv_tokens / max(reqs, 1)))
+        nbytes, fl = self.decode_attention_work(reqs, kv_tokens, read_bytes)
+        return max(nbytes / self.attn_mem_rate, fl / self.attn_comp_rate)
+
+    def prefill_attention_time(self, tokens: int, past_tokens: int, pairs: float,
+                               seqs: int) -> float:
+        """One layer's prefill attention; a grid is looked up at (tokens in the batch, mean
+        past per chunk)."""
+        if self._prefill_grid is not None:
+            return (self.prefill_attention_sol(tokens, past_tokens, pairs)
+                    / self._prefill_grid(tokens, past_tokens / max(seqs, 1)))
+        nbytes, fl = self.prefill_attention_work(tokens, past_tokens, pairs)
+        return max(nbytes / self.mem_rate, fl / self.pf_comp_rate)
+
+    def lm_head_time(self, sampled: int) -> float:
+        return self._gemm(sampled, self.lm_head, self._lm_grid)
 
     def _dense_layer(self, tokens: int) -> float:
         """GEMMs and all-reduces of one layer for ``tokens`` tokens (memoised: decode steps
         repeat the same padded batch sizes)."""
         t = self._dense_cache.get(tokens)
         if t is None:
-            t = sum(self._gemm(tokens, op) for op in self.gemms)
+            t = sum(self._gemm(tokens, op, g)
+                    for op, g in zip(self.gemms, self._gemm_grids, strict=True))
             if self.tp > 1:
                 frac = 2.0 * (self.tp - 1) / self.tp
                 t += 2 * (tokens * self.hidden * ACT_BYTES * frac / self.net_rate
@@ -102,15 +173,12 @@ class CostModel:
         lin_tokens = self.padded_batch(s.decode_reqs) if graphed else tokens
         per_layer = self._dense_layer(lin_tokens)
         if s.decode_reqs:
-            q_bytes = s.decode_reqs * self.q_heads * self.head_dim * ACT_BYTES * 2
-            nbytes = s.decode_read_bytes + s.decode_reqs * self.write_bpt + q_bytes
-            fl = 4.0 * self.q_heads * self.head_dim * s.decode_kv_tokens
-            per_layer += max(nbytes / self.attn_mem_rate, fl / self.attn_comp_rate)
+            per_layer += self.decode_attention_time(s.decode_reqs, s.decode_kv_tokens,
+                                                    s.decode_read_bytes)
         if s.prefill_tokens:
-            nbytes = (s.prefill_past_tokens + s.prefill_tokens) * self.write_bpt
-            fl = 4.0 * self.q_heads * self.head_dim * s.prefill_pairs
-            per_layer += max(nbytes / self.mem_rate, fl / self.pf_comp_rate)
+            per_layer += self.prefill_attention_time(s.prefill_tokens, s.prefill_past_tokens,
+                                                     s.prefill_pairs, s.prefill_seqs)
         per_layer += c.layer_overhead_s if graphed else c.eager_layer_overhead_s
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
-        t = self.layers * per_layer + self._gemm(sampled, self.lm_head)
+        t = self.layers * per_layer + self.lm_head_time(sampled)
         return t + c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)

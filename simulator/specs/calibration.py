@@ -1,14 +1,36 @@
 """Calibration: the efficiency factors and fixed costs of the cost model, per GPU, with their
 provenance. Defaults ship in ``simulator/calibration/default.json``; a fitted file with the same
-schema replaces them (``--calibration PATH``)."""
+schema replaces them (``--calibration PATH``).
+
+A GPU entry may also carry ``measured`` grids from kernel micro-benchmarks
+(``scripts/calibrate_gpu.py``): an efficiency eta = speed-of-light time / measured time per
+grid point, for the weight GEMMs over the token count m, decode attention per KV format over
+batch x mean context, prefill attention per KV format over chunk x past. The cost model then
+uses eta(m) or eta(x, y), interpolated linearly in log2 of the coordinates and held at the
+edge value outside the grid: a measured efficiency is a property of the kernel's regime and
+stays sensible past the grid, whereas extrapolating a raw time would not (a bigger GEMM cannot
+run at a negative or sub-roofline time). Scalars remain the fallback for anything without a
+grid. Grid schema (every list strictly increasing, every eta in (0, ETA_GRID_MAX]):
+
+  "measured": {
+    "gemm": {"qkv": {"n": 6144, "k": 4096, "m": [1, 2, ...], "eta": [...]}, ...},
+    "decode_attention": {"bf16": {"batch": [...], "context": [...], "eta": [[...], ...]}},
+    "prefill_attention": {"bf16": {"chunk": [...], "past": [...], "eta": [[...], ...]}}
+  }
+
+(other keys in a grid object, e.g. the raw ``time_s``, are kept for provenance and ignored).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from simulator.errors import SimulatorInputError
 
@@ -17,6 +39,176 @@ ETA_FIELDS = ("eta_mem_gemm", "eta_comp_gemm", "eta_comp_prefill_attention",
 SECONDS_FIELDS = ("allreduce_latency_s", "layer_overhead_s", "eager_layer_overhead_s",
                   "step_overhead_s", "seq_overhead_s")
 GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
+# a measured efficiency may exceed 1 where the datasheet peak understates this GPU (boost
+# clocks, an HBM part above spec); more than this is a units error in the calibration file
+ETA_GRID_MAX = 1.5
+GEMM_OPS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def _axis(values: Any, where: str) -> np.ndarray:
+    if not isinstance(values, list) or not values:
+        raise SimulatorInputError(f"{where} must be a non-empty list of positive numbers, got "
+                                  f"{values!r}")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))
+           or not math.isfinite(v) or v <= 0]
+    if bad:
+        raise SimulatorInputError(f"{where} has {bad[:3]!r}: coordinates must be numbers > 0 "
+                                  "(they are interpolated in log space)")
+    a = np.asarray(values, dtype=float)
+    if (np.diff(a) <= 0).any():
+        raise SimulatorInputError(f"{where}={values!r} must be strictly increasing")
+    return a
+
+
+def _etas(values: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
+    try:
+        a = np.asarray(values, dtype=float)
+    except (TypeError, ValueError) as e:
+        raise SimulatorInputError(f"{where} must be numbers of shape {shape}: {e}") from e
+    if a.shape != shape:
+        raise SimulatorInputError(f"{where} has shape {a.shape}; its axes give {shape}")
+    bad = a[~((a > 0) & (a <= ETA_GRID_MAX))]
+    if bad.size:
+        raise SimulatorInputError(f"{where} has eta {bad.flat[0]!r}: every measured eta must be "
+                                  f"in (0, {ETA_GRID_MAX}]")
+    return a
+
+
+def _interp_index(axis: np.ndarray, x: float) -> tuple[int, int, float]:
+    """Neighbours and weight for x on a log2 axis; clamped (held) outside it."""
+    lx = math.log2(max(x, 1e-12))
+    la = np.log2(axis)
+    if lx <= la[0]:
+        return 0, 0, 0.0
+    if lx >= la[-1]:
+        n = len(axis) - 1
+        return n, n, 0.0
+    i = int(np.searchsorted(la, lx, side="right")) - 1
+    return i, i + 1, float((lx - la[i]) / (la[i + 1] - la[i]))
+
+
+@dataclass(frozen=True)
+class EtaGrid1D:
+    """eta over one coordinate (GEMM token count m), for one GEMM of shape (n, k)."""
+
+    x: np.ndarray
+    eta: np.ndarray
+    n: int = 0
+    k: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> EtaGrid1D:
+        if not isinstance(d, dict) or not {"m", "eta"} <= set(d):
+            raise SimulatorInputError(f"{where} must be an object with 'm' and 'eta' lists")
+        x = _axis(d["m"], f"{where}.m")
+        nk = []
+        for f in ("n", "k"):
+            v = d.get(f, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SimulatorInputError(f"{where}.{f}={v!r} must be a GEMM dimension >= 1")
+            nk.append(v)
+        return cls(x, _etas(d["eta"], x.shape, f"{where}.eta"), nk[0], nk[1])
+
+    def __call__(self, x: float) -> float:
+        i, j, w = _interp_index(self.x, x)
+        return float(self.eta[i] * (1 - w) + self.eta[j] * w)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "k": self.k, "m": self.x.tolist(), "eta": self.eta.tolist()}
+
+
+@dataclass(frozen=True)
+class EtaGrid2D:
+    """eta over two coordinates (decode: batch x mean context; prefill: chunk x past),
+    bilinear in log2 of both, held at the edges. A zero second coordinate (no past) uses the
+    smallest grid value."""
+
+    x: np.ndarray
+    y: np.ndarray
+    eta: np.ndarray
+    names: tuple[str, str]
+
+    @classmethod
+    def from_dict(cls, d: Any, names: tuple[str, str], where: str) -> EtaGrid2D:
+        if not isinstance(d, dict) or not {*names, "eta"} <= set(d):
+            raise SimulatorInputError(f"{where} must be an object with {names[0]!r}, "
+                                      f"{names[1]!r} and 'eta' (a {names[0]} x {names[1]} "
+                                      "table)")
+        x = _axis(d[names[0]], f"{where}.{names[0]}")
+        y = _axis(d[names[1]], f"{where}.{names[1]}")
+        return cls(x, y, _etas(d["eta"], (len(x), len(y)), f"{where}.eta"), names)
+
+    def __call__(self, x: float, y: float) -> float:
+        i0, i1, wx = _interp_index(self.x, x)
+        j0, j1, wy = _interp_index(self.y, y)
+        e = self.eta
+        top = e[i0, j0] * (1 - wy) + e[i0, j1] * wy
+        bot = e[i1, j0] * (1 - wy) + e[i1, j1] * wy
+        return float(top * (1 - wx) + bot * wx)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.names[0]: self.x.tolist(), self.names[1]: self.y.tolist(),
+                "eta": self.eta.tolist()}
+
+
+DECODE_AXES = ("batch", "context")
+PREFILL_AXES = ("chunk", "past")
+
+
+@dataclass(frozen=True)
+class MeasuredGrids:
+    gemm: dict[str, EtaGrid1D] = field(default_factory=dict)
+    decode_attention: dict[str, EtaGrid2D] = field(default_factory=dict)
+    prefill_attention: dict[str, EtaGrid2D] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> MeasuredGrids:
+        if not isinstance(d, dict):
+            raise SimulatorInputError(f"{where} must be an object")
+        unknown = set(d) - {"gemm", "decode_attention", "prefill_attention", "provenance"}
+        if unknown:
+            raise SimulatorInputError(f"{where} has unknown grid kind(s) {sorted(unknown)}; "
+                                      "allowed: gemm, decode_attention, prefill_attention")
+
+        def table(kind: str) -> dict[str, Any]:
+            t = d.get(kind, {})
+            if not isinstance(t, dict):
+                raise SimulatorInputError(f"{where}.{kind} must map names to grids")
+            return t
+
+        gemm = table("gemm")
+        bad = set(gemm) - set(GEMM_OPS)
+        if bad:
+            raise SimulatorInputError(f"{where}.gemm has unknown op(s) {sorted(bad)}; allowed: "
+                                      f"{', '.join(GEMM_OPS)}")
+        return cls(
+            gemm={k: EtaGrid1D.from_dict(v, f"{where}.gemm.{k}") for k, v in gemm.items()},
+            decode_attention={k: EtaGrid2D.from_dict(v, DECODE_AXES,
+                                                     f"{where}.decode_attention.{k}")
+                              for k, v in table("decode_attention").items()},
+            prefill_attention={k: EtaGrid2D.from_dict(v, PREFILL_AXES,
+                                                      f"{where}.prefill_attention.{k}")
+                               for k, v in table("prefill_attention").items()})
+
+    def __bool__(self) -> bool:
+        return bool(self.gemm or self.decode_attention or self.prefill_attention)
+
+    def gemm_grid(self, op: str, n: int, k: int) -> EtaGrid1D | None:
+        """The grid measured for this op at this shape; for another shape (another model, or
+        tp > 1) the measured GEMM whose weight size n*k is nearest in log space, since GEMM
+        efficiency follows the matrix size far more than the op's role; None without grids."""
+        g = self.gemm.get(op)
+        if g is not None and (g.n, g.k) == (n, k):
+            return g
+        shaped = [g for g in self.gemm.values() if g.n and g.k]
+        if not shaped:
+            return g
+        return min(shaped, key=lambda g: abs(math.log(g.n * g.k) - math.log(max(n * k, 1))))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gemm": {k: v.to_dict() for k, v in self.gemm.items()},
+                "decode_attention": {k: v.to_dict() for k, v in self.decode_attention.items()},
+                "prefill_attention": {k: v.to_dict() for k, v in self.prefill_attention.items()}}
 
 
 @dataclass(frozen=True)
@@ -37,6 +229,9 @@ class Calibration:
     post_load_overhead_gib: float
     provenance: dict[str, Any]
     source_file: str
+    measured: MeasuredGrids = field(default_factory=MeasuredGrids)
+    # the "measured" object as read (raw times, masks, provenance): written back unchanged
+    measured_raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def attention_eta(self, key: str) -> float:
         if key not in self.eta_mem_decode_attention:
@@ -70,9 +265,29 @@ class Calibration:
                 raise SimulatorInputError(f"{where}.{f}={v!r} must be a number >= 0")
         if not isinstance(d["provenance"], dict) or "source" not in d["provenance"]:
             raise SimulatorInputError(f"{where}.provenance must be an object with a 'source'")
+        raw = d.get("measured", {})
+        measured = MeasuredGrids.from_dict(raw, f"{where}.measured")
         return cls(gpu=gpu, eta_mem_decode_attention={k: float(v) for k, v in etas.items()},
-                   provenance=dict(d["provenance"]), source_file=source,
+                   provenance=dict(d["provenance"]), source_file=source, measured=measured,
+                   measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The GPU entry as JSON (the schema ``from_dict`` reads)."""
+        d: dict[str, Any] = {"provenance": dict(self.provenance)}
+        d.update({f: getattr(self, f) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)})
+        d["eta_mem_decode_attention"] = dict(self.eta_mem_decode_attention)
+        if self.measured:
+            # raw extras (time_s, masks) kept; the parsed grids are the authority for eta
+            raw = {k: v for k, v in self.measured_raw.items()}
+            parsed = self.measured.to_dict()
+            for kind, grids in parsed.items():
+                merged = dict(raw.get(kind, {}))
+                for name, g in grids.items():
+                    merged[name] = {**merged.get(name, {}), **g}
+                raw[kind] = merged
+            d["measured"] = raw
+        return d
 
 
 def load_calibration(gpu: str, path: str | Path | None = None) -> Calibration:

@@ -15,20 +15,34 @@ separate the weight-streaming efficiency from the per-step cost (both are consta
 fitted constant keeps the current per-step cost and moves the rest into eta_mem_gemm, or, if
 that is not a valid efficiency, keeps eta_mem_gemm and becomes the per-step cost.
 The result is a calibration entry with ``measured_on`` provenance.
+
+When the calibration already carries measured kernel grids (``scripts/calibrate_gpu.py``),
+GEMM and attention times are known per step and only the fixed costs are left:
+``fit_fixed_costs`` fits ``step_overhead_s`` (per step) and ``seq_overhead_s`` (per running
+request) to the part of each measured step the kernels do not explain.
+
+What a Decode line's throughput implies: SGLang logs every ``decode_log_interval`` (40) decode
+steps ``gen throughput = (sum of the interval's decode batch sizes) / (wall time since the
+previous Decode line)``, and that wall time includes prefill forwards and idle time between
+the decode steps. So only intervals with a Decode line before them and no Prefill line in
+between measure decode steps alone (``ServerLog.decode_clean``); for those the mean step time
+is (mean batch over the interval) / throughput, with the mean batch approximated by the mean
+of the two lines' ``#running-req`` (the batch only shrinks inside a prefill-free interval).
+Intervals after a prefill are dropped, as is the first line (its interval starts at server
+start-up) — using them would charge prefill and warm-up time to decode steps.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from simulator.errors import SimulatorInputError
-from simulator.serving.cost import ACT_BYTES
+from simulator.serving.cost import ACT_BYTES, StepShape
 from simulator.serving.server import ResolvedServer
 from simulator.validation.sglang_log import ServerLog
 
@@ -48,12 +62,59 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return theta
 
 
-def decode_samples(log: ServerLog) -> np.ndarray:
-    """(B, T, step seconds) per decode line with a positive throughput."""
-    rows = [(b, t, b / g) for b, t, g in zip(log.decode_running, log.decode_tokens,
-                                             log.decode_gen_throughput, strict=False)
-            if b > 0 and g > 0]
+def decode_samples(log: ServerLog, graphed: bool | None = None) -> np.ndarray:
+    """(mean batch, mean KV tokens, mean step seconds) per clean decode interval (see the
+    module docstring). ``graphed``: keep only lines whose ``cuda graph:`` flag is this value
+    (None: all)."""
+    rows = []
+    n = len(log.decode_running)
+    for i in range(1, n):
+        if not log.decode_clean[i]:
+            continue
+        if graphed is not None and log.decode_cuda_graph[i] not in (None, graphed):
+            continue
+        g = log.decode_gen_throughput[i]
+        b = 0.5 * (log.decode_running[i - 1] + log.decode_running[i])
+        t = 0.5 * (log.decode_tokens[i - 1] + log.decode_tokens[i])
+        if b > 0 and g > 0:
+            rows.append((b, t, b / g))
     return np.array(rows, dtype=float).reshape(-1, 3)
+
+
+def _shape(server: ResolvedServer, b: float, t: float) -> StepShape:
+    reqs = max(1, int(round(b)))
+    kv = np.full(reqs, max(1, int(t // reqs)))
+    return StepShape(decode_reqs=reqs, decode_kv_tokens=int(kv.sum()),
+                     decode_read_bytes=server.pool.read_bytes_per_layer(kv, None))
+
+
+def fit_fixed_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
+    """Per-step and per-request fixed costs: non-negative least squares, in relative error, of
+    (measured step - modelled step without fixed per-step and per-request costs) on
+    [1, batch]. The kernels' times come from the calibration (its measured grids when it has
+    them), per-layer overheads stay as they are."""
+    if len(samples) < MIN_SAMPLES:
+        raise SimulatorInputError(
+            f"need at least {MIN_SAMPLES} clean decode intervals (a Decode line after a Decode "
+            f"line, no Prefill line between); the log has {len(samples)}")
+    cost, cal = server.cost, server.deployment.calibration
+    base = []
+    for b, t, _ in samples:
+        shape = _shape(server, b, t)
+        base.append(cost.step_time(shape) - cal.step_overhead_s
+                    - cal.seq_overhead_s * shape.decode_reqs)
+    base_arr = np.array(base)
+    y = samples[:, 2]
+    x = np.column_stack([np.ones(len(y)), np.maximum(1, np.round(samples[:, 0]))])
+    # relative residuals: every interval counts alike, whatever its step time
+    const, c_seq = _nnls(x / y[:, None], (y - base_arr) / y)
+    pred = base_arr + x @ np.array([const, c_seq])
+    before = base_arr + cal.step_overhead_s + cal.seq_overhead_s * x[:, 1]
+    return {"step_overhead_s": float(const), "seq_overhead_s": float(c_seq),
+            "samples": int(len(y)), "mape": float(np.mean(np.abs(pred / y - 1))),
+            "mape_before": float(np.mean(np.abs(before / y - 1))),
+            "kernel_share": float(np.mean(base_arr / y)),
+            "grids": bool(cal.measured)}
 
 
 def fit_decode(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
@@ -113,22 +174,28 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
     """A calibration JSON (same schema as the default) with the fitted values filled in;
     values the fit could not determine keep the current calibration's."""
     cal = server.deployment.calibration
-    entry = {k: v for k, v in asdict(cal).items() if k not in ("gpu", "source_file")}
+    entry = cal.to_dict()
     key = server.deployment.kv_format.calibration_key
-    if fit["eta_mem_gemm"] is not None:
+    if fit.get("eta_mem_gemm") is not None:
         entry["eta_mem_gemm"] = round(min(1.0, fit["eta_mem_gemm"]), 4)
-    if fit["eta_mem_decode_attention"] is not None:
+    if fit.get("eta_mem_decode_attention") is not None:
         entry["eta_mem_decode_attention"] = {**cal.eta_mem_decode_attention,
                                              key: round(min(1.0, fit["eta_mem_decode_attention"]),
                                                         4)}
     entry["step_overhead_s"] = fit["step_overhead_s"]
     entry["seq_overhead_s"] = fit["seq_overhead_s"]
+    what = "fixed costs" if fit.get("fixed_only") else "decode efficiencies and fixed costs"
     entry["provenance"] = {
-        "source": f"fitted by diffkv-sim calibrate from {log_path}",
+        **cal.provenance,
+        "source": f"{what} fitted by diffkv-sim calibrate from {log_path}",
+        "fixed_costs": f"step_overhead_s and seq_overhead_s fitted from the clean Decode "
+                       f"intervals of {log_path}",
         "measured_on": f"{server.deployment.gpu.name}, {server.deployment.model.name}, "
                        f"KV format {key}",
         "date": dt.date.today().isoformat(),
-        "fit": {k: fit[k] for k in ("samples", "samples_dropped_compute_bound", "mape")},
+        "fit": {k: fit[k] for k in ("samples", "samples_dropped_compute_bound", "mape",
+                                    "mape_before") if k in fit},
+        "fitting_log": log_path,
         "based_on": cal.source_file,
     }
     return {"_about": "Calibration fitted from an SGLang server log's decode lines.",

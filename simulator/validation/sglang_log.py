@@ -11,6 +11,12 @@ prefix, older ``#token``/``token usage`` and newer ``#full token``/``full token 
 
 Decode lines appear every ``--decode-log-interval`` (40) decode steps, so they sample the
 running batch; their mean is compared with the simulator's decode-step mean.
+
+``gen throughput`` is the decode tokens of the interval since the previous Decode line divided
+by the wall time of that interval, which includes any prefill forwards (and idle time) in it.
+``decode_clean[i]`` is True when line i had a Decode line before it and no Prefill line in
+between: only such intervals measure decode steps alone (see ``fit.decode_intervals``).
+Line numbers (1-based) are kept so a fit can name the lines it used.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ _QUEUE = re.compile(r"#queue-req: (\d+)")
 _PREFILL = re.compile(
     r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+), "
     r"(?:full )?token usage: " + _NUM + r".*?#running-req: (\d+)")
+_GRAPH = re.compile(r"cuda graph: (True|False)")
+_SERVER_ARGS = re.compile(r"server_args=ServerArgs\((.*)\)\s*$")
+_ARG = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\[[^\]]*\]|\{[^}]*\}|"
+                  r"\w+\([^)]*\)|[^,()\[\]{}]+)")
 _RETRACT = re.compile(r"#retracted-req: (\d+)|Retract requests: (\d+)|retract(?:ed)? (\d+) req",
                       re.IGNORECASE)
 
@@ -44,6 +54,10 @@ class ServerLog:
     decode_tokens: list[int] = field(default_factory=list)
     decode_usage: list[float] = field(default_factory=list)
     decode_gen_throughput: list[float] = field(default_factory=list)
+    decode_clean: list[bool] = field(default_factory=list)
+    decode_line_no: list[int] = field(default_factory=list)
+    decode_cuda_graph: list[bool | None] = field(default_factory=list)
+    server_args: dict[str, str] = field(default_factory=dict)
     prefill_new_tokens: list[int] = field(default_factory=list)
     prefill_cached_tokens: list[int] = field(default_factory=list)
     retractions: int = 0
@@ -61,7 +75,11 @@ def parse_server_log(path: str | Path) -> ServerLog:
     except OSError as e:
         raise SimulatorInputError(f"cannot read SGLang log {str(p)!r}: {e.strerror}") from e
     log = ServerLog(str(p))
-    for line in text.splitlines():
+    after_decode = False     # the last scheduler line was a Decode line
+    for no, line in enumerate(text.splitlines(), start=1):
+        if not log.server_args and (sa := _SERVER_ARGS.search(line)):
+            log.server_args = parse_server_args(sa.group(1))
+            continue
         if log.max_total_num_tokens is None and (m := _POOL.search(line)):
             log.max_total_num_tokens = int(m.group(1))
             if mr := _MAX_RUNNING.search(line):
@@ -71,10 +89,16 @@ def parse_server_log(path: str | Path) -> ServerLog:
             log.decode_running.append(int(m.group(1)))
             log.decode_tokens.append(int(m.group(2)))
             log.decode_usage.append(float(m.group(3)))
-            if g := _GEN.search(line):
-                log.decode_gen_throughput.append(float(g.group(1)))
+            g = _GEN.search(line)
+            log.decode_gen_throughput.append(float(g.group(1)) if g else float("nan"))
+            log.decode_clean.append(after_decode)
+            log.decode_line_no.append(no)
+            cg = _GRAPH.search(line)
+            log.decode_cuda_graph.append(None if cg is None else cg.group(1) == "True")
+            after_decode = True
             continue
         if m := _PREFILL.search(line):
+            after_decode = False
             log.prefill_new_tokens.append(int(m.group(2)))
             log.prefill_cached_tokens.append(int(m.group(3)))
             continue
@@ -85,3 +109,15 @@ def parse_server_log(path: str | Path) -> ServerLog:
             f"{p}: no 'max_total_num_tokens=' start-up line and no 'Decode batch' lines; is "
             "this an SGLang server log?")
     return log
+
+
+def parse_server_args(body: str) -> dict[str, str]:
+    """``key=value`` pairs of SGLang's ``server_args=ServerArgs(...)`` start-up line, values as
+    written (``'str'``, ``None``, ``True``, numbers); nested values are kept as text."""
+    out: dict[str, str] = {}
+    for m in _ARG.finditer(body):
+        v = m.group(2).strip()
+        if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+            v = v[1:-1]
+        out[m.group(1)] = v
+    return out
