@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# End-to-end serving benchmark on the GPU machine, from the repo root, with .whl/
+# (bash ../shared/device/fetch_wheels.sh) and .device/ (a copy of ../shared/device/):
+#
+#   bash scripts/gpu_e2e_run.sh [bench_e2e.py options ...]
+#   e.g. bash scripts/gpu_e2e_run.sh --configs bf16 --workloads longgen,sharegpt,ladder
+#
+# Installs SGLang (.device/install_on_device.sh) and this package (editable, so the diffkv
+# backend plugin and its import hook load), writes the dummy Llama-3-8B model, then runs
+# scripts/bench_e2e.py with the time that is left. Everything lands in $OUT (or
+# /tmp/diffkv_e2e): results.json, bench_serving.jsonl, summary.txt, logs.tar.gz -- four files,
+# inside the GPU tool's limit of eight. BUDGET_S (default 560) bounds the whole script,
+# install included; keep it below the call's timeout_s (at most 600).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+RES=${OUT:-/tmp/diffkv_e2e}; LOGS=$RES/logs; mkdir -p "$LOGS"
+T0=$(date +%s); BUDGET_S=${BUDGET_S:-560}
+export PYTHONUNBUFFERED=1
+# one descriptor per streamed request on both sides; children inherit the raised limit
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
+finish() {  # keep only the four result files: the tool brings back at most eight
+  if [ ! -f "$RES/logs.tar.gz" ]; then (cd "$RES" && tar czf logs.tar.gz logs); fi
+  rm -rf "$LOGS"
+}
+trap finish EXIT
+
+source .device/install_on_device.sh >> "$LOGS/install.log" 2>&1 \
+  || { echo "install failed"; tail -20 "$LOGS/install.log"; exit 1; }
+tail -2 "$LOGS/install.log"
+if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$LOGS/install.log" 2>&1; then
+  site=$(python3 -c "import site; print(site.getsitepackages()[0])")
+  printf '%s\nimport sglang_diffkv.sglang._bootstrap\n' "$ROOT" > "$site/sglang_diffkv.pth"
+  echo "pip install -e . failed (see install.log); wrote $site/sglang_diffkv.pth by hand"
+fi
+python3 -c "import aiohttp, numpy" || { echo "aiohttp/numpy missing"; exit 1; }
+python3 .device/dummy_model.py /tmp/dummy-llama3-8b > /dev/null || exit 1
+LEFT=$(( BUDGET_S - ($(date +%s) - T0) ))
+echo "install done in $(( $(date +%s) - T0 )) s; bench budget ${LEFT} s"
+python3 scripts/bench_e2e.py --model /tmp/dummy-llama3-8b --out "$RES" --budget-s "$LEFT" "$@"
