@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sglang_diffkv import bench_mix
 from sglang_diffkv.attention import DecodeAttention, paged_decode_attention
 from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.layout import PageGeometry
@@ -82,6 +83,10 @@ class CompressedKVCache:
         self._prompt_kept = torch.zeros(
             max_reqs, num_layers, num_kv_heads, 2, dtype=torch.int64, device=self.device
         )
+        # Benchmark mode (config.bench_mix): each prefill gets the next seed of a counter, so
+        # a run's draws are reproducible and a reused slot does not replay its predecessor.
+        self.bench_seed = torch.zeros(max_reqs, dtype=torch.int64, device=self.device)
+        self._bench_serial = 0
 
     @property
     def spec(self) -> MemorySpec:
@@ -116,7 +121,38 @@ class CompressedKVCache:
         alphas = torch.stack([ah, al], -1).float().to(self.device)
         self.alpha[req] = torch.where(ok, alphas, self.alpha[req])
         self._prompt_kept[req] = 0
+        if self.config.bench_mix is not None:
+            seeds = torch.arange(b, device=self.device) + self._bench_serial
+            self.bench_seed[req] = torch.where(ok, seeds, self.bench_seed[req])
+            self._bench_serial += b
         return result
+
+    def bench_significance(
+        self, layer: int, req_idx: IndexLike, lengths: torch.Tensor, max_len: int
+    ) -> torch.Tensor:
+        """Benchmark mode: the significance sums [B, Hkv, max_len] that make the classifier
+        follow ``config.bench_mix`` (see ``bench_mix.synthetic_significance``)."""
+        cfg = self.config
+        if cfg.bench_mix is None:
+            raise ValueError("bench_significance needs a config with bench_mix set")
+        req = self._index(req_idx)
+        a = self.alpha[req]
+        return bench_mix.synthetic_significance(
+            self.bench_seed[req], layer, self.spec.num_kv_heads, lengths.to(self.device),
+            max_len, a[:, 0], a[:, 1], cfg.bench_mix, cfg.window, cfg.score_queries,
+        )
+
+    def bench_actions(
+        self, layer: int, req_idx: IndexLike, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Benchmark mode: the forced decode actions [B, Hkv]; None outside it."""
+        if self.config.bench_mix is None:
+            return None
+        req = self._index(req_idx)
+        return bench_mix.forced_actions(
+            self.bench_seed[req], layer, self.spec.num_kv_heads, positions.to(self.device),
+            self.config.bench_mix,
+        )
 
     def classify(
         self, req_idx: IndexLike, lengths: torch.Tensor, significance_sum: torch.Tensor
@@ -189,6 +225,9 @@ class CompressedKVCache:
                 query[i, :, :n], key[i, :, :n], sm_scale, self.config.score_queries
             )
             sig[i, :, :n] = group_max(mass, hkv)
+        if self.config.bench_mix is not None:
+            # the scores above were computed for their cost; the draw decides the tiers
+            sig = self.bench_significance(layer, req_idx, lengths, lmax)
         cls = self.classify(req_idx, lengths, sig)
         self.store_prefill(layer, req_idx, key, value, cls)
         return cls
@@ -203,10 +242,14 @@ class CompressedKVCache:
 
     def begin_decode(self, req_idx: IndexLike) -> AllocResult:
         """Room for one more token in every tier a step may grow (the low tier only when the
-        request's thresholds allow demotion)."""
+        request's thresholds allow demotion, or benchmark mode draws demotions)."""
         req = self._index(req_idx)
         a = self.alpha[req]
-        tiers = torch.stack([torch.ones_like(a[:, 0], dtype=torch.bool), a[:, 0] > a[:, 1]], -1)
+        low = a[:, 0] > a[:, 1]
+        mix = self.config.bench_mix
+        if mix is not None and mix[1] > 0:
+            low = torch.ones_like(low)
+        tiers = torch.stack([torch.ones_like(low), low], -1)
         return self.manager.ensure_decode_room(req, tiers)
 
     def decode_layer_store(
@@ -230,6 +273,7 @@ class CompressedKVCache:
             self.config.window,
             key,
             value,
+            forced=self.bench_actions(layer, req, positions),
         )
         deltas = torch.zeros(
             *self.manager.counts[req].shape[:-1], 2, dtype=torch.int64, device=self.device
@@ -298,12 +342,14 @@ def apply_decode_step(
     window: int,
     key: torch.Tensor,
     value: torch.Tensor,
+    forced: torch.Tensor | None = None,
 ) -> tuple[DecodeDecision, torch.Tensor]:
     """One layer's decode policy step over raw tensors: decide, demote / evict in ``pages``,
     store the new token. rows: [B, H, row_len] table rows; counts: [B, H, >=2] with
     (n_high, n_low) first; positions: [B]; alpha: [B, 2] = (alpha_h, alpha_l); key/value:
     [B, H, D]. Counters are left to the caller: returns the decision and the tokens each
-    tier gained, int64 [B, H, 2]. The rows must already have room (``ensure_decode_room``)."""
+    tier gained, int64 [B, H, 2]. The rows must already have room (``ensure_decode_room``).
+    ``forced``: benchmark-mode actions [B, H] (``policy.decode_step``)."""
     cnt = counts.long()
     p = positions.long()
     hi_loc, hi_score, hi_pos = _tier_scores(pages, geometry, rows, cnt[..., 0], 0)
@@ -319,6 +365,7 @@ def apply_decode_step(
         alpha[:, 0],
         alpha[:, 1],
         window,
+        forced=forced,
     )
     high, low = geometry.tiers
     b_idx, h_idx = torch.meshgrid(

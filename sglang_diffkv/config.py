@@ -16,6 +16,8 @@ from typing import Any
 
 ALLOWED_BITS = (1, 2, 4, 8)
 ENV_VAR = "SGLANG_DIFFKV_CONFIG"
+BENCH_MIX_TOLERANCE = 1e-6  # how far from 1 the three bench_mix fractions may sum
+PRESET_DIR = Path(__file__).parent / "presets"
 
 
 class ConfigError(ValueError):
@@ -113,7 +115,12 @@ K4V2_GROUPED = TierConfig(4, 2, 2, 4)
 class DiffKVConfig:
     """Thresholds are alpha / L: a token whose mean attention is below alpha_l / L is pruned,
     below alpha_h / L it goes to the low tier, otherwise it stays high. The most recent
-    ``window`` tokens are always high; prompt significance uses the last ``score_queries``."""
+    ``window`` tokens are always high; prompt significance uses the last ``score_queries``.
+
+    ``bench_mix`` = (high, low, pruned) fractions turns on benchmark mode (for random-weight
+    models, whose attention means nothing): tier decisions follow the mix instead of the
+    scores, everything else runs for real (``sglang_diffkv.bench_mix``). Output quality is
+    meaningless in this mode."""
 
     high: TierConfig = K8V4_GROUPED
     low: TierConfig = K4V2_GROUPED
@@ -121,6 +128,7 @@ class DiffKVConfig:
     alpha_l: float = 0.0
     window: int = 64
     score_queries: int = 64
+    bench_mix: tuple[float, float, float] | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +154,52 @@ class DiffKVConfig:
                 f"low tier {self.low.name} is more precise than high tier {self.high.name}; "
                 "the low tier must use no more bits than the high tier"
             )
+        if self.bench_mix is not None:
+            object.__setattr__(self, "bench_mix", self._checked_bench_mix(self.bench_mix))
+
+    def _checked_bench_mix(self, mix: Any) -> tuple[float, float, float]:
+        allowed = (
+            "three fractions [high, low, pruned], each in [0, 1], summing to 1, high > 0"
+        )
+        if not isinstance(mix, (list, tuple)) or len(mix) != 3:
+            shown = list(mix) if isinstance(mix, (list, tuple)) else mix
+            raise ConfigError(f"bench_mix={shown!r} is not allowed; expected {allowed}")
+        for value in mix:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"bench_mix={list(mix)!r}: {value!r} is not a number; "
+                                  f"expected {allowed}")
+        high, low, pruned = (float(x) for x in mix)
+        for what, value in (("high", high), ("low", low), ("pruned", pruned)):
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"bench_mix {what}={value} is outside [0, 1]; expected "
+                                  f"{allowed}")
+        if abs(high + low + pruned - 1.0) > BENCH_MIX_TOLERANCE:
+            raise ConfigError(
+                f"bench_mix={[high, low, pruned]} sums to {high + low + pruned}; the "
+                f"fractions must sum to 1 (within {BENCH_MIX_TOLERANCE})"
+            )
+        if high <= 0:
+            raise ConfigError(
+                f"bench_mix high={high}: must be > 0 (the newest token always enters high)"
+            )
+        if low > 0 and not self.has_low_tier:
+            raise ConfigError(
+                f"bench_mix low={low} needs a low tier, but alpha_h={self.alpha_h} == "
+                f"alpha_l={self.alpha_l} classifies nothing low; set alpha_h > alpha_l or "
+                "low=0"
+            )
+        return (high, low, pruned)
+
+    @property
+    def bench_note(self) -> str | None:
+        """The one sentence every start-up report shows in benchmark mode."""
+        if self.bench_mix is None:
+            return None
+        high, low, pruned = self.bench_mix
+        return (
+            f"BENCHMARK MODE: tier decisions follow mix high {high:.4g} / low {low:.4g} / "
+            f"pruned {pruned:.4g}, not attention scores (output quality is meaningless)"
+        )
 
     @property
     def has_low_tier(self) -> bool:
@@ -172,7 +226,8 @@ class DiffKVConfig:
         """Fields override the preset named by ``preset`` (default: 'default')."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a DiffKV config must be a JSON object, got {type(data).__name__}")
-        allowed = {"preset", "name", "high", "low", "alpha_h", "alpha_l", "window", "score_queries"}
+        allowed = {"preset", "name", "high", "low", "alpha_h", "alpha_l", "window",
+                   "score_queries", "bench_mix"}
         unknown = set(data) - allowed
         if unknown:
             raise ConfigError(
@@ -183,6 +238,8 @@ class DiffKVConfig:
         for tier in ("high", "low"):
             if tier in kwargs:
                 kwargs[tier] = TierConfig.parse(kwargs[tier], tier)
+        if isinstance(kwargs.get("bench_mix"), list):
+            kwargs["bench_mix"] = tuple(kwargs["bench_mix"])
         if "name" not in kwargs:
             kwargs["name"] = base.name if set(data) <= {"preset"} else f"{base.name}+custom"
         return replace(base, **kwargs)
@@ -233,6 +290,18 @@ def _preset(name: str, alpha_l: float, alpha_h: float, grouped: bool) -> DiffKVC
     return DiffKVConfig(high=high, low=low, alpha_h=alpha_h, alpha_l=alpha_l, name=name)
 
 
+def _measured_bench_preset(name: str) -> DiffKVConfig:
+    """The calibrated SmolLM2-135M preset with, as bench_mix, the tier mix the quality
+    harness measured for it (its provenance file, eval split; docs/quality.md), rounded to
+    four decimals: the mix a real model produced under the calibrated thresholds."""
+    base = DiffKVConfig.from_json(PRESET_DIR / "smollm2-135m.json")
+    provenance = json.loads((PRESET_DIR / "smollm2-135m.provenance.json").read_text())
+    measured = provenance["eval_split_metrics"]
+    high = round(measured["high"], 4)
+    pruned = round(max(measured["pruned"], 0.0), 4)  # recorded as ~1e-18 when nothing is
+    return replace(base, bench_mix=(high, round(1.0 - high - pruned, 4), pruned), name=name)
+
+
 # Thresholds from DiffKV's calibration (benchmark_throughput.sh); one metadata group per head
 # for the throughput presets, grouped metadata for the reasoning model and the default.
 PRESETS: dict[str, DiffKVConfig] = {
@@ -244,6 +313,11 @@ PRESETS: dict[str, DiffKVConfig] = {
     "qwq-32b": _preset("qwq-32b", 0.0, 3.0, grouped=True),
     # Everything kept at the high tier: the "compression off" setting used for A/B checks.
     "no-compression": _preset("no-compression", 0.0, 0.0, grouped=False),
+    # Benchmark mode (random-weight models): Llama-3-8B's tiers and thresholds with tier
+    # decisions drawn 30 % high / 50 % low / 20 % pruned (issue #7's reference mix) ...
+    "bench-30-50-20": replace(
+        _preset("bench-30-50-20", 0.02, 1.0, grouped=False), bench_mix=(0.3, 0.5, 0.2)
+    ),
 }
 
 
@@ -252,3 +326,9 @@ def preset(name: str) -> DiffKVConfig:
     if key not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
     return PRESETS[key]
+
+
+# ... and the mix measured on a real model by the quality harness (its base is read through
+# from_dict, which needs the presets above).
+PRESETS["bench-measured"] = _measured_bench_preset("bench-measured")
+

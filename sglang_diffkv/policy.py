@@ -163,18 +163,27 @@ def decode_step(
     alpha_h: torch.Tensor,
     alpha_l: torch.Tensor,
     window: int,
+    forced: torch.Tensor | None = None,
 ) -> DecodeDecision:
     """Decide, per (request, KV head), where the new token at position p goes.
 
     score_*/pos_*: [B, Hkv, C_tier] per-slot score (fp32 sum) and virtual position of each
     tier's cached tokens, valid in slots [0, n_tier); n_*: [B, Hkv]; p, alpha_*: [B].
     avg = score / (p - pos); a token is an eligible victim only if p - pos >= window.
+
+    ``forced`` (benchmark mode, ``bench_mix.forced_actions``): int8 [B, Hkv] actions taken
+    instead of the thresholds' verdict wherever the window is full and an eligible high
+    victim exists (the victim is still the argmin); elsewhere APPEND_HIGH.
     """
     h_avg, hmin = _eligible_argmin(score_high, pos_high, n_high, p, window)
     l_avg, lmin = _eligible_argmin(score_low, pos_low, n_low, p, window)
     t_h = thresholds(alpha_h, p)[:, None]
     t_l = thresholds(alpha_l, p)[:, None]
     window_full = (n_high + n_low + 1) > window
+    if forced is not None:
+        usable = window_full & (hmin >= 0)
+        action = torch.where(usable, forced.to(torch.int8), int(DecodeAction.APPEND_HIGH))
+        return DecodeDecision(action=action.to(torch.int8), hmin=hmin, lmin=lmin)
     evict = window_full & (h_avg < t_l) & (h_avg < l_avg)
     demote = window_full & ~evict & (h_avg < t_h)
     replace = demote & (l_avg < t_l)

@@ -7,6 +7,10 @@ then performs it: the demoted token is dequantised from its high copy and re-qua
 the low tier, the new token is quantised into its high slot, and the token counters
 advance. Same effect, byte for byte, as ``CompressedKVCache.decode_layer_store``.
 Preconditions as there: ``ensure_decode_room`` ran for this step.
+
+Benchmark mode (``BENCH``, a constexpr: the normal kernel carries none of it) replaces the
+thresholds' verdict by the action ``bench_mix.forced_actions`` draws; the hash is the same
+32-bit arithmetic in int64 with explicit masks, so the bits match torch's exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_diffkv import bench_mix
 from sglang_diffkv.cache import apply_decode_step
 from sglang_diffkv.kernels._quant import load_dequant, quantize_store, store_score_pos
 from sglang_diffkv.kernels._tier import page_views, tier_constexprs
@@ -53,6 +58,27 @@ def _eligible_argmin(f32, i32, row, n_tok, p, WINDOW: tl.constexpr, ROW_LEN: tl.
 
 
 @triton.jit
+def _mix32(x, MUL_A: tl.constexpr, MUL_B: tl.constexpr):
+    # bench_mix._mix32: x < 2^32 and MUL_* < 2^31, so no int64 product overflows
+    x = x ^ (x >> 16)
+    x = (x * MUL_A) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * MUL_B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _hash_u24(seed, layer, head, position, MUL_A: tl.constexpr, MUL_B: tl.constexpr,
+              SALT: tl.constexpr, U_BITS: tl.constexpr):
+    """bench_mix.hash_u24 for one (seed, layer, head, position)."""
+    x = _mix32((seed.to(tl.int64) & 0xFFFFFFFF) ^ SALT, MUL_A, MUL_B)
+    x = _mix32(x ^ (layer.to(tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
+    x = _mix32(x ^ (head.to(tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
+    x = _mix32(x ^ (position.to(tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
+    return x >> (32 - U_BITS)
+
+
+@triton.jit
 def _threshold(alpha, p):
     # policy.thresholds: alpha / max(p, 1) in float64, clamped to [0, 1], then float32
     t = alpha.to(tl.float64) / tl.maximum(p, 1).to(tl.float64)
@@ -63,8 +89,10 @@ def _threshold(alpha, p):
 def _policy_kernel(
     u8, f16, f32, i32, table, t_sr, t_sh, counts, c_sr, c_sh, req, positions, alpha,
     key, k_sb, k_sh, value, v_sb, v_sh, action_out, hmin_out, lmin_out,
+    bench_seed, layer, cut_h, cut_hl,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
-    BT: tl.constexpr,
+    BT: tl.constexpr, BENCH: tl.constexpr, MUL_A: tl.constexpr, MUL_B: tl.constexpr,
+    SALT: tl.constexpr, U_BITS: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
     H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
@@ -84,14 +112,20 @@ def _policy_kernel(
                                    H_N, H_SOFF, H_POFF, BT)
     l_avg, lmin = _eligible_argmin(f32, i32, row, n_lo, p, WINDOW, ROW_LEN, True, PAGE_BYTES,
                                    L_N, L_SOFF, L_POFF, BT)
-    t_h = _threshold(tl.load(alpha + b * 2), p)
-    t_l = _threshold(tl.load(alpha + b * 2 + 1), p)
     full = (n_hi + n_lo + 1) > WINDOW
-    evict = full & (h_avg < t_l) & (h_avg < l_avg)
-    demote = full & ~evict & (h_avg < t_h)
-    replace = demote & (l_avg < t_l)
     # DecodeAction: 0 APPEND_HIGH, 1 EVICT_HIGH, 2 DEMOTE_APPEND, 3 DEMOTE_REPLACE
-    action = tl.where(replace, 3, tl.where(demote, 2, tl.where(evict, 1, 0)))
+    if BENCH:
+        u = _hash_u24(tl.load(bench_seed + b), layer, h, p, MUL_A, MUL_B, SALT, U_BITS)
+        forced = tl.where(u < cut_h, 0, tl.where(u < cut_hl, 2, 1))
+        action = tl.where(full & (hmin >= 0), forced, 0)
+    else:
+        t_h = _threshold(tl.load(alpha + b * 2), p)
+        t_l = _threshold(tl.load(alpha + b * 2 + 1), p)
+        evict = full & (h_avg < t_l) & (h_avg < l_avg)
+        demote_t = full & ~evict & (h_avg < t_h)
+        replace = demote_t & (l_avg < t_l)
+        action = tl.where(replace, 3, tl.where(demote_t, 2, tl.where(evict, 1, 0)))
+    demote = (action == 2) | (action == 3)
 
     # Rows of width 2 with only row 0 live: tiles of one token.
     one = tl.arange(0, 2) < 1
@@ -138,6 +172,12 @@ def _policy_kernel(
     tl.store(lmin_out + out, lmin.to(tl.int64))
 
 
+def hash_constexprs() -> dict[str, int]:
+    """The hash constants of ``bench_mix``, as the kernel's constexprs (one source)."""
+    return {"MUL_A": bench_mix.MUL_A, "MUL_B": bench_mix.MUL_B, "SALT": bench_mix.SEED_SALT,
+            "U_BITS": bench_mix.U_BITS}
+
+
 def _check(geometry, table, counts, req_idx, positions, alpha, key, value):
     b, hkv, d = key.shape
     if value.shape != key.shape or d != geometry.head_dim:
@@ -166,9 +206,11 @@ def decode_policy_step(
     window: int,
     key: torch.Tensor,
     value: torch.Tensor,
+    bench: tuple[torch.Tensor, bench_mix.Mix] | None = None,
 ) -> DecodeDecision:
     """Decide and apply one decode step of one layer; updates ``pages`` and the token
-    counters in ``counts`` in place. alpha: [B, 2] = (alpha_h, alpha_l) per request."""
+    counters in ``counts`` in place. alpha: [B, 2] = (alpha_h, alpha_l) per request.
+    bench: benchmark mode's (seed per request [B], mix); actions follow the mix."""
     _check(geometry, table, counts, req_idx, positions, alpha, key, value)
     b, hkv, d = key.shape
     dev = key.device
@@ -177,12 +219,21 @@ def decode_policy_step(
     lmin = torch.empty(b, hkv, dtype=torch.int64, device=dev)
     u8, f16, f32, i32 = page_views(pages)
     tab, cnt = table[:, layer], counts[:, layer]
+    positions = positions.to(torch.int64).contiguous()
+    if bench is None:
+        seed, cut_h, cut_hl = positions, 0, 0  # the seed pointer is never read
+    else:
+        seed = bench[0].to(device=dev, dtype=torch.int64).contiguous()
+        if seed.shape != (b,):
+            raise ValueError(f"bench seeds must be [{b}], got {tuple(seed.shape)}")
+        cut_h, cut_hl = bench_mix.decode_cuts(bench[1])
     _policy_kernel[(b, hkv)](
         u8, f16, f32, i32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0),
-        cnt.stride(1), req_idx, positions.to(torch.int64).contiguous(),
+        cnt.stride(1), req_idx, positions,
         alpha.float().contiguous(), key, key.stride(0), key.stride(1), value, value.stride(0),
-        value.stride(1), action, hmin, lmin,
+        value.stride(1), action, hmin, lmin, seed, layer, cut_h, cut_hl,
         PAGE_BYTES=geometry.page_bytes, ROW_LEN=table.shape[-1], D=d, WINDOW=window, BT=256,
+        BENCH=bench is not None, **hash_constexprs(),
         **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"),
         num_warps=4, enable_fp_fusion=False,
     )
@@ -201,12 +252,16 @@ def decode_policy_step_reference(
     window: int,
     key: torch.Tensor,
     value: torch.Tensor,
+    bench: tuple[torch.Tensor, bench_mix.Mix] | None = None,
 ) -> DecodeDecision:
     """``cache.apply_decode_step`` (what ``CompressedKVCache.decode_layer_store`` runs) over
     these tensors, with the counters advanced as the kernel does."""
     req = req_idx.long()
+    forced = None
+    if bench is not None:
+        forced = bench_mix.forced_actions(bench[0], layer, key.shape[1], positions, bench[1])
     d, growth = apply_decode_step(pages, geometry, table[req, layer], counts[req, layer],
-                                  positions, alpha.float(), window, key, value)
+                                  positions, alpha.float(), window, key, value, forced=forced)
     counts[req, layer, :, :2] += growth.to(counts.dtype)
     return d
 

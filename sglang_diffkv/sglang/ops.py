@@ -8,6 +8,10 @@ Both paths act on the same ``CompressedKVCache`` state (pages, page table, count
 
 ``SGLANG_DIFFKV_KERNELS``: ``auto`` (default: kernels on CUDA, reference elsewhere),
 ``1`` (kernels everywhere; on CPU only under ``TRITON_INTERPRET=1``) or ``0`` (reference).
+
+Benchmark mode (``config.bench_mix``) is the same on both paths: the scores are computed,
+then replaced by the draw's (``CompressedKVCache.bench_significance``); the decode step
+takes the drawn actions (``bench_mix.forced_actions``, in-kernel on the Triton path).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ class DiffKVOps:
             return
         cfg = c.config
         sig = self.k.prefill_scores(q, k, lengths, scale, cfg.score_queries)
+        if cfg.bench_mix is not None:
+            # the scoring kernels above ran for their cost; the draw decides the tiers
+            sig = c.bench_significance(layer, req, lengths, k.shape[2])
         alpha = c.alpha[req]
         cls = self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
@@ -76,9 +83,11 @@ class DiffKVOps:
         if not self.use_kernels:
             c.decode_layer_store(layer, req, positions, k, v)
             return
+        mix = c.config.bench_mix
         self.k.decode_policy_step(
             c.pages, c.geometry, c.manager.table, c.manager.counts, req, layer, positions,
             c.alpha[req], c.config.window, k.contiguous(), v.contiguous(),
+            bench=None if mix is None else (c.bench_seed[req], mix),
         )
 
     def decode_attend(self, layer: int, req: torch.Tensor, q: torch.Tensor,
