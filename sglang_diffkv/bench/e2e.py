@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
     p.add_argument("--max-inflight", type=int, default=None,
                    help="open streams at most (default: from the open-file limit, <= 4096)")
+    p.add_argument("--min-window-s", type=float, default=MIN_WINDOW_S,
+                   help="a window the budget would cut below this is skipped instead")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests per server (0: none)")
     p.add_argument("--git-commit", default=None, help="recorded in results.json when the "
                    "machine has no .git")
@@ -157,9 +159,12 @@ def make_plan(a: argparse.Namespace) -> Plan:
             "the saturation rate); or give --ladder-abs-rates in req/s")
     windows = {"longgen": a.longgen_window_s, "sharegpt": a.window_s,
                "ladder": a.ladder_window_s}
+    if not a.min_window_s > 0:
+        raise BenchInputError(f"--min-window-s {a.min_window_s!r} must be > 0")
     for k, v in windows.items():
-        if not v >= MIN_WINDOW_S:
-            raise BenchInputError(f"{k} window {v!r} s must be >= {MIN_WINDOW_S:g} s")
+        if not v >= a.min_window_s:
+            raise BenchInputError(f"{k} window {v!r} s must be >= --min-window-s "
+                                  f"{a.min_window_s:g} s")
     try:
         lo, hi = (int(x) for x in a.longgen_in.split(","))
     except ValueError as e:
@@ -358,10 +363,10 @@ class Harness:
         return rec
 
     def windowed(self, what: str, want: float) -> float | None:
-        w = self.budget.window(want, self.drain_est + STOP_EST_S, MIN_WINDOW_S)
+        w = self.budget.window(want, self.drain_est + STOP_EST_S, self.a.min_window_s)
         if w is None:
             self.say(f"SKIP {what}: {self.budget.left():.0f} s left, needs "
-                     f">= {MIN_WINDOW_S + self.drain_est + STOP_EST_S:.0f} s")
+                     f">= {self.a.min_window_s + self.drain_est + STOP_EST_S:.0f} s")
         elif w < want:
             self.say(f"SHORTEN {what}: window {w:.0f} s instead of {want:.0f} s (budget)")
         return w
@@ -374,7 +379,8 @@ class Harness:
                                 "env": cfg.env_dict, "attention_backend": cfg.attention_backend,
                                 "kv_cache_dtype": cfg.kv_cache_dtype}
         self.configs[cfg.name] = info
-        need = self.start_est + WARMUP_EST_S + MIN_WINDOW_S + self.drain_est + STOP_EST_S
+        need = (self.start_est + WARMUP_EST_S + self.a.min_window_s + self.drain_est
+                + STOP_EST_S)
         if not self.budget.fits(need):
             info["skipped"] = f"budget: {self.budget.left():.0f} s left, needs ~{need:.0f} s"
             self.say(f"SKIP config {cfg.name}: {info['skipped']}")

@@ -1,0 +1,210 @@
+"""A stand-in for ``python -m sglang.launch_server`` that runs on a CPU, for the tests and for
+rehearsing the harness without a GPU (``bench_e2e.py --python <script>``, where the script
+drops the ``-m sglang.launch_server`` words and runs this module: see docs/e2e.md).
+
+It speaks the part of SGLang 0.5.10's HTTP API the harness uses, the same way: ``/generate``
+streams ``data: {"output_ids": [new ids], "meta_info": {"completion_tokens": cumulative, ...}}``
+lines (``--incremental-streaming-output``) every ``--stream-interval`` tokens (and the first),
+then ``data: [DONE]``; ``/abort_request {"abort_all": true}`` ends every request with
+``finish_reason {"type": "abort"}``; ``/get_load`` reports running + waiting requests. One
+decode step every ``FAKE_STEP_S`` seconds (default 0.01) adds a token to every running request
+(at most ``FAKE_MAX_RUNNING``); every ``--decode-log-interval`` steps it logs a ``Decode
+batch`` line (and for ``--attention-backend diffkv`` a DiffKV step line and a profile line).
+``FAKE_EXIT_EARLY=1`` exits with code 3 before the ready line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+READY = "The server is fired up and ready to roll!"
+ERROR_HOOK_TOKENS = 99_991  # max_new_tokens that makes /generate stream an error chunk
+
+
+def log(msg: str) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"[{stamp}] {msg}", flush=True)
+
+
+@dataclass
+class FakeReq:
+    want: int
+    done: int = 0
+    aborted: bool = False
+    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class FakeState:
+    step_s: float = 0.01
+    stream_interval: int = 1
+    decode_log_interval: int = 10
+    max_running: int = 64
+    pool_tokens: int = 100_000
+    diffkv: bool = False
+    running: list[FakeReq] = field(default_factory=list)
+    waiting: list[FakeReq] = field(default_factory=list)
+    steps: int = 0
+    disconnects: int = 0
+    tokens_used: int = 0
+
+    def finish(self, r: FakeReq, reason: str) -> None:
+        meta = {"completion_tokens": r.done, "finish_reason": {"type": reason}}
+        r.queue.put_nowait({"output_ids": [], "meta_info": meta})
+        r.queue.put_nowait(None)
+
+    def step(self) -> None:
+        self.waiting = [r for r in self.waiting if not r.aborted]
+        while self.waiting and len(self.running) < self.max_running:
+            self.running.append(self.waiting.pop(0))
+        if not self.running:
+            return
+        self.steps += 1
+        still = []
+        for r in self.running:
+            if r.aborted:
+                continue
+            r.done += 1
+            if r.done >= r.want:
+                # the last chunk carries the last ids and the finish reason
+                meta = {"completion_tokens": r.done, "finish_reason": {"type": "length"}}
+                r.queue.put_nowait({"output_ids": [7], "meta_info": meta})
+                r.queue.put_nowait(None)
+                continue
+            if r.done == 1 or r.done % self.stream_interval == 1 or self.stream_interval == 1:
+                n = 1 if r.done == 1 else min(self.stream_interval, r.done)
+                meta = {"completion_tokens": r.done, "finish_reason": None}
+                r.queue.put_nowait({"output_ids": [7] * n, "meta_info": meta})
+            still.append(r)
+        self.running = still
+        if self.steps % self.decode_log_interval == 0:
+            used = sum(r.done for r in self.running)
+            log(f"Decode batch, #running-req: {len(self.running)}, #token: {used}, "
+                f"token usage: {used / self.pool_tokens:.2f}, cuda graph: False, "
+                f"gen throughput (token/s): {len(self.running) / self.step_s:.2f}, "
+                f"#queue-req: {len(self.waiting)}")
+            if self.diffkv:
+                log(f"DiffKV decode: batch {len(self.running)}, tokens high 30.0% / low 50.0% / "
+                    f"pruned 20.0%; pages in use {used // 10}/1000 (1.0%; a bf16 cache would "
+                    f"need {used // 4}), active requests {len(self.running)} holding {used} "
+                    "tokens")
+                log("DiffKV profile: step 12.50 ms, memory management 1.50 ms/step")
+
+
+def make_app(state: FakeState) -> web.Application:
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        ids = body.get("input_ids")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(ids, list) or not ids or not body.get("stream"):
+            return web.json_response({"error": {"message": "need input_ids and stream"}},
+                                     status=400)
+        want = int(sp.get("max_new_tokens", 16))
+        if want == ERROR_HOOK_TOKENS:  # for the tests: the server reports an error mid-stream
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"error": {"message": "boom"}}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        r = FakeReq(want)
+        state.waiting.append(r)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            while (item := await r.queue.get()) is not None:
+                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            # SGLang aborts a disconnected stream (create_abort_task); so does the fake
+            state.disconnects += 1
+            r.aborted = True
+            raise
+        return resp
+
+    async def abort(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("abort_all"):
+            for r in state.running + state.waiting:
+                r.aborted = True
+                state.finish(r, "abort")
+            state.running, state.waiting = [], []
+        return web.Response(status=200)
+
+    async def get_load(request: web.Request) -> web.Response:
+        live = [r for r in state.running if not r.aborted]
+        queued = [r for r in state.waiting if not r.aborted]
+        return web.json_response([{"dp_rank": 0, "num_reqs": len(live) + len(queued),
+                                   "num_waiting_reqs": len(queued), "num_tokens": 0,
+                                   "ts_tic": time.perf_counter()}])
+
+    async def ticker(app: web.Application) -> Any:
+        async def loop() -> None:
+            while True:
+                state.step()
+                await asyncio.sleep(state.step_s)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", abort)
+    app.router.add_get("/get_load", get_load)
+    app.cleanup_ctx.append(ticker)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--decode-log-interval", type=int, default=40)
+    a, _ = p.parse_known_args(argv)
+    state = FakeState(step_s=float(os.environ.get("FAKE_STEP_S", "0.01")),
+                      stream_interval=a.stream_interval,
+                      decode_log_interval=a.decode_log_interval,
+                      max_running=int(os.environ.get("FAKE_MAX_RUNNING", "64")),
+                      diffkv=a.attention_backend == "diffkv")
+    log(f"server_args: {' '.join(sys.argv[1:])}")
+    if os.environ.get("FAKE_EXIT_EARLY") == "1":
+        log("Traceback (most recent call last): fake start-up failure")
+        return 3
+    log(f"max_total_num_tokens={state.pool_tokens}, chunked_prefill_size=8192, "
+        f"max_prefill_tokens=16384, max_running_requests={state.max_running}, "
+        "context_len=8192")
+    if state.diffkv:
+        log(f"DiffKV KV cache: config from SGLANG_DIFFKV_CONFIG="
+            f"{os.environ.get('SGLANG_DIFFKV_CONFIG')}")
+        log("diffkv: disable_cuda_graph=True (forced): fake")
+
+    async def serve() -> None:
+        runner = web.AppRunner(make_app(state))
+        await runner.setup()
+        await web.TCPSite(runner, a.host, a.port).start()
+        log(READY)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        log("SIGTERM received; shutting down")
+        await runner.cleanup()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
