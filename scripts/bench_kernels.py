@@ -18,6 +18,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import time
 import types
@@ -39,6 +40,7 @@ from sglang_diffkv.kernels import (  # noqa: E402
     decode_compaction_reference,
     prefill_scores,
 )
+from sglang_diffkv.kernels.decode_attention import VARIANTS  # noqa: E402
 from sglang_diffkv.kernels.testing import random_decode_case  # noqa: E402
 from sglang_diffkv.layout import PageGeometry  # noqa: E402
 from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
@@ -125,13 +127,15 @@ def baseline_time(fwd, b: int, ctx: int) -> float:
 MIXES = {"K8V4": (1.0, 0.0), "K4V2": (0.0, 1.0), "30/50/20": (0.3, 0.5)}
 
 
-def decode_rows(copy_bw: float, quick: bool) -> tuple[list[dict], str]:
+def decode_rows(copy_bw: float, quick: bool, variants: list[str],
+                batches: tuple[int, ...] | None = None,
+                contexts: tuple[int, ...] | None = None) -> tuple[list[dict], str]:
     fwd, base_name = sglang_decode()
     base_label = f"SGLang Triton decode ({base_name})" if fwd else f"torch SDPA ({base_name})"
     geo = PageGeometry.build(D, K8V4, K4V2)
     rows = []
-    batches = (8, 32) if quick else (8, 32, 128)
-    contexts = (1024, 4096) if quick else (1024, 4096, 16384)
+    batches = batches or ((8, 32) if quick else (8, 32, 128))
+    contexts = contexts or ((1024, 4096) if quick else (1024, 4096, 16384))
     base_cache: dict[tuple[int, int], float] = {}
     for b in batches:
         for ctx in contexts:
@@ -145,8 +149,8 @@ def decode_rows(copy_bw: float, quick: bool) -> tuple[list[dict], str]:
             torch.cuda.empty_cache()
             for mix, (fh, fl) in MIXES.items():
                 try:
-                    rows.append(decode_one(geo, b, ctx, mix, fh, fl, copy_bw,
-                                           base_cache[(b, ctx)]))
+                    rows += decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_cache[(b, ctx)],
+                                       variants)
                 except Exception as e:  # noqa: BLE001 - report and keep benchmarking
                     print(f"decode B{b} ctx{ctx} {mix}: FAILED {type(e).__name__}: {e}",
                           flush=True)
@@ -154,27 +158,103 @@ def decode_rows(copy_bw: float, quick: bool) -> tuple[list[dict], str]:
     return rows, base_label
 
 
-def decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_ms) -> dict:
+def decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_ms, variants) -> list[dict]:
+    """One case (one cache state and q), every variant on it; the first variant is also
+    timed eagerly (host launch overhead included)."""
     case = random_decode_case(geo, [ctx] * b, HKV, high_frac=fh, low_frac=fl,
                               device=DEV, seed=b + ctx)
-    plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV, **TUNED)
     q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-    run = partial(plan.run, q, case.pages, case.table, case.counts, case.req_idx, 0, D**-0.5)
-    ms = bench_graph(run)
-    eager = bench(run)
     stored = case.stored_bytes(0)
     bf16 = b * ctx * HKV * D * 2 * 2
-    bw = stored / (ms * 1e-3)
     ratio = bf16 / stored
-    speedup = base_ms / ms
-    row = dict(batch=b, context=ctx, mix=mix, ms=ms, stored_mb=stored / 1e6,
-               bw_tbs=bw / 1e12, bw_frac=bw / copy_bw, base_ms=base_ms,
-               speedup=speedup, byte_ratio=ratio, speedup_vs_ratio=speedup / ratio,
-               tokens=b * ctx, scratch_mb=plan.scratch_bytes() / 1e6, eager_ms=eager)
-    print(f"decode B{b} ctx{ctx} {mix}: {ms * 1e3:.1f} us, {bw / 1e12:.2f} TB/s "
-          f"({bw / copy_bw:.0%} of copy), speedup {speedup:.2f}x "
-          f"(byte ratio {ratio:.2f})", flush=True)
-    return row
+    rows = []
+    for i, variant in enumerate(variants):
+        plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV, variant=variant, **TUNED)
+        run = partial(plan.run, q, case.pages, case.table, case.counts, case.req_idx, 0,
+                      D**-0.5)
+        try:
+            ms = bench_graph(run)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
+            print(f"decode B{b} ctx{ctx} {mix} [{variant}]: FAILED {type(e).__name__}: {e}",
+                  flush=True)
+            continue
+        eager = bench(run) if i == 0 else float("nan")
+        bw = stored / (ms * 1e-3)
+        speedup = base_ms / ms
+        rows.append(dict(variant=variant, batch=b, context=ctx, mix=mix, ms=ms,
+                         stored_mb=stored / 1e6, bw_tbs=bw / 1e12, bw_frac=bw / copy_bw,
+                         base_ms=base_ms, speedup=speedup, byte_ratio=ratio,
+                         speedup_vs_ratio=speedup / ratio, tokens=b * ctx,
+                         scratch_mb=plan.scratch_bytes() / 1e6, eager_ms=eager))
+        print(f"decode B{b} ctx{ctx} {mix} [{variant}]: {ms * 1e3:.1f} us, "
+              f"{bw / 1e12:.2f} TB/s ({bw / copy_bw:.0%} of copy), speedup {speedup:.2f}x "
+              f"(byte ratio {ratio:.2f}, {speedup / ratio:.2f} of it)", flush=True)
+        del plan
+    return rows
+
+
+def stage_rows(copy_bw: float, variants: list[str]) -> list[dict]:
+    """Split-K pass and merge pass timed alone, per variant, on two large cases (where the
+    time goes; the sum is a little more than the step: two graphs instead of one)."""
+    geo = PageGeometry.build(D, K8V4, K4V2)
+    rows = []
+    b, ctx = 32, 16384
+    for mix in ("K8V4", "K4V2"):
+        fh, fl = MIXES[mix]
+        case = random_decode_case(geo, [ctx] * b, HKV, high_frac=fh, low_frac=fl, device=DEV,
+                                  seed=7)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+        stored = case.stored_bytes(0)
+        args = (q, case.pages, case.table, case.counts, case.req_idx, 0, D**-0.5)
+        for variant in variants:
+            plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV, variant=variant,
+                                             **TUNED)
+            try:
+                t = bench_graph(partial(plan.run, *args))
+                tp = bench_graph(partial(plan.run, *args, stages="partition"))
+                tm = bench_graph(partial(plan.run, *args, stages="merge"))
+            except Exception as e:  # noqa: BLE001
+                print(f"stages {mix} [{variant}]: FAILED {type(e).__name__}: {e}", flush=True)
+                continue
+            rows.append(dict(variant=variant, mix=mix, batch=b, context=ctx, ms=t,
+                             partition_ms=tp, merge_ms=tm,
+                             bw_frac=stored / (t * 1e-3) / copy_bw))
+            print(f"stages B{b} ctx{ctx} {mix} [{variant}]: {t * 1e3:.0f} us (partition "
+                  f"{tp * 1e3:.0f}, merge {tm * 1e3:.0f}), {rows[-1]['bw_frac']:.0%} of copy",
+                  flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def variant_table(decode: list[dict], variants: list[str]) -> str:
+    """One compact table: a row per case, per variant: us / % of copy BW / speedup vs the
+    baseline / speedup over the byte ratio."""
+    cases = sorted({(r["batch"], r["context"], r["mix"]) for r in decode},
+                   key=lambda c: (c[0], c[1], list(MIXES).index(c[2])))
+    by = {(r["variant"], r["batch"], r["context"], r["mix"]): r for r in decode}
+    head = "| batch | context | mix | baseline (us) | byte ratio | " + " | ".join(
+        f"{v}: us / %BW / speedup / sp÷ratio" for v in variants) + " |"
+    lines = [head, "|" + "---|" * (5 + len(variants))]
+    for c in cases:
+        any_r = next(by[(v, *c)] for v in variants if (v, *c) in by)
+        cells = []
+        for v in variants:
+            r = by.get((v, *c))
+            cells.append("failed" if r is None else
+                         f"{r['ms'] * 1e3:.1f} / {r['bw_frac']:.0%} / {r['speedup']:.2f} / "
+                         f"{r['speedup_vs_ratio']:.2f}")
+        lines.append(f"| {c[0]} | {c[1]} | {c[2]} | {any_r['base_ms'] * 1e3:.1f} | "
+                     f"{any_r['byte_ratio']:.2f} | " + " | ".join(cells) + " |")
+    big = [r for r in decode if r["tokens"] >= 128 * 1024]
+    for v in variants:
+        rv = [r for r in big if r["variant"] == v]
+        if rv:
+            lines.append(f"\n{v}, batch*context >= 128k: {min(r['bw_frac'] for r in rv):.0%}"
+                         f"...{max(r['bw_frac'] for r in rv):.0%} of copy BW, speedup/ratio "
+                         f"{min(r['speedup_vs_ratio'] for r in rv):.2f}..."
+                         f"{max(r['speedup_vs_ratio'] for r in rv):.2f}")
+    return "\n".join(lines)
 
 
 # (pages per iteration, warps, pipeline stages, target programs per SM, register cap)
@@ -328,6 +408,11 @@ def compaction_rows() -> list[dict]:
                     torch.cuda.synchronize()
                 kernel_us = [e.device_time_total for e in prof.events()
                              if e.device_type == torch.autograd.DeviceType.CUDA]
+                # (the launcher falls back to the single-block kernel when a cooperative
+                # launch is refused: record which kernel really ran)
+                ran = sorted({m for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CUDA
+                              for m in re.findall(r"decode_room\w*kernel", e.name)})
                 continue
             e0.record()
             r = fn(m, req, tiers)
@@ -339,9 +424,10 @@ def compaction_rows() -> list[dict]:
         us = sorted(times)[len(times) // 2]
         gpu_us = sum(kernel_us)
         out.append(dict(impl=name, us=us, gpu_us=gpu_us, kernels=len(kernel_us),
-                        pages=int(r.needed)))
+                        pages=int(r.needed), ran=",".join(ran)))
         print(f"compaction {name}: {us:.1f} us wall (events), {gpu_us:.1f} us of GPU kernels "
-              f"({len(kernel_us)} kernels) for {int(r.needed)} pages", flush=True)
+              f"({len(kernel_us)} kernels: {','.join(ran) or 'torch'}) for {int(r.needed)} "
+              f"pages", flush=True)
     return out
 
 
@@ -349,11 +435,13 @@ def md_tables(meta, decode, base_label, prefill, compaction) -> str:
     lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"measured copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write); "
              f"baseline: {base_label}; decode config {meta.get('tuned', 'default')}.", ""]
-    lines += ["| batch | context | mix | time (us, graph) | eager (us) | stored MB | TB/s | "
-              "% of copy BW | baseline (us, graph) | speedup | byte ratio | speedup / ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| variant | batch | context | mix | time (us, graph) | eager (us) | stored MB | "
+              "TB/s | % of copy BW | baseline (us, graph) | speedup | byte ratio | "
+              "speedup / ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['mix']} | {r['ms'] * 1e3:.1f} | "
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['context']} | {r['mix']} | "
+                     f"{r['ms'] * 1e3:.1f} | "
                      f"{r['eager_ms'] * 1e3:.1f} | {r['stored_mb']:.1f} | {r['bw_tbs']:.2f} | "
                      f"{r['bw_frac']:.0%} | "
                      f"{r['base_ms'] * 1e3:.1f} | {r['speedup']:.2f} | {r['byte_ratio']:.2f} | "
@@ -371,9 +459,11 @@ def md_tables(meta, decode, base_label, prefill, compaction) -> str:
                      f"{r['reclaim_ms']:.3f} | {r['frac']:.1%} | {r['frac_graph']:.1%} | "
                      f"{r['frac_graph_given_lse']:.1%} |")
     lines += ["", "| compaction, 128 req x 32 layers x 8 heads x 2 tiers | events around the "
-              "call (us) | GPU kernel time, profiler (us) | pages taken |", "|---|---|---|---|"]
+              "call (us) | GPU kernel time, profiler (us) | pages taken | kernels that ran |",
+              "|---|---|---|---|---|"]
     for r in compaction:
-        lines.append(f"| {r['impl']} | {r['us']:.1f} | {r['gpu_us']:.1f} | {r['pages']} |")
+        lines.append(f"| {r['impl']} | {r['us']:.1f} | {r['gpu_us']:.1f} | {r['pages']} | "
+                     f"{r.get('ran', '')} |")
     return "\n".join(lines)
 
 
@@ -381,8 +471,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/bench_kernels")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="sweep,decode,prefill,compaction")
+    ap.add_argument("--only", default="sweep,decode,prefill,compaction",
+                    help="sections: sweep, decode, stages, prefill, compaction")
+    ap.add_argument("--variants", default="base",
+                    help=f"decode attention variants, comma-separated ({', '.join(VARIANTS)})")
+    ap.add_argument("--batches", default="", help="decode batches (default: the issue's grid)")
+    ap.add_argument("--contexts", default="", help="decode contexts (default: the grid)")
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if set(variants) - set(VARIANTS):
+        raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -407,25 +505,31 @@ def main() -> int:
         meta["tuned"] = dict(pages_per_iter=ppi, num_warps=warps, num_stages=stages,
                              programs_per_sm=per_sm, maxnreg=regs or None)
         print(f"tuned decode config: {meta['tuned']}", flush=True)
-    decode, base_label = decode_rows(meta["copy_tbs"] * 1e12, args.quick) if "decode" in only \
-        else ([], "n/a")
+    ints = lambda x: tuple(int(v) for v in x.split(",") if v) or None  # noqa: E731
+    decode, base_label = decode_rows(meta["copy_tbs"] * 1e12, args.quick, variants,
+                                     ints(args.batches), ints(args.contexts)) \
+        if "decode" in only else ([], "n/a")
+    stages = stage_rows(meta["copy_tbs"] * 1e12, variants) if "stages" in only else []
     prefill = prefill_rows(args.quick) if "prefill" in only else []
     compaction = compaction_rows() if "compaction" in only else []
     meta["seconds"] = time.time() - t0
     md = md_tables(meta, decode, base_label, prefill, compaction)
+    if decode:
+        md = f"Decode attention by variant ({base_label}):\n\n" + variant_table(
+            decode, variants) + "\n\n" + md
+    if stages:
+        md += ("\n\n| variant | mix | B x context | step (us) | split-K pass (us) | merge (us) "
+               "| % of copy |\n|---|---|---|---|---|---|---|\n" + "\n".join(
+                   f"| {r['variant']} | {r['mix']} | {r['batch']} x {r['context']} | "
+                   f"{r['ms'] * 1e3:.0f} | {r['partition_ms'] * 1e3:.0f} | "
+                   f"{r['merge_ms'] * 1e3:.0f} | {r['bw_frac']:.0%} |" for r in stages))
     (out / "bench.md").write_text(md + "\n")
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, baseline=base_label,
                                                     decode=decode, prefill=prefill,
-                                                    compaction=compaction,
+                                                    compaction=compaction, stages=stages,
+                                                    variants=variants,
                                                     sweep=sweep_rows), indent=1))
     print("\n" + md)
-    big = [r for r in decode if r["tokens"] >= 128 * 1024]
-    if big:
-        worst = min(r["bw_frac"] for r in big)
-        print(f"\nbatch*context >= 128k: bandwidth {worst:.0%}..."
-              f"{max(r['bw_frac'] for r in big):.0%} of copy; speedup/ratio "
-              f"{min(r['speedup_vs_ratio'] for r in big):.2f}..."
-              f"{max(r['speedup_vs_ratio'] for r in big):.2f}")
     print(f"total {meta['seconds']:.0f} s")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import traceback
@@ -39,6 +40,7 @@ from sglang_diffkv.kernels import (  # noqa: E402
     store_tokens,
     store_tokens_reference,
 )
+from sglang_diffkv.kernels.decode_attention import VARIANTS  # noqa: E402
 from sglang_diffkv.kernels.testing import random_decode_case, rel_err  # noqa: E402
 from sglang_diffkv.layout import PageGeometry  # noqa: E402
 from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
@@ -61,17 +63,18 @@ def check(name: str, config: str, fn: Callable[[], tuple[str, bool]]) -> None:
         metric, ok = f"error: {type(e).__name__}: {str(e)[:80]}", False
     torch.cuda.synchronize()
     ROWS.append((name, config, metric, ok, time.perf_counter() - t0))
-    print(f"{'PASS' if ok else 'FAIL'}  {name:18s} {config:44s} {metric}", flush=True)
+    print(f"{'PASS' if ok else 'FAIL'}  {name:22s} {config:44s} {metric}", flush=True)
 
 
-def decode_attention_check(geo, contexts, hkv, group, mix, seed):
+def decode_attention_check(geo, contexts, hkv, group, mix, seed, variant="base"):
     def run():
         case = random_decode_case(geo, contexts, hkv, num_layers=2, high_frac=mix[0],
                                   low_frac=mix[1], jitter=True, spare_reqs=3, device=DEV,
                                   seed=seed)
         b, d = len(contexts), geo.head_dim
         q = torch.randn(b, hkv * group, d, device=DEV).bfloat16()
-        plan = DecodeAttentionPlan.build(geo, hkv * group, hkv, b, case.max_context, DEV)
+        plan = DecodeAttentionPlan.build(geo, hkv * group, hkv, b, case.max_context, DEV,
+                                         variant=variant)
         for buf in (plan.acc, plan.ml, plan.mit, plan.pbuf):
             buf.fill_(float("nan"))
         out = torch.full((b, hkv * group, d), float("nan"), device=DEV)
@@ -224,7 +227,7 @@ def policy_check(lengths, hkv, d, steps):
     return run
 
 
-def compaction_check(batch, layers, heads):
+def compaction_check(batch, layers, heads, want_kernel=""):
     def run():
         spec = MemorySpec(num_pages=batch * layers * heads * 8, max_reqs=batch,
                           num_layers=layers, num_kv_heads=heads, high_tokens_per_page=32,
@@ -247,12 +250,22 @@ def compaction_check(batch, layers, heads):
             m.set_counts(req, torch.where(full.to(DEV), cap, c[..., :2]))
             ms.append(m)
         r = decode_compaction_reference(ms[0], req.to(DEV), tiers)
-        k = decode_compaction(ms[1], req.to(DEV), tiers)
+        # the launcher falls back to the single-block kernel silently when a cooperative
+        # launch is refused: the profiler says which kernel actually ran
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            k = decode_compaction(ms[1], req.to(DEV), tiers)
+            torch.cuda.synchronize()
+        ran = sorted({m for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA
+                      for m in re.findall(r"decode_room\w*kernel", e.name)})
         sa, sb = ms[0].snapshot(), ms[1].snapshot()
         same = all(torch.equal(sa[x], sb[x]) for x in sa) and all(
             torch.equal(getattr(r, f), getattr(k, f)) for f in ("ok", "needed", "free",
                                                               "rows_ok"))
-        return f"state equal={same}, pages taken {int(r.needed)} ({compaction_backend()})", same
+        if want_kernel and want_kernel not in ran:
+            return f"state equal={same}, but ran {ran}, not {want_kernel}", False
+        return (f"state equal={same}, pages taken {int(r.needed)} ({compaction_backend()}: "
+                f"{','.join(ran)})", same)
     return run
 
 
@@ -260,18 +273,26 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller sizes")
     ap.add_argument("--only", default="", help="comma-separated substrings of check names")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="decode attention variants to check (DecodeAttentionPlan.variant)")
     args = ap.parse_args()
     ONLY.extend(x for x in args.only.split(",") if x)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     long_ctx = 1024 if args.quick else 4096
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
     for d, tiers, name in ((128, (K8V4, K4V2), "K8V4/K4V2"),
                            (128, (K8V4_GROUPED, K4V2_GROUPED), "K8V4g12/K4V2g24"),
                            (64, (K8V4, K4V2), "K8V4/K4V2")):
         geo = PageGeometry.build(d, *tiers)
-        for mix in ((0.98, 0.01), (0.01, 0.98), (0.3, 0.5)):
-            ctx = [long_ctx, 1000, 3001, 17, 2048, 513, 64, long_ctx - 5]
-            check("decode_attention", f"D{d} {name} hi/lo {mix} B8 <= {long_ctx}",
-                  decode_attention_check(geo, ctx, 8, 4, mix, seed=d + int(mix[0] * 100)))
+        for variant in variants:
+            for mix in ((0.98, 0.01), (0.01, 0.98), (0.3, 0.5)):
+                ctx = [long_ctx, 1000, 3001, 17, 2048, 513, 64, long_ctx - 5]
+                check(f"decode_attention[{variant}]", f"D{d} {name} hi/lo {mix} B8 <= {long_ctx}",
+                      decode_attention_check(geo, ctx, 8, 4, mix, seed=d + int(mix[0] * 100),
+                                             variant=variant))
     for d in (64, 128, 256):
         for tiers in ((K8V4, K4V2), (K8V4_GROUPED, K4V2_GROUPED)):
             for dtype in (torch.float16, torch.bfloat16):
@@ -283,11 +304,15 @@ def main() -> int:
                                                                             32, 8, 128))
     check("compress_prefill", "L=(1000, 4096) Hkv8 D128", compress_check([1000, 4096], 8, 128))
     check("decode_policy", "B3 Hkv8 D128, 24 steps", policy_check([300, 150, 513], 8, 128, 24))
-    check("compaction(cuda)", "B128 x 32 layers x 8 heads", compaction_check(128, 32, 8))
-    check("compaction(cuda)", "B7 x 3 layers x 2 heads", compaction_check(7, 3, 2))
+    os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "0"
+    check("compaction(cuda)", "B128 x 32 layers x 8 heads",
+          compaction_check(128, 32, 8, "decode_room_kernel"))
+    check("compaction(cuda)", "B7 x 3 layers x 2 heads",
+          compaction_check(7, 3, 2, "decode_room_kernel"))
     os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "1"
-    check("compaction(coop)", "B128 x 32 layers x 8 heads", compaction_check(128, 32, 8))
-    check("compaction(coop)", "B7 x 3 layers x 2 heads", compaction_check(7, 3, 2))
+    for b, lyr, h in ((128, 32, 8), (7, 3, 2), (1, 1, 1), (300, 32, 8)):
+        check("compaction(coop)", f"B{b} x {lyr} layers x {h} heads",
+              compaction_check(b, lyr, h, "decode_room_coop_kernel"))
     os.environ.pop("SGLANG_DIFFKV_COOP_COMPACTION")
 
     print("\n| check | config | result | pass | s |\n|---|---|---|---|---|")

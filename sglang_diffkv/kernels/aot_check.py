@@ -14,15 +14,19 @@ import sys
 
 import triton
 
-from sglang_diffkv.config import K4V2_GROUPED, K8V4_GROUPED
+from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED
 from sglang_diffkv.kernels._tier import tier_constexprs
+from sglang_diffkv.kernels.decode_attention import VARIANTS
 from sglang_diffkv.kernels.decode_policy import hash_constexprs
 from sglang_diffkv.layout import PageGeometry
 
 GEO = PageGeometry.build(128, K8V4_GROUPED, K4V2_GROUPED)
 HI, LO = tier_constexprs(GEO.high, "H_"), tier_constexprs(GEO.low, "L_")
 T = tier_constexprs(GEO.high, "T_")
-ATTN = dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, G=4, BLOCK_G=16, D=128, PPI=1, RS=64)
+# the benchmarked pair (one quantisation group per token: the p * scale folding path)
+GEO1 = PageGeometry.build(128, K8V4, K4V2)
+HI1, LO1 = tier_constexprs(GEO1.high, "H_"), tier_constexprs(GEO1.low, "L_")
+ATTN = dict(PAGE_BYTES=GEO.page_bytes, G=4, BLOCK_G=16, D=128, PPI=1, RS=64)
 POINTERS = {  # pointer arguments and their element types; everything else is an i32 scalar
     "q": "*bf16", "k": "*bf16", "key": "*bf16", "value": "*bf16", "u8": "*u8",
     "f16": "*fp16", "f32": "*fp32", "i32": "*i32", "table": "*i32", "counts": "*i32",
@@ -36,7 +40,13 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
-    ("decode_attention", "_partition_kernel", {**ATTN, **HI, **LO}),
+    # every split-K variant (decode_attention.VARIANTS; ASM = inline PTX, which the CPU
+    # tests cannot run, so this is where it is first compiled)
+    *[("decode_attention", "_partition_kernel",
+       {**ATTN, **HI, **LO, "ASM": asm, "FAST": fast}) for asm, fast in VARIANTS.values()],
+    *[("decode_attention", "_partition_kernel",
+       {**ATTN, "PAGE_BYTES": GEO1.page_bytes, **HI1, **LO1, "ASM": asm, "FAST": fast})
+      for asm, fast in VARIANTS.values() if asm],
     ("decode_attention", "_merge_kernel",
      {**ATTN, "BLOCK_P": 16, "CH": 4, **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF")},
       **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF")}}),
@@ -78,15 +88,21 @@ def compile_one(module: str, name: str, constexprs: dict) -> str:
     return kernel.asm["ptx"]
 
 
+def _label(constexprs: dict) -> str:
+    keys = [k for k in ("ASM", "FAST", "H_VG") if k in constexprs]
+    return f" ({', '.join(f'{k}={constexprs[k]}' for k in keys)})" if keys else ""
+
+
 def main() -> int:
     failed = 0
     for module, name, constexprs in KERNELS:
         try:
             compile_one(module, name, constexprs)
-            print(f"ok      {module}.{name}")
+            print(f"ok      {module}.{name}{_label(constexprs)}")
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             failed += 1
-            print(f"FAILED  {module}.{name}: {type(e).__name__}: {str(e)[:2000]}")
+            print(f"FAILED  {module}.{name}{_label(constexprs)}: {type(e).__name__}: "
+                  f"{str(e)[:2000]}")
     return 1 if failed else 0
 
 

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from sglang_diffkv.attention import paged_decode_attention
-from sglang_diffkv.kernels._tier import page_views, tier_constexprs
+from sglang_diffkv.kernels._codes import unpack_codes_asm
+from sglang_diffkv.kernels._tier import INTERPRET, page_views, tier_constexprs
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.pages import add_scores, token_locations
 
@@ -51,9 +52,22 @@ def _codes_f16(packed, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _code_dot(qj, kbytes, J: tl.constexpr, KB: tl.constexpr):
-    """q_j . c_j^T for bit sub-tensor J of packed key bytes (exact: integer codes)."""
-    return tl.dot(qj, tl.trans(_codes_f16(kbytes, J, KB)))
+def _fields(packed, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The 8 // BITS bit fields of packed codes as exact fp16 (a 4-tuple, unused entries
+    repeat field 0): one inline-PTX call per 4 bytes with ASM, else ``_codes_f16`` per field."""
+    if ASM:
+        return unpack_codes_asm(packed, BITS)
+    else:
+        c0 = _codes_f16(packed, 0, BITS)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+        if BITS < 8:
+            c1 = _codes_f16(packed, 1, BITS)
+        if BITS < 4:
+            c2 = _codes_f16(packed, 2, BITS)
+            c3 = _codes_f16(packed, 3, BITS)
+        return c0, c1, c2, c3
 
 
 @triton.jit
@@ -65,14 +79,12 @@ def _in_group(qj, sel, KG: tl.constexpr):
 
 
 @triton.jit
-def _pv(acc, alpha, p16, vbytes, vs, vz, J: tl.constexpr, VB: tl.constexpr,
-        PER_TOKEN: tl.constexpr):
-    """acc * alpha + P . V_J. With one value group per token (PER_TOKEN) the scale is already
-    folded into p16 and the zero summed apart, so V_J is the raw codes (exact in fp16)."""
-    if PER_TOKEN:
-        v = _codes_f16(vbytes, J, VB)
-    else:
-        v = (_codes_f16(vbytes, J, VB).to(tl.float32) * vs + vz).to(tl.float16)
+def _pv(acc, alpha, p16, v, vs, vz, PER_TOKEN: tl.constexpr):
+    """acc * alpha + P . V for one field's fp16 codes ``v``. With one value group per token
+    (PER_TOKEN) the scale is already folded into p16 and the zero summed apart, so V is the
+    raw codes (exact in fp16)."""
+    if not PER_TOKEN:
+        v = (v.to(tl.float32) * vs + vz).to(tl.float16)
     return acc * alpha[:, None] + tl.dot(p16, v)
 
 
@@ -80,12 +92,12 @@ def _pv(acc, alpha, p16, vbytes, vs, vz, J: tl.constexpr, VB: tl.constexpr,
 def _tier_partition(
     q, q_sb, q_sh, u8, f16, row, n_tok, b, h, part,
     acc_ptr, ml_ptr, p_ptr, mit_ptr, slot_base, qk_scale, ppp,
-    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr,
     ITERS_MAX, MAXP, RS: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, KOFF: tl.constexpr, KMOFF: tl.constexpr,
-    VOFF: tl.constexpr, VMOFF: tl.constexpr,
+    VOFF: tl.constexpr, VMOFF: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr,
 ):
     KPER: tl.constexpr = 8 // KB
     VPER: tl.constexpr = 8 // VB
@@ -150,15 +162,16 @@ def _tier_partition(
                          mask=valid[:, None], other=0)
 
         # ---- logits = sum over key groups of scale * (q . codes) + zero * sum(q) ----
+        k0, k1, k2, k3 = _fields(kbytes, KB, ASM)
         logits = tl.zeros([BLOCK_G, R], tl.float32)
         for gg in tl.static_range(KG):
             sel = ((kc // KGS) == gg)[None, :]
-            dots = _code_dot(_in_group(q0, sel, KG), kbytes, 0, KB)
+            dots = tl.dot(_in_group(q0, sel, KG), tl.trans(k0))
             if KPER > 1:
-                dots += _code_dot(_in_group(q1, sel, KG), kbytes, 1, KB)
+                dots += tl.dot(_in_group(q1, sel, KG), tl.trans(k1))
             if KPER > 2:
-                dots += _code_dot(_in_group(q2, sel, KG), kbytes, 2, KB)
-                dots += _code_dot(_in_group(q3, sel, KG), kbytes, 3, KB)
+                dots += tl.dot(_in_group(q2, sel, KG), tl.trans(k2))
+                dots += tl.dot(_in_group(q3, sel, KG), tl.trans(k3))
             if KG == 1:
                 qsum = qsum_all
             else:
@@ -171,8 +184,14 @@ def _tier_partition(
             kmeta = (base + KMOFF) // 2 + srow * (2 * KG) + gg * 2
             ks = tl.load(f16 + kmeta, mask=valid, other=0.0).to(tl.float32)
             kz = tl.load(f16 + kmeta + 1, mask=valid, other=0.0).to(tl.float32)
+            if FAST:  # the softmax scale on the [R] metadata, not the [BLOCK_G, R] tile
+                ks *= qk_scale
+                kz *= qk_scale
             logits += dots * ks[None, :] + qsum[:, None] * kz[None, :]
-        logits = tl.where(valid[None, :], logits * qk_scale, float("-inf"))
+        if FAST:
+            logits = tl.where(valid[None, :], logits, float("-inf"))
+        else:
+            logits = tl.where(valid[None, :], logits * qk_scale, float("-inf"))
 
         # ---- online softmax (base 2) ----
         m_new = tl.maximum(m, tl.max(logits, axis=1))
@@ -205,12 +224,13 @@ def _tier_partition(
                 in_group = ((vc // VGS) == gg)[None, :]
                 vs = tl.where(in_group, s_g[:, None], vs)
                 vz = tl.where(in_group, z_g[:, None], vz)
-        acc0 = _pv(acc0, alpha, pv16, vbytes, vs, vz, 0, VB, VG == 1)
+        v0, v1, v2, v3 = _fields(vbytes, VB, ASM)
+        acc0 = _pv(acc0, alpha, pv16, v0, vs, vz, VG == 1)
         if VPER > 1:
-            acc1 = _pv(acc1, alpha, pv16, vbytes, vs, vz, 1, VB, VG == 1)
+            acc1 = _pv(acc1, alpha, pv16, v1, vs, vz, VG == 1)
         if VPER > 2:
-            acc2 = _pv(acc2, alpha, pv16, vbytes, vs, vz, 2, VB, VG == 1)
-            acc3 = _pv(acc3, alpha, pv16, vbytes, vs, vz, 3, VB, VG == 1)
+            acc2 = _pv(acc2, alpha, pv16, v2, vs, vz, VG == 1)
+            acc3 = _pv(acc3, alpha, pv16, v3, vs, vz, VG == 1)
 
     acc0 += zsum[:, None]
     acc1 += zsum[:, None]
@@ -231,7 +251,7 @@ def _tier_partition(
 def _partition_kernel(
     q, q_sb, q_sh, u8, f16, table, t_sr, t_sh, counts, c_sr, c_sh, req,
     acc_ptr, ml_ptr, p_ptr, mit_ptr, qk_scale, ppp_hi, ppp_lo,
-    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, G: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, ROW_LEN, G: tl.constexpr,
     BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX,
     MAXP_HI, MAXP, RS: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
@@ -240,6 +260,7 @@ def _partition_kernel(
     L_KB: tl.constexpr, L_VB: tl.constexpr, L_KG: tl.constexpr, L_VG: tl.constexpr,
     L_N: tl.constexpr, L_BN: tl.constexpr, L_KOFF: tl.constexpr, L_KMOFF: tl.constexpr,
     L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
+    ASM: tl.constexpr, FAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -253,20 +274,21 @@ def _partition_kernel(
             _tier_partition(q, q_sb, q_sh, u8, f16, row, n_hi, b, h, s, acc_ptr, ml_ptr,
                             p_ptr, mit_ptr, 0, qk_scale, ppp_hi, PAGE_BYTES, ROW_LEN, False,
                             G, BLOCK_G, D, PPI, ITERS_MAX, MAXP, RS, H_KB, H_VB, H_KG, H_VG, H_N,
-                            H_BN, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF)
+                            H_BN, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF, ASM, FAST)
     else:
         n_lo = tl.load(cnt + 1)
         if (s - MAXP_HI) * ppp_lo < tl.cdiv(n_lo, L_N):
             _tier_partition(q, q_sb, q_sh, u8, f16, row, n_lo, b, h, s - MAXP_HI, acc_ptr,
                             ml_ptr, p_ptr, mit_ptr, MAXP_HI, qk_scale, ppp_lo, PAGE_BYTES,
                             ROW_LEN, True, G, BLOCK_G, D, PPI, ITERS_MAX, MAXP, RS, L_KB, L_VB,
-                            L_KG, L_VG, L_N, L_BN, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF)
+                            L_KG, L_VG, L_N, L_BN, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF, ASM,
+                            FAST)
 
 
 @triton.jit
 def _tier_scores(
     f32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp,
-    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, LOW: tl.constexpr, G: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, CH: tl.constexpr,
 ):
@@ -308,7 +330,7 @@ def _tier_scores(
 def _merge_kernel(
     f32, table, t_sr, t_sh, counts, c_sr, c_sh, req,
     acc_ptr, ml_ptr, p_ptr, mit_ptr, out, o_sb, o_sh, lse_out, ppp_hi, ppp_lo,
-    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, G: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, ROW_LEN, G: tl.constexpr,
     BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX,
     MAXP_HI, MAXP, RS: tl.constexpr, BLOCK_P: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr,
@@ -366,6 +388,21 @@ def _merge_kernel(
                          L_BN, L_SOFF, CH)
 
 
+# Split-K pass variants (constexpr switches; the merge pass is shared):
+#   base: codes converted per field with Triton ops (shift, mask, OR 0x6400, half subtract)
+#   asm:  4 code bytes per inline-PTX call (prmt + lop3 + fma.f16x2, see _codes.py)
+#   fast: asm, and the softmax scale folded into the per-token key metadata
+VARIANTS = {"base": (False, False), "asm": (True, False), "fast": (True, True)}
+
+
+def variant_constexprs(variant: str) -> dict[str, bool]:
+    """ASM / FAST constexprs of a variant. The Triton interpreter cannot run inline asm, so
+    under TRITON_INTERPRET=1 the asm conversion falls back to the plain one (the asm itself
+    is checked byte by byte against ``_codes.emulate`` on the CPU, and on the GPU)."""
+    asm, fast = VARIANTS[variant]
+    return {"ASM": asm and not INTERPRET, "FAST": fast}
+
+
 @dataclass
 class DecodeAttentionPlan:
     """Static launch shape and scratch for one (geometry, heads, batch, max_context).
@@ -392,6 +429,8 @@ class DecodeAttentionPlan:
     num_warps: int
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
+    variant: str = "base"  # a key of VARIANTS: how the split-K pass converts codes
+
 
     @classmethod
     def build(
@@ -408,12 +447,15 @@ class DecodeAttentionPlan:
         num_warps: int = 4,
         num_stages: int = 2,
         maxnreg: int | None = 96,
+        variant: str = "base",
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}")
         if pages_per_iter < 1 or pages_per_iter & (pages_per_iter - 1):
             raise ValueError(f"pages_per_iter={pages_per_iter} must be a power of two")
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r}; known: {sorted(VARIANTS)}")
         device = torch.device(device)
         for t in geometry.tiers:
             tier_constexprs(t, "")  # raises on unsupported bit widths
@@ -433,7 +475,7 @@ class DecodeAttentionPlan:
         iters_max = max(math.ceil(p / pages_per_iter) for p in ppp)
         return cls(geometry, num_q_heads, num_kv_heads, batch, max_context, device,
                    pages_per_iter, ppp[0], ppp[1], maxp[0], maxp[1], iters_max, num_warps,
-                   num_stages, maxnreg)
+                   num_stages, maxnreg, variant)
 
     def __post_init__(self) -> None:
         g = self.num_q_heads // self.num_kv_heads
@@ -499,6 +541,7 @@ class DecodeAttentionPlan:
         hi = tier_constexprs(geo.high, "H_")
         lo = tier_constexprs(geo.low, "L_")
         maxp = self.maxp_hi + self.maxp_lo
+        # (ROW_LEN is a runtime argument: one compile serves every max_context)
         common = dict(PAGE_BYTES=geo.page_bytes, ROW_LEN=table.shape[-1], G=self.group,
                       BLOCK_G=self.block_g, D=d, PPI=self.pages_per_iter,
                       ITERS_MAX=self.iters_max, MAXP_HI=self.maxp_hi, MAXP=maxp,
@@ -515,6 +558,7 @@ class DecodeAttentionPlan:
             q, q.stride(0), q.stride(1), u8, f16, tab, tab.stride(0), tab.stride(1),
             cnt, cnt.stride(0), cnt.stride(1), req_idx, self.acc, self.ml, self.pbuf,
             self.mit, sm_scale * LOG2E, self.ppp_hi, self.ppp_lo, **common, **hi, **lo,
+            **variant_constexprs(self.variant),
             num_warps=self.num_warps, num_stages=self.num_stages,
             **({"maxnreg": self.maxnreg} if self.maxnreg and q.is_cuda else {}),
         )

@@ -7,6 +7,7 @@ import torch
 
 from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED
 from sglang_diffkv.kernels.decode_attention import (
+    VARIANTS,
     DecodeAttentionPlan,
     decode_attention_reference,
 )
@@ -61,6 +62,22 @@ def test_decode_attention_cpu(head_dim, tiers, group, dtype):
                pages_per_iter=2, target_programs=24)
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "base"])
+@pytest.mark.parametrize("tiers", [(K8V4, K4V2), (K8V4_GROUPED, K4V2_GROUPED)])
+def test_decode_attention_variants_cpu(variant, tiers):
+    # (under the interpreter the inline-asm conversion takes the plain path; the asm itself
+    # is checked byte by byte in test_codes.py and on the GPU by scripts/gpu_check.py)
+    geo = PageGeometry.build(64, *tiers)
+    check_case(geo, [130, 61, 200], 2, 4, torch.bfloat16, 0.45, 0.4, "cpu", seed=11,
+               pages_per_iter=1, target_programs=12, variant=variant)
+
+
+def test_plan_rejects_unknown_variant():
+    geo = PageGeometry.build(64, K8V4, K4V2)
+    with pytest.raises(ValueError, match="variant"):
+        DecodeAttentionPlan.build(geo, 4, 2, 2, 64, "cpu", variant="nope")
+
+
 def test_decode_attention_one_page_per_iteration_cpu():
     # (the oracle's gather_tokens cannot take a tier that is empty in the whole batch, so
     # nearly-single-tier mixes stand in for all-high / all-low here)
@@ -81,7 +98,9 @@ def test_plan_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mix", [(0.98, 0.01), (0.01, 0.98), (0.3, 0.5)])
-def test_decode_attention_gpu(mix):
+def test_decode_attention_gpu(mix, variant):
     geo = PageGeometry.build(128, K8V4, K4V2)
-    check_case(geo, [1000, 4096, 3000, 17], 8, 4, torch.bfloat16, *mix, "cuda", seed=3)
+    check_case(geo, [1000, 4096, 3000, 17], 8, 4, torch.bfloat16, *mix, "cuda", seed=3,
+               variant=variant)
