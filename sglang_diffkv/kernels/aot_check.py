@@ -42,11 +42,11 @@ FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
     # every split-K variant (decode_attention.VARIANTS; ASM = inline PTX, which the CPU
     # tests cannot run, so this is where it is first compiled)
+    *[("decode_attention", "_partition_kernel", {**ATTN, **HI, **LO, "ASM": asm})
+      for asm in VARIANTS.values()],
     *[("decode_attention", "_partition_kernel",
-       {**ATTN, **HI, **LO, "ASM": asm, "FAST": fast}) for asm, fast in VARIANTS.values()],
-    *[("decode_attention", "_partition_kernel",
-       {**ATTN, "PAGE_BYTES": GEO1.page_bytes, **HI1, **LO1, "ASM": asm, "FAST": fast})
-      for asm, fast in VARIANTS.values() if asm],
+       {**ATTN, "PAGE_BYTES": GEO1.page_bytes, **HI1, **LO1, "ASM": asm})
+      for asm in VARIANTS.values() if asm],
     ("decode_attention", "_merge_kernel",
      {**ATTN, "BLOCK_P": 16, "CH": 4, **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF")},
       **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF")}}),
@@ -89,7 +89,7 @@ def compile_one(module: str, name: str, constexprs: dict) -> str:
 
 
 def _label(constexprs: dict) -> str:
-    keys = [k for k in ("ASM", "FAST", "H_VG") if k in constexprs]
+    keys = [k for k in ("ASM", "H_VG") if k in constexprs]
     return f" ({', '.join(f'{k}={constexprs[k]}' for k in keys)})" if keys else ""
 
 

@@ -21,6 +21,10 @@ Two launches, shapes fixed by the plan (CUDA-graph capturable, no host synchroni
    (DiffKV's reduce_kernel bug, reference §9 pitfall 2).
 
 Everything runs in base 2 (exp2) internally; the returned LSE is natural-log.
+
+``DecodeAttentionPlan.variant`` picks how the split-K pass turns codes into fp16 (``VARIANTS``:
+``base`` with Triton ops, ``asm`` with inline PTX, 4 bytes per call); both are checked by
+``scripts/gpu_check.py`` and timed side by side by ``scripts/bench_kernels.py --variants``.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ def _tier_partition(
     ITERS_MAX, MAXP, RS: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, KOFF: tl.constexpr, KMOFF: tl.constexpr,
-    VOFF: tl.constexpr, VMOFF: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr,
+    VOFF: tl.constexpr, VMOFF: tl.constexpr, ASM: tl.constexpr,
 ):
     KPER: tl.constexpr = 8 // KB
     VPER: tl.constexpr = 8 // VB
@@ -184,14 +188,8 @@ def _tier_partition(
             kmeta = (base + KMOFF) // 2 + srow * (2 * KG) + gg * 2
             ks = tl.load(f16 + kmeta, mask=valid, other=0.0).to(tl.float32)
             kz = tl.load(f16 + kmeta + 1, mask=valid, other=0.0).to(tl.float32)
-            if FAST:  # the softmax scale on the [R] metadata, not the [BLOCK_G, R] tile
-                ks *= qk_scale
-                kz *= qk_scale
             logits += dots * ks[None, :] + qsum[:, None] * kz[None, :]
-        if FAST:
-            logits = tl.where(valid[None, :], logits, float("-inf"))
-        else:
-            logits = tl.where(valid[None, :], logits * qk_scale, float("-inf"))
+        logits = tl.where(valid[None, :], logits * qk_scale, float("-inf"))
 
         # ---- online softmax (base 2) ----
         m_new = tl.maximum(m, tl.max(logits, axis=1))
@@ -260,7 +258,7 @@ def _partition_kernel(
     L_KB: tl.constexpr, L_VB: tl.constexpr, L_KG: tl.constexpr, L_VG: tl.constexpr,
     L_N: tl.constexpr, L_BN: tl.constexpr, L_KOFF: tl.constexpr, L_KMOFF: tl.constexpr,
     L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
-    ASM: tl.constexpr, FAST: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -274,15 +272,14 @@ def _partition_kernel(
             _tier_partition(q, q_sb, q_sh, u8, f16, row, n_hi, b, h, s, acc_ptr, ml_ptr,
                             p_ptr, mit_ptr, 0, qk_scale, ppp_hi, PAGE_BYTES, ROW_LEN, False,
                             G, BLOCK_G, D, PPI, ITERS_MAX, MAXP, RS, H_KB, H_VB, H_KG, H_VG, H_N,
-                            H_BN, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF, ASM, FAST)
+                            H_BN, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF, ASM)
     else:
         n_lo = tl.load(cnt + 1)
         if (s - MAXP_HI) * ppp_lo < tl.cdiv(n_lo, L_N):
             _tier_partition(q, q_sb, q_sh, u8, f16, row, n_lo, b, h, s - MAXP_HI, acc_ptr,
                             ml_ptr, p_ptr, mit_ptr, MAXP_HI, qk_scale, ppp_lo, PAGE_BYTES,
                             ROW_LEN, True, G, BLOCK_G, D, PPI, ITERS_MAX, MAXP, RS, L_KB, L_VB,
-                            L_KG, L_VG, L_N, L_BN, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF, ASM,
-                            FAST)
+                            L_KG, L_VG, L_N, L_BN, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF, ASM)
 
 
 @triton.jit
@@ -388,19 +385,19 @@ def _merge_kernel(
                          L_BN, L_SOFF, CH)
 
 
-# Split-K pass variants (constexpr switches; the merge pass is shared):
+# Split-K pass variants (a constexpr switch; the merge pass is shared):
 #   base: codes converted per field with Triton ops (shift, mask, OR 0x6400, half subtract)
-#   asm:  4 code bytes per inline-PTX call (prmt + lop3 + fma.f16x2, see _codes.py)
-#   fast: asm, and the softmax scale folded into the per-token key metadata
-VARIANTS = {"base": (False, False), "asm": (True, False), "fast": (True, True)}
+#   asm:  4 code bytes per inline-PTX call (prmt + lop3 + fma.f16x2, see _codes.py): in the
+#         sm_90 SASS of the K8V4/K4V2 loop, 566 -> 514 instructions per thread per high page
+#         and 986 -> 780 per low page (the conversion's PRMT/SHF/LOP3/HADD2 share)
+VARIANTS = {"base": False, "asm": True}
 
 
 def variant_constexprs(variant: str) -> dict[str, bool]:
-    """ASM / FAST constexprs of a variant. The Triton interpreter cannot run inline asm, so
-    under TRITON_INTERPRET=1 the asm conversion falls back to the plain one (the asm itself
-    is checked byte by byte against ``_codes.emulate`` on the CPU, and on the GPU)."""
-    asm, fast = VARIANTS[variant]
-    return {"ASM": asm and not INTERPRET, "FAST": fast}
+    """The ASM constexpr of a variant. The Triton interpreter cannot run inline asm, so under
+    TRITON_INTERPRET=1 the asm conversion falls back to the plain one (the asm itself is
+    checked byte by byte against ``_codes.emulate`` on the CPU, and on the GPU)."""
+    return {"ASM": VARIANTS[variant] and not INTERPRET}
 
 
 @dataclass
