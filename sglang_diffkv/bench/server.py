@@ -75,7 +75,7 @@ def _check_diffkv_json(name: str, text: str) -> str:
     """SGLANG_DIFFKV_CONFIG also accepts a preset name or a path; only inline JSON is checked
     here (the server validates the rest at start-up, before any GPU work)."""
     stripped = text.strip()
-    if stripped.startswith("{"):
+    if stripped[:1] in ("{", "["):
         try:
             obj = json.loads(stripped)
         except json.JSONDecodeError as e:

@@ -1,0 +1,216 @@
+"""Workloads, budget, CLI validation, and the whole harness against the CPU fake server."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import tarfile
+
+import pytest
+
+from sglang_diffkv.bench.budget import Budget
+from sglang_diffkv.bench.e2e import main
+from sglang_diffkv.bench.errors import BenchInputError
+from sglang_diffkv.bench.workloads import (
+    LongGen,
+    ladder_trace,
+    parse_rates,
+    parse_workloads,
+    sharegpt_trace,
+    to_specs,
+)
+from simulator.validation.bench_result import read_bench_result
+from simulator.workload.loaders import load_trace
+from simulator.workload.writer import write_mooncake_jsonl
+
+# ---- workloads ---------------------------------------------------------------------------
+
+
+def test_longgen_shape_and_seed() -> None:
+    t = LongGen(n=64, seed=3).trace()
+    assert len(t) == 64 and all(r.arrival_s == 0.0 for r in t.requests)
+    assert all(256 <= r.input_tokens <= 768 and r.output_tokens == 4096 for r in t.requests)
+    assert t == LongGen(n=64, seed=3).trace() and t != LongGen(n=64, seed=4).trace()
+    with pytest.raises(BenchInputError, match="input range"):
+        LongGen(input_min=800, input_max=700)
+
+
+def test_sharegpt_is_the_bundled_trace_at_t0() -> None:
+    t = sharegpt_trace(100)
+    assert len(t) == 100 and {r.arrival_s for r in t.requests} == {0.0}
+    assert max(r.input_tokens + r.output_tokens for r in t.requests) <= 8192
+    with pytest.raises(BenchInputError, match="only 2000"):
+        sharegpt_trace(5000)
+
+
+def test_ladder_trace_rate_window_and_roundtrip(tmp_path) -> None:
+    base = sharegpt_trace(2000)
+    t = ladder_trace(base, rate=20.0, window_s=50.0, seed=1)
+    arr = [r.arrival_s for r in t.requests]
+    assert arr[0] == 0.0 and max(arr) < 50.0
+    assert abs(len(t) - 1000) < 5 * math.sqrt(1000)  # Poisson count around rate * window
+    assert [r.input_tokens for r in t.requests[:50]] == [r.input_tokens for r in
+                                                         base.requests[:50]]
+    # the written file replays the same requests in the simulator
+    p = write_mooncake_jsonl(t, tmp_path / "ladder.jsonl")
+    back = load_trace(p)
+    assert [(r.input_tokens, r.output_tokens) for r in back.requests] == [
+        (r.input_tokens, r.output_tokens) for r in t.requests]
+    assert [r.arrival_s for r in back.requests] == pytest.approx(arr, abs=1e-3)
+    specs = to_specs(t)
+    assert specs[3].output_len == t.requests[3].output_tokens
+    # more requests than the base trace: lengths wrap around
+    assert len(ladder_trace(sharegpt_trace(10), 50.0, 2.0)) > 10
+    with pytest.raises(BenchInputError, match="positive finite"):
+        ladder_trace(base, float("inf"), 10.0)
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("0.5,abc", "'abc' is not a number"), ("0.5,-1", "'-1' must be a positive"),
+    ("0", "'0' must be a positive"), ("inf", "'inf' must be a positive"),
+    ("nan", "'nan' must be a positive"), (" , ", "names no rate"),
+])
+def test_bad_rates(text, match) -> None:
+    with pytest.raises(BenchInputError, match=match):
+        parse_rates(text)
+
+
+def test_rates_and_workload_names() -> None:
+    assert parse_rates("0.25, 0.5,0.75") == [0.25, 0.5, 0.75]
+    assert parse_workloads("sharegpt,longgen") == ["sharegpt", "longgen"]
+    with pytest.raises(BenchInputError, match="unknown workload 'long'; allowed: longgen"):
+        parse_workloads("long")
+
+
+def test_budget_shortens_then_skips() -> None:
+    now = [0.0]
+    b = Budget(100.0, reserve_s=10.0, clock=lambda: now[0])
+    assert b.left() == 90.0 and b.window(60.0, 20.0, 15.0) == 60.0
+    now[0] = 40.0
+    assert b.window(60.0, 20.0, 15.0) == pytest.approx(30.0)  # shortened
+    now[0] = 60.0
+    assert b.window(60.0, 20.0, 15.0) is None  # 10 s of room < 15 s minimum
+    assert not b.fits(31.0) and b.fits(30.0)
+    assert b.note("x").endswith("x") and len(b.notes) == 1
+    with pytest.raises(BenchInputError, match="budget"):
+        Budget(0.0)
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--configs", "bf16,int4"], "unknown configuration 'int4'"),
+    (["--ladder-rates", "0.5,x"], "'x' is not a number"),
+    (["--ladder-abs-rates", "-2"], "'-2' must be a positive"),
+    (["--workloads", "ladder"], "needs sharegpt"),
+    (["--workloads", "longgen", "--window-s", "3"], "sharegpt window 3.0 s must be >="),
+    (["--diffkv-config", "diffkv-mix"], "expected NAME=VALUE"),
+    (["--diffkv-config", "diffkv-x={}"], "'diffkv-x', which is not in --configs"),
+    (["--longgen-in", "300"], "expected MIN,MAX"),
+])
+def test_cli_bad_input_exits_2_with_the_reason(args, match, capsys, tmp_path) -> None:
+    assert main(["--dry-run", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert "bench_e2e: error:" in err
+    import re
+    assert re.search(match, err), err
+
+
+def test_dry_run_prints_commands_and_writes_traces(capsys, tmp_path) -> None:
+    rc = main(["--dry-run", "--out", str(tmp_path), "--configs", "bf16,fp8,diffkv-mix",
+               "--longgen-n", "16", "--sharegpt-n", "30"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "--kv-cache-dtype fp8_e4m3" in out and "SGLANG_DIFFKV_PROFILE=1" in out
+    assert len(load_trace(tmp_path / "logs/traces/longgen-n16-o4096.jsonl")) == 16
+    assert len(load_trace(tmp_path / "logs/traces/sharegpt-n30.jsonl")) == 30
+
+
+# ---- the whole harness against the fake server -----------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def fake_python(tmp_path):
+    """An interpreter stand-in: drops '-m sglang.launch_server' and runs the fake server."""
+    p = tmp_path / "fakepy"
+    p.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} -m "
+                 "sglang_diffkv.bench.fakeserver \"$@\"\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+@pytest.mark.slow
+def test_harness_end_to_end_on_the_fake_server(fake_python, tmp_path, monkeypatch,
+                                               capsys) -> None:
+    monkeypatch.setenv("FAKE_MAX_RUNNING", "8")
+    monkeypatch.setenv("FAKE_STEP_S", "0.005")
+    out = tmp_path / "out"
+    rc = main(["--python", fake_python, "--out", str(out), "--port", str(_free_port()),
+               "--configs", "bf16,diffkv-mix", "--longgen-n", "16", "--longgen-out", "400",
+               "--sharegpt-n", "40", "--window-s", "1.5", "--longgen-window-s", "1",
+               "--ladder-window-s", "1", "--ladder-rates", "0.5,1", "--min-window-s", "0.5",
+               "--budget-s", "200", "--start-estimate-s", "5", "--warmup", "2",
+               "--git-commit", "abc123"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["environment"]["git_commit"] == "abc123"
+    assert set(res["configs"]) == {"bf16", "diffkv-mix"}
+    for c in res["configs"].values():
+        assert c["startup_s"] > 0 and c["max_total_num_tokens"] == 100_000
+        assert c["max_running_requests"] == 8 and "stop_s" in c
+    assert res["configs"]["diffkv-mix"]["diffkv_report"]
+    labels = [(r["config"], r["label"]) for r in res["runs"]]
+    assert labels == [(c, w) for c in ("bf16", "diffkv-mix")
+                      for w in ("longgen", "sharegpt", "ladder@0.5x", "ladder@1x")]
+    for r in res["runs"]:
+        assert r["client"]["output_throughput"] > 0 and r["idle_after_s"] is not None
+        assert r["server_log"]["decode_lines"] > 0
+        assert r["server_log"]["peak_running"] <= 8
+        assert r["client"]["failed"] == 0
+    lg = res["runs"][0]
+    assert lg["client"]["time_limited"] and lg["client"]["completed"] == 0  # 400 tokens take 2 s
+    sg, lad = res["runs"][1], res["runs"][2]
+    assert lad["rate_req_s"] == pytest.approx(0.5 * sg["saturation_req_s"])
+    assert lad["trace_file"] == "logs/traces/bf16__ladder@0.5x.jsonl"
+    dk = res["runs"][4]["server_log"]
+    assert dk["diffkv_ms"]["memory management"] == pytest.approx(1.5)
+    assert "diffkv_ms" not in res["runs"][0]["server_log"]
+    # bench_serving-style lines, one per run, readable by the simulator
+    assert read_bench_result(out / "bench_serving.jsonl", 2)["workload"] == "ladder@0.5x"
+    with tarfile.open(out / "logs.tar.gz") as t:
+        names = set(t.getnames())
+    assert {"logs/server__bf16.log", "logs/server__diffkv-mix.log",
+            "logs/requests__bf16__sharegpt.jsonl.gz",
+            "logs/traces/diffkv-mix__ladder@1x.jsonl"} <= names
+    assert "diffkv-mix" in printed and "ladder@1x" in printed
+    assert "1.50" in printed  # the mm ms/step column
+
+
+@pytest.mark.slow
+def test_harness_skips_what_does_not_fit_and_reports_start_failures(
+        fake_python, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("FAKE_EXIT_EARLY", "1")
+    out = tmp_path / "out"
+    rc = main(["--python", fake_python, "--out", str(out), "--port", str(_free_port()),
+               "--configs", "bf16,fp8", "--workloads", "longgen", "--longgen-window-s", "1",
+               "--window-s", "1", "--ladder-window-s", "1", "--min-window-s", "0.5",
+               "--budget-s", "100", "--start-estimate-s", "5"])
+    assert rc == 1  # no run succeeded
+    res = json.loads((out / "results.json").read_text())
+    assert "exited with code 3" in res["configs"]["bf16"]["error"]
+    monkeypatch.delenv("FAKE_EXIT_EARLY")
+    rc = main(["--python", fake_python, "--out", str(out), "--port", str(_free_port()),
+               "--configs", "bf16", "--budget-s", "60"])
+    res = json.loads((out / "results.json").read_text())
+    assert rc == 1 and res["configs"]["bf16"]["skipped"].startswith("budget")
+    assert any("SKIP config bf16" in n for n in res["notes"])

@@ -1,0 +1,83 @@
+"""SGLANG_DIFFKV_PROFILE: the step profiler's accounting and its log line format."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sglang_diffkv.step_profile import (
+    PROFILE_LINE_RE,
+    StepProfiler,
+    parse_profile_line,
+    profile_line,
+    profiling_enabled,
+)
+
+
+def test_enabled_only_when_asked():
+    assert not profiling_enabled({})
+    assert not profiling_enabled({"SGLANG_DIFFKV_PROFILE": "0"})
+    assert profiling_enabled({"SGLANG_DIFFKV_PROFILE": "1"})
+    assert StepProfiler.from_env("cpu", {}) is None
+    with pytest.raises(ValueError, match="SGLANG_DIFFKV_PROFILE='maybe': use 1"):
+        profiling_enabled({"SGLANG_DIFFKV_PROFILE": "maybe"})
+
+
+def _sleep_span(p: StepProfiler, bucket: str, seconds: float) -> None:
+    start = p.mark()
+    time.sleep(seconds)
+    p.add(bucket, start)
+
+
+def test_buckets_steps_and_free_between_steps():
+    p = StepProfiler("cpu")
+    for _ in range(2):  # two decode steps: alloc 4 ms + policy 2 x 3 ms inside ~20 ms
+        p.begin_step()
+        _sleep_span(p, "alloc", 0.004)
+        for _ in range(2):
+            _sleep_span(p, "policy", 0.003)
+        time.sleep(0.006)
+        p.end_step("decode")
+    _sleep_span(p, "free", 0.005)  # a request finishes between steps
+    p.begin_step()
+    _sleep_span(p, "alloc", 0.002)
+    _sleep_span(p, "reclaim", 0.003)
+    p.end_step("prefill")
+    lines = p.lines()
+    assert len(lines) == 2
+    pre, dec = (parse_profile_line(x) for x in lines)  # MODES order: prefill, decode
+    assert dec["mode"] == "decode" and dec["steps"] == 2 and dec["total_steps"] == 2
+    assert dec["alloc_ms"] == pytest.approx(4, abs=2) and dec["free_ms"] == 0
+    assert dec["policy_ms"] == pytest.approx(6, abs=3)
+    assert dec["step_ms"] >= dec["alloc_ms"] + dec["policy_ms"]
+    assert dec["mm_pct"] == pytest.approx(100 * dec["mm_ms"] / dec["step_ms"], abs=0.01)
+    # the free ran before the prefill step began: its mm, and its step time
+    assert pre["mode"] == "prefill" and pre["steps"] == 1
+    assert pre["free_ms"] == pytest.approx(5, abs=2.5)
+    assert pre["mm_ms"] == pytest.approx(pre["alloc_ms"] + pre["reclaim_ms"] + pre["free_ms"],
+                                         abs=0.002)
+    assert pre["step_ms"] >= pre["mm_ms"] and pre["policy_ms"] == 0
+    # a new interval: only decode ran; totals keep counting
+    p.begin_step()
+    _sleep_span(p, "alloc", 0.001)
+    p.end_step("decode")
+    (again,) = p.lines()
+    d2 = parse_profile_line(again)
+    assert d2["steps"] == 1 and d2["total_steps"] == 3
+    assert d2["total_mm_ms"] == pytest.approx(2 * dec["mm_ms"] + d2["mm_ms"], abs=0.01)
+    assert p.lines() == []
+
+
+def test_line_format_is_the_documented_one():
+    window = {"step": 312.0, "alloc": 1.0, "reclaim": 0.0, "free": 0.2, "policy": 3.0}
+    total = {"step": 31200.0, "alloc": 100.0, "reclaim": 0.0, "free": 18.0, "policy": 300.0}
+    line = profile_line("decode", 10, window, 1000, total)
+    assert line == (
+        "DiffKV profile decode: 10 steps: mm 0.120 ms/step (0.38% of step 31.200 ms) = "
+        "alloc 0.100 + reclaim 0.000 + free 0.020, policy 0.300 ms/step (0.96%); "
+        "total 1000 steps: mm 118.000 ms (0.38% of 31200.000 ms), policy 300.000 ms (0.96%)"
+    )
+    assert PROFILE_LINE_RE.search("[2026-01-01 00:00:00] " + line)
+    assert parse_profile_line(line)["total_policy_pct"] == 0.96
+    assert parse_profile_line("DiffKV decode: batch 3, tokens high 30.0%") is None
