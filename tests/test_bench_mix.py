@@ -208,11 +208,11 @@ def _prefilled(config: DiffKVConfig, lengths, hkv: int, d: int, seed: int, layer
     return cache, req, lens
 
 
-def _copy(src: CompressedKVCache) -> CompressedKVCache:
+def _copy(src: CompressedKVCache, device: str = "cpu") -> CompressedKVCache:
     dst = CompressedKVCache(src.config, head_dim=src.geometry.head_dim,
                             num_layers=src.spec.num_layers, num_kv_heads=src.spec.num_kv_heads,
                             num_pages=src.spec.num_pages, max_reqs=src.spec.max_reqs,
-                            max_context=src.spec.max_context)
+                            max_context=src.spec.max_context, device=device)
     dst.pages.copy_(src.pages)
     for name in ("table", "counts", "phase"):
         getattr(dst.manager, name).copy_(getattr(src.manager, name))
@@ -223,37 +223,54 @@ def _copy(src: CompressedKVCache) -> CompressedKVCache:
     return dst
 
 
-def test_decode_kernel_matches_reference_in_bench_mode():
-    """Triton policy step with BENCH (TRITON_INTERPRET=1) == apply_decode_step with the
-    drawn actions: same actions, victims, counters and page bytes, step after step."""
-    a, req, lens = _prefilled(CONFIG, [40, 23, 61], hkv=2, d=64, seed=21)
-    b = _copy(a)
+def run_bench_decode(device: str, steps: int, lengths=(40, 23, 61), hkv: int = 2,
+                     d: int = 64) -> set[int]:
+    """Reference on the CPU, the kernel on ``device`` from the same state; returns the
+    actions seen."""
+    a, req, lens = _prefilled(CONFIG, list(lengths), hkv=hkv, d=d, seed=21)
+    b = _copy(a, device)
     g = torch.Generator().manual_seed(22)
     alpha = a.alpha[req]
     seen: set[int] = set()
-    for step in range(4):
+    for step in range(steps):
         a.begin_decode(req).raise_if_failed()
-        b.begin_decode(req).raise_if_failed()
+        b.begin_decode(req.to(device)).raise_if_failed()
         positions = lens + step
         for layer in range(2):
-            key = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
-            value = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
-            bench = (a.bench_seed[req], MIX)
+            key = torch.randn(3, hkv, d, generator=g).to(torch.bfloat16)
+            value = torch.randn(3, hkv, d, generator=g).to(torch.bfloat16)
             ref = decode_policy_step_reference(a.pages, a.geometry, a.manager.table,
                                                a.manager.counts, req, layer, positions,
-                                               alpha, CONFIG.window, key, value, bench=bench)
+                                               alpha, CONFIG.window, key, value,
+                                               bench=(a.bench_seed[req], MIX))
+            breq = req.to(device)
             got = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts,
-                                     req, layer, positions, alpha, CONFIG.window, key, value,
-                                     bench=(b.bench_seed[req].clone(), MIX))
-            assert torch.equal(got.action, ref.action.to(torch.int8))
-            assert torch.equal(got.hmin, ref.hmin) and torch.equal(got.lmin, ref.lmin)
-            assert torch.equal(a.manager.counts, b.manager.counts)
-            assert torch.equal(a.pages, b.pages)
-            forced = bm.forced_actions(a.bench_seed[req], layer, 2, positions, MIX)
+                                     breq, layer, positions.to(device), alpha.to(device),
+                                     CONFIG.window, key.to(device), value.to(device),
+                                     bench=(b.bench_seed[breq], MIX))
+            assert torch.equal(got.action.cpu(), ref.action.to(torch.int8))
+            assert torch.equal(got.hmin.cpu(), ref.hmin) and torch.equal(got.lmin.cpu(), ref.lmin)
+            assert torch.equal(a.manager.counts, b.manager.counts.cpu())
+            assert torch.equal(a.pages, b.pages.cpu())
+            forced = bm.forced_actions(a.bench_seed[req], layer, hkv, positions, MIX)
             usable = ref.hmin >= 0
             assert torch.equal(ref.action[usable], forced[usable])
             assert bool((ref.action[~usable] == DecodeAction.APPEND_HIGH).all())
             seen.update(got.action.flatten().tolist())
+    return seen
+
+
+def test_decode_kernel_matches_reference_in_bench_mode():
+    """Triton policy step with BENCH (TRITON_INTERPRET=1) == apply_decode_step with the
+    drawn actions: same actions, victims, counters and page bytes, step after step."""
+    seen = run_bench_decode("cpu", steps=4)
+    assert {0, 1, 2} <= seen, seen
+
+
+@pytest.mark.gpu
+def test_decode_kernel_matches_reference_in_bench_mode_gpu():
+    """The compiled kernel's int64 hash gives torch's bits (the interpreter is numpy)."""
+    seen = run_bench_decode("cuda", steps=12, lengths=(90, 64, 40), hkv=8, d=128)
     assert {0, 1, 2} <= seen, seen
 
 

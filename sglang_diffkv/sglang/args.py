@@ -128,6 +128,9 @@ def load_config_for_startup() -> DiffKVConfig:
         "SGLANG_DIFFKV_CONFIG=<preset | inline JSON | path.json>",
         config.name, config.high.name, config.low.name, config.alpha_h, config.alpha_l,
     )
+    if config.bench_note is not None:
+        # a warning: a benchmark-mode server must not be mistaken for a real one
+        logger.warning("diffkv: config %r: %s", config.name, config.bench_note)
     return config
 
 

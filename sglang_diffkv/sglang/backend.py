@@ -13,6 +13,9 @@ per-layer ``forward_extend`` / ``forward_decode``.
 
 The compute goes through one seam, ``ops.DiffKVOps``: the torch reference
 (``sglang_diffkv.cache.CompressedKVCache``) or the Triton kernels on the same state.
+
+``SGLANG_DIFFKV_PROFILE=1`` times the memory-management work of each step and the step
+itself (``sglang_diffkv.step_profile``); off, the profiler is None and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -65,10 +68,17 @@ class DiffKVAttnBackend(AttentionBackend):
         self.last_layer = pool.start_layer + pool.layer_num - 1
         self.forward_metadata: DiffKVForwardMetadata | None = None
         self.ops = DiffKVOps(self.cache, want_kernels(torch.device(self.device)))
+        self.prof = pool.stats.profiler
         logger.info(
             "DiffKV attention backend: compute path = %s (SGLANG_DIFFKV_KERNELS=auto|1|0)",
             self.ops.name,
         )
+        note = self.cache.config.bench_note
+        if note is not None:
+            logger.warning("DiffKV attention backend: %s", note)
+        if self.prof is not None:
+            logger.info("DiffKV attention backend: profiling memory management "
+                        "(SGLANG_DIFFKV_PROFILE=1; lines every SGLANG_DIFFKV_LOG_INTERVAL steps)")
 
     # ---- metadata ------------------------------------------------------------------------
 
@@ -77,8 +87,12 @@ class DiffKVAttnBackend(AttentionBackend):
         if mode.is_idle():
             self.forward_metadata = None
         elif mode.is_decode():
+            if self.prof is not None:
+                self.prof.begin_step()
             self.forward_metadata = self._decode_metadata(forward_batch)
         elif mode.is_extend() and not mode.is_target_verify() and not mode.is_draft_extend():
+            if self.prof is not None:
+                self.prof.begin_step()
             self.forward_metadata = self._extend_metadata(forward_batch)
         else:
             raise NotImplementedError(f"diffkv: forward mode {mode.name} is not supported")
@@ -88,8 +102,12 @@ class DiffKVAttnBackend(AttentionBackend):
         rows = torch.nonzero(fb.out_cache_loc != 0).squeeze(1)
         req = fb.req_pool_indices[rows].long()
         seq = fb.seq_lens[rows].long()
+        start = None if self.prof is None else self.prof.mark()
         res = self.cache.begin_decode(req)
-        if not bool(res.ok):
+        ok = bool(res.ok)
+        if self.prof is not None:
+            self.prof.add("alloc", start)
+        if not ok:
             raise DiffKVPoolError(
                 f"DiffKV decode step for {req.numel()} requests needed {int(res.needed)} pages "
                 f"but only {int(res.free)} are free; check_decode_mem should have retracted"
@@ -109,7 +127,10 @@ class DiffKVAttnBackend(AttentionBackend):
         lengths_list = [int(n) for n in fb.extend_seq_lens_cpu]
         req = fb.req_pool_indices.long()
         lengths = torch.tensor(lengths_list, dtype=torch.int64, device=req.device)
+        start = None if self.prof is None else self.prof.mark()
         self.pool.begin_prefill(req.tolist(), lengths_list)
+        if self.prof is not None:
+            self.prof.add("alloc", start)
         b, lmax = len(lengths_list), max(lengths_list)
         token_b = torch.repeat_interleave(torch.arange(b, device=req.device), lengths)
         starts = torch.cumsum(lengths, 0) - lengths
@@ -167,7 +188,11 @@ class DiffKVAttnBackend(AttentionBackend):
         layer_idx = layer.layer_id - self.start_layer
         self.ops.prefill_layer(layer_idx, md.req_idx, md.lengths, qp, kp, vp, layer.scaling)
         if layer.layer_id == self.last_layer:
+            start = None if self.prof is None else self.prof.mark()
             self.cache.end_prefill(md.req_idx)
+            if self.prof is not None:
+                self.prof.add("reclaim", start)
+                self.prof.end_step("prefill")
             self._maybe_log(md, "prefill")
         return o.view(-1, hq * dv)
 
@@ -180,18 +205,24 @@ class DiffKVAttnBackend(AttentionBackend):
         hq, dv = q3.shape[1], v3.shape[2]
         layer_idx = layer.layer_id - self.start_layer
         rows = md.rows
+        start = None if self.prof is None else self.prof.mark()
         self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])
+        if self.prof is not None:
+            self.prof.add("policy", start)
         out = self.ops.decode_attend(layer_idx, md.req_idx, q3[rows], layer.scaling)
         o = q.new_zeros(q3.shape[0], hq, dv)
         o[rows] = out.to(q.dtype)
         if layer.layer_id == self.last_layer:
+            if self.prof is not None:
+                self.prof.end_step("decode")
             self._maybe_log(md, "decode")
         return o.view(-1, hq * dv)
 
     def _maybe_log(self, md: DiffKVForwardMetadata, mode: str) -> None:
-        line = self.pool.stats.step_line(self.pool, md.req_idx, md.seq_lens, mode)
-        if line is not None:
-            logger.info(line)
+        text = self.pool.stats.step_line(self.pool, md.req_idx, md.seq_lens, mode)
+        if text is not None:
+            for line in text.splitlines():  # one record per line: log parsers read lines
+                logger.info(line)
 
     # ---- CUDA graphs: not in stage 1 (forced off at start-up) -----------------------------
 

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import ConfigError, DiffKVConfig
 from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
+from sglang_diffkv.step_profile import StepProfiler
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -57,8 +58,9 @@ def planning_mix(
     config: DiffKVConfig, environ: dict[str, str] | None = None
 ) -> tuple[float, float]:
     """Expected (high, low) token fractions used to size the logical slot count; the rest is
-    pruned. ``SGLANG_DIFFKV_PLANNING_MIX="h,l"`` overrides. Defaults: all high without a low
-    tier, half/half with one. The physical term of ``available_size`` keeps any mix safe: the
+    pruned. ``SGLANG_DIFFKV_PLANNING_MIX="h,l"`` overrides. Defaults: the benchmark mix's
+    (high, low) in benchmark mode (``config.bench_mix``), else all high without a low tier,
+    half/half with one. The physical term of ``available_size`` keeps any mix safe: the
     mix only decides how many logical slots SGLang may hand out."""
     env = os.environ if environ is None else environ
     text = env.get(PLANNING_MIX_ENV, "").strip()
@@ -74,6 +76,8 @@ def planning_mix(
                 f"{PLANNING_MIX_ENV}={text!r}: need high > 0, low >= 0 and high + low <= 1"
             )
         return hi, lo
+    if config.bench_mix is not None:
+        return config.bench_mix[0], config.bench_mix[1]
     return (0.5, 0.5) if config.has_low_tier else (1.0, 0.0)
 
 
@@ -154,6 +158,8 @@ def capacity_report(plan: CapacityPlan, num_pages: int, slots: int, max_reqs: in
         f"{min(max_reqs, slots / max(context_len, 1)):.2f} requests "
         f"(max running requests {max_reqs})",
     ]
+    if c.bench_note is not None:
+        lines.append(f"DiffKV KV cache: {c.bench_note}")
     return lines
 
 
@@ -185,7 +191,7 @@ class DiffKVTokenToKVPool(KVCache):
         self.req_alpha: dict[int, tuple[float, float]] = {}
         # Tokens each active request holds (prompt + decoded), for the per-request metrics.
         self.seq_len: dict[int, int] = {}
-        self.stats = PoolStats()
+        self.stats = PoolStats(device)
         self._finalize_allocation_log(size)
 
     # -- physical accounting (host) --------------------------------------------------------
@@ -252,12 +258,19 @@ class DiffKVTokenToKVPool(KVCache):
         if req_idx not in self.active:
             return  # freed before its prefill ran (e.g. aborted while waiting)
         self.stats.record_finished(self.cache, req_idx, self.seq_len.pop(req_idx, 0))
-        self.cache.free([req_idx])
+        self._free([req_idx])
         self.active.discard(req_idx)
+
+    def _free(self, req_idx: list[int]) -> None:
+        prof = self.stats.profiler
+        start = None if prof is None else prof.mark()
+        self.cache.free(req_idx)
+        if prof is not None:
+            prof.add("free", start)
 
     def release_all(self) -> None:
         for r in sorted(self.active):
-            self.cache.free([r])
+            self._free([r])
         self.active.clear()
         self.req_alpha.clear()
         self.seq_len.clear()
@@ -343,14 +356,16 @@ class DiffKVTokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
 
 class PoolStats:
-    """Tier fractions over finished requests and per-step logging."""
+    """Tier fractions over finished requests, per-step logging and, with
+    ``SGLANG_DIFFKV_PROFILE=1``, the memory-management timing (``step_profile``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.finished_reqs = 0
         self.finished_tokens = torch.zeros(3, dtype=torch.float64)  # high, low, pruned
         self.steps = 0
         interval = os.environ.get(LOG_INTERVAL_ENV, "").strip()
         self.log_interval = int(interval) if interval else 50
+        self.profiler = StepProfiler.from_env(device)
 
     def record_finished(self, cache: CompressedKVCache, req_idx: int, seq_len: int) -> None:
         if seq_len <= 0:
@@ -374,11 +389,15 @@ class PoolStats:
 
     def step_line(self, pool: DiffKVTokenToKVPool, req_idx: torch.Tensor,
                   seq_lens: torch.Tensor, mode: str) -> str | None:
-        """One log line every ``log_interval`` forward steps (0 turns it off)."""
+        """One log line every ``log_interval`` forward steps (0 turns it off), followed by
+        the profile lines (one per forward mode) when profiling is on."""
         self.steps += 1
         if self.log_interval <= 0 or self.steps % self.log_interval:
             return None
-        return step_summary(pool, req_idx, seq_lens, mode)
+        lines = [step_summary(pool, req_idx, seq_lens, mode)]
+        if self.profiler is not None:
+            lines += self.profiler.lines()
+        return "\n".join(lines)
 
 
 def step_summary(pool: DiffKVTokenToKVPool, req_idx: torch.Tensor, seq_lens: torch.Tensor,

@@ -1,0 +1,176 @@
+"""Time spent in DiffKV memory management per forward step (``SGLANG_DIFFKV_PROFILE=1``).
+
+Off by default, and then nothing is recorded and nothing synchronises. On: the SGLang
+backend marks spans with CUDA events (host ``perf_counter`` on other devices) and the
+periodic metrics line gets one profile line per forward mode (format: ``PROFILE_LINE_RE``,
+documented in docs/backend.md). Events are only read when a line is written (one
+synchronisation per log interval), or every ``MAX_PENDING`` spans when lines are off.
+
+Buckets (milliseconds):
+
+- ``step``: ``init_forward_metadata`` to the end of the last layer's attention (it leaves out
+  the last layer's MLP, the logits and sampling, so the shares below are upper bounds), plus
+  any memory-management span that ran between steps (request frees);
+- memory management ``mm`` = ``alloc`` (decode: ``begin_decode``, the step's page room;
+  prefill: ``begin_prefill``'s all-high allocation) + ``reclaim`` (``end_prefill``: giving
+  back what compression freed and moving low pages right, the compaction) + ``free`` (a
+  finished request's pages back to the free list, between steps; counted in the next step);
+- ``policy``: the decode policy step of every layer (``ops.decode_store``: evict / demote /
+  store the new token): per-layer tier management, reported apart from ``mm``.
+
+CUDA events time the stream between the two marks, so a span also counts the host work and
+any synchronisation inside it (``begin_decode`` reads its success flag on the host).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+PROFILE_ENV = "SGLANG_DIFFKV_PROFILE"
+MM_BUCKETS = ("alloc", "reclaim", "free")
+BUCKETS = ("step", *MM_BUCKETS, "policy")
+MODES = ("prefill", "decode")
+MAX_PENDING = 65536  # spans kept unread before a forced read (only when lines are off)
+
+_F = r"\d+(?:\.\d+)?"
+# One source of truth for the line: ``profile_line`` writes it, this reads it.
+PROFILE_LINE_RE = re.compile(
+    rf"DiffKV profile (?P<mode>prefill|decode): (?P<steps>\d+) steps: "
+    rf"mm (?P<mm_ms>{_F}) ms/step \((?P<mm_pct>{_F})% of step "
+    rf"(?P<step_ms>{_F}) ms\) = alloc (?P<alloc_ms>{_F}) \+ reclaim "
+    rf"(?P<reclaim_ms>{_F}) \+ free (?P<free_ms>{_F}), "
+    rf"policy (?P<policy_ms>{_F}) ms/step \((?P<policy_pct>{_F})%\); "
+    rf"total (?P<total_steps>\d+) steps: mm (?P<total_mm_ms>{_F}) ms "
+    rf"\((?P<total_mm_pct>{_F})% of (?P<total_step_ms>{_F}) ms\), "
+    rf"policy (?P<total_policy_ms>{_F}) ms \((?P<total_policy_pct>{_F})%\)"
+)
+
+
+def profiling_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    value = env.get(PROFILE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{PROFILE_ENV}={value!r}: use 1 (profile) or 0 (off, the default)")
+
+
+def _pct(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole > 0 else 0.0
+
+
+def profile_line(mode: str, steps: int, window: Mapping[str, float], total_steps: int,
+                 total: Mapping[str, float]) -> str:
+    """The profile line of one mode: the last interval per step, then cumulative totals."""
+    n = max(steps, 1)
+    mm = sum(window[b] for b in MM_BUCKETS)
+    t_mm = sum(total[b] for b in MM_BUCKETS)
+    return (
+        f"DiffKV profile {mode}: {steps} steps: mm {mm / n:.3f} ms/step "
+        f"({_pct(mm, window['step']):.2f}% of step {window['step'] / n:.3f} ms) = "
+        f"alloc {window['alloc'] / n:.3f} + reclaim {window['reclaim'] / n:.3f} + "
+        f"free {window['free'] / n:.3f}, policy {window['policy'] / n:.3f} ms/step "
+        f"({_pct(window['policy'], window['step']):.2f}%); "
+        f"total {total_steps} steps: mm {t_mm:.3f} ms ({_pct(t_mm, total['step']):.2f}% of "
+        f"{total['step']:.3f} ms), policy {total['policy']:.3f} ms "
+        f"({_pct(total['policy'], total['step']):.2f}%)"
+    )
+
+
+def parse_profile_line(line: str) -> dict[str, Any] | None:
+    """The fields of a profile line (floats; ``mode`` a string, step counts ints)."""
+    m = PROFILE_LINE_RE.search(line)
+    if m is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in m.groupdict().items():
+        if key == "mode":
+            out[key] = value
+        elif key in ("steps", "total_steps"):
+            out[key] = int(value)
+        else:
+            out[key] = float(value)
+    return out
+
+
+class StepProfiler:
+    """Spans of memory-management work and of whole forward steps, per forward mode."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._step_start: Any = None
+        self._open: list[tuple[str, Any, Any]] = []  # spans of the step under way
+        self._done: list[tuple[str, str, Any, Any]] = []  # (mode, bucket, start, end) unread
+        self.window = {m: dict.fromkeys(BUCKETS, 0.0) for m in MODES}
+        self.total = {m: dict.fromkeys(BUCKETS, 0.0) for m in MODES}
+        self.window_steps = dict.fromkeys(MODES, 0)
+        self.total_steps = dict.fromkeys(MODES, 0)
+
+    @classmethod
+    def from_env(cls, device: torch.device | str,
+                 environ: Mapping[str, str] | None = None) -> StepProfiler | None:
+        return cls(device) if profiling_enabled(environ) else None
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def begin_step(self) -> None:
+        self._step_start = self.mark()
+
+    def add(self, bucket: str, start: Any) -> None:
+        """Close a span opened with ``mark()`` now. Outside a step (request frees) the span
+        also counts as step time: it is work of the serving loop the step clock missed."""
+        if bucket not in BUCKETS:
+            raise ValueError(f"profile bucket {bucket!r}; allowed: {BUCKETS}")
+        end = self.mark()
+        self._open.append((bucket, start, end))
+        if self._step_start is None:
+            self._open.append(("step", start, end))
+
+    def end_step(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"profile mode {mode!r}; allowed: {MODES}")
+        if self._step_start is None:
+            return
+        self._open.append(("step", self._step_start, self.mark()))
+        self._step_start = None
+        self._done.extend((mode, b, s, e) for b, s, e in self._open)
+        self._open.clear()
+        self.window_steps[mode] += 1
+        self.total_steps[mode] += 1
+        if len(self._done) > MAX_PENDING:
+            self._read()
+
+    def _read(self) -> None:
+        if not self._done:
+            return
+        if self.cuda:
+            self._done[-1][3].synchronize()  # the stream is in order: all earlier ones too
+        for mode, bucket, start, end in self._done:
+            ms = start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+            self.window[mode][bucket] += ms
+            self.total[mode][bucket] += ms
+        self._done.clear()
+
+    def lines(self) -> list[str]:
+        """One line per mode that ran since the last call; starts a new interval."""
+        self._read()
+        out = []
+        for mode in MODES:
+            if self.window_steps[mode]:
+                out.append(profile_line(mode, self.window_steps[mode], self.window[mode],
+                                        self.total_steps[mode], self.total[mode]))
+            self.window[mode] = dict.fromkeys(BUCKETS, 0.0)
+            self.window_steps[mode] = 0
+        return out
