@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,11 @@ def test_line_format_is_the_documented_one():
     assert PROFILE_LINE_RE.search("[2026-01-01 00:00:00] " + line)
     assert parse_profile_line(line)["total_policy_pct"] == 0.96
     assert parse_profile_line("DiffKV decode: batch 3, tokens high 30.0%") is None
+
+
+def test_docs_show_the_regex_the_code_uses():
+    doc = (Path(__file__).parent.parent / "docs" / "backend.md").read_text()
+    block = doc.split("    DiffKV profile (?P<mode>", 1)[1].split("\n\n", 1)[0]
+    shown = "DiffKV profile (?P<mode>" + "".join(
+        ln.strip() if i == 0 else " " + ln.strip() for i, ln in enumerate(block.splitlines()))
+    assert shown.replace("F", r"\d+(?:\.\d+)?") == PROFILE_LINE_RE.pattern
