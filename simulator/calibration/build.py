@@ -1,0 +1,221 @@
+"""Turn kernel micro-benchmark measurements into a calibration file (the schema
+``simulator.specs.calibration`` loads), with provenance.
+
+``scripts/calibrate_gpu.py`` writes the raw measurements (``measurements.json``) on the GPU and
+calls ``build_calibration`` on them; the same function rebuilds the file on a CPU machine
+(``python -m simulator.calibration.build measurements.json --out cal.json``). Every eta is
+speed-of-light time / measured time, with the speed-of-light times of the cost model itself
+(``CostModel.gemm_sol`` / ``decode_attention_sol`` / ``prefill_attention_sol``), so at a grid
+point the simulator reproduces the measured time exactly.
+
+Measurements schema (one JSON object):
+
+  {"gpu": "h100", "model": "llama-3-8b", "provenance": {...},
+   "gemm":    [{"op": "qkv", "m": 64, "time_s": 3.1e-5}, ...],
+   "decode":  [{"format": "bf16", "batch": 32, "context": 1024, "time_s": 1.2e-4,
+                "read_bytes": 6.7e7 (optional: physical bytes the kernel read; default: the
+                simulator pool's bytes for that format)}, ...],
+   "prefill": [{"format": "bf16", "chunk": 2048, "past": 0, "time_s": 3e-4}, ...]}
+
+``format`` is a calibration key (bf16, fp8, K8V4, K4V2, diffkv); ``time_s`` is per layer (one
+kernel call) and may be null for a point that was not measured (skipped for memory or time):
+such points take the eta of the nearest measured point of the same row (batch / chunk), then
+column, i.e. the grid holds its edge values, as it does outside its range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from simulator.errors import SimulatorInputError
+from simulator.serving.cost import CostModel
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import GEMM_OPS, Calibration, load_calibration
+from simulator.specs.gpu import load_gpu
+from simulator.specs.model import load_model
+from simulator.studies.scenario import Scenario
+
+# calibration key -> the simulator format whose pool and cost model count its bytes
+KEY_FORMAT = {"bf16": "bf16", "fp8": "fp8", "K8V4": "k8v4", "K4V2": "k4v2", "diffkv": "diffkv"}
+
+
+def _cost_models(model: str, gpu: str, base: Calibration) -> dict[str, CostModel]:
+    g = load_gpu(gpu)
+    sc = Scenario(load_model(model), g, base, ServerSettings())
+    return {key: sc.server(fmt).cost for key, fmt in KEY_FORMAT.items()}
+
+
+def gemm_ops(cost: CostModel) -> dict[str, tuple[float, int, int, int]]:
+    """(weight bytes, params, k = in width, n = out width) of each GEMM, by op name."""
+    return {**dict(zip(cost.gemm_names, cost.gemms, strict=True)), "lm_head": cost.lm_head}
+
+
+def _time(row: dict[str, Any], where: str) -> float | None:
+    t = row.get("time_s")
+    if t is None:
+        return None
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t > 0 and math.isfinite(t)):
+        raise SimulatorInputError(f"{where}: time_s={t!r} must be a positive number or null")
+    return float(t)
+
+
+def _int(row: dict[str, Any], key: str, where: str, minimum: int = 1) -> int:
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise SimulatorInputError(f"{where}: {key}={v!r} must be an integer >= {minimum}")
+    return v
+
+
+def _fill_held(eta: np.ndarray) -> np.ndarray:
+    """Unmeasured cells (nan) take the nearest measured cell of their row, else of their
+    column; a grid with no measured cell at all is an error upstream."""
+    out = eta.copy()
+    for i in range(out.shape[0]):
+        row = out[i]
+        ok = np.flatnonzero(~np.isnan(row))
+        if ok.size:
+            for j in np.flatnonzero(np.isnan(row)):
+                row[j] = row[ok[np.argmin(np.abs(ok - j))]]
+    for j in range(out.shape[1]):
+        col = out[:, j]
+        ok = np.flatnonzero(~np.isnan(col))
+        for i in np.flatnonzero(np.isnan(col)):
+            col[i] = col[ok[np.argmin(np.abs(ok - i))]]
+    return out
+
+
+def _grid2d(rows: list[tuple[int, int, float | None, float]],
+            names: tuple[str, str]) -> dict[str, Any]:
+    """rows of (x, y, time or None, speed-of-light time) -> a grid object with eta."""
+    xs = sorted({r[0] for r in rows})
+    ys = sorted({r[1] for r in rows})
+    eta = np.full((len(xs), len(ys)), np.nan)
+    times: list[list[float | None]] = [[None] * len(ys) for _ in xs]
+    for x, y, t, sol in rows:
+        i, j = xs.index(x), ys.index(y)
+        if t is not None:
+            eta[i, j] = sol / t
+            times[i][j] = t
+    # the loader interpolates in log space, so a zero coordinate (no past) is stored as 1
+    return {names[0]: [max(x, 1) for x in xs], names[1]: [max(y, 1) for y in ys],
+            "eta": np.round(_fill_held(eta), 5).tolist(), "time_s": times,
+            "measured": (~np.isnan(eta)).tolist()}
+
+
+def measured_grids(meas: dict[str, Any], costs: dict[str, CostModel]) -> dict[str, Any]:
+    out: dict[str, Any] = {"gemm": {}, "decode_attention": {}, "prefill_attention": {}}
+    ops = gemm_ops(costs["bf16"])
+    by_op: dict[str, list[tuple[int, float | None]]] = {}
+    for n, row in enumerate(meas.get("gemm", []), start=1):
+        where = f"measurements gemm row {n}"
+        op = row.get("op")
+        if op not in GEMM_OPS:
+            raise SimulatorInputError(f"{where}: op={op!r}; allowed {', '.join(GEMM_OPS)}")
+        by_op.setdefault(op, []).append((_int(row, "m", where), _time(row, where)))
+    for op, pts in by_op.items():
+        pts.sort()
+        shape = ops[op]
+        ms = [m for m, t in pts if t is not None]
+        if not ms:
+            continue        # nothing measured (budget): the scalar etas stay in charge
+        etas = [costs["bf16"].gemm_sol(m, shape) / t for m, t in pts if t is not None]
+        out["gemm"][op] = {"n": int(shape[3]), "k": int(shape[2]), "m": ms,
+                           "eta": [round(e, 5) for e in etas],
+                           "time_s": [t for _, t in pts if t is not None]}
+    for kind, axes in (("decode", ("batch", "context")), ("prefill", ("chunk", "past"))):
+        groups: dict[str, list[tuple[int, int, float | None, float]]] = {}
+        for n, row in enumerate(meas.get(kind, []), start=1):
+            where = f"measurements {kind} row {n}"
+            key = row.get("format")
+            if key not in costs:
+                raise SimulatorInputError(f"{where}: format={key!r}; allowed "
+                                          f"{', '.join(costs)}")
+            cost = costs[key]
+            x = _int(row, axes[0], where)
+            y = _int(row, axes[1], where, minimum=0 if kind == "prefill" else 1)
+            t = _time(row, where)
+            if kind == "decode":
+                rb = row.get("read_bytes")
+                if rb is None and key != "diffkv":
+                    # token pools read linearly in tokens (one source of byte sizes: the pool)
+                    rb = cost.write_bpt * x * y
+                if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not rb > 0:
+                    raise SimulatorInputError(f"{where}: read_bytes={rb!r} must be the positive "
+                                              f"physical bytes the kernel read (required for "
+                                              f"{key})")
+                sol = cost.decode_attention_sol(x, x * y, float(rb))
+            else:
+                sol = cost.prefill_attention_sol(x, y, x * y + x * x / 2)
+            groups.setdefault(key, []).append((x, y, t, sol))
+        name = "decode_attention" if kind == "decode" else "prefill_attention"
+        for key, rows in groups.items():
+            if any(r[2] is not None for r in rows):   # else the scalar eta stays in charge
+                out[name][key] = _grid2d(rows, axes)
+    return {k: v for k, v in out.items() if v}
+
+
+def build_calibration(meas: dict[str, Any], base_path: str | Path | None = None,
+                      source: str = "measurements") -> dict[str, Any]:
+    """A calibration file: the base calibration's GPU entry (scalars, fixed costs, memory)
+    with the measured grids and a provenance block added."""
+    if not isinstance(meas, dict):
+        raise SimulatorInputError(f"{source}: expected a JSON object")
+    gpu = meas.get("gpu", "h100")
+    model = meas.get("model", "llama-3-8b")
+    base = load_calibration(gpu, base_path)
+    costs = _cost_models(model, gpu, base)
+    grids = measured_grids(meas, costs)
+    entry = base.to_dict()
+    prov = dict(meas.get("provenance", {}))
+    entry["measured"] = {**grids, "provenance": prov}
+    entry["provenance"] = {
+        **base.provenance,
+        "source": f"kernel micro-benchmarks ({source}) on top of {base.source_file}",
+        "measured_on": prov.get("gpu_name", gpu),
+        "date": prov.get("date", dt.date.today().isoformat()),
+        "kernels": ("grids: " + ", ".join(f"{k}[{', '.join(v)}]" for k, v in grids.items())
+                    + "; eta = speed-of-light time (datasheet) / measured time per call"),
+        "fixed_costs": (base.provenance.get("fixed_costs", "") + " | not yet fitted: run "
+                        "diffkv-sim calibrate --fit fixed on a fitting run's server log"),
+    }
+    cal = {"_about": "Calibration with kernel grids measured by scripts/calibrate_gpu.py; "
+                     "scalars and fixed costs from the base file until fitted from a server log.",
+           "version": 2, "created": entry["provenance"]["date"],
+           "sglang_version": prov.get("sglang", "0.5.10.post1"),
+           "gpus": {gpu: entry}}
+    # round-trip through the loader: a file we write must load
+    tmp = copy.deepcopy(cal)
+    Calibration.from_dict(gpu, tmp["gpus"][gpu], source)
+    return cal
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Rebuild a calibration file from "
+                                             "scripts/calibrate_gpu.py's measurements.json.")
+    ap.add_argument("measurements")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--base", default=None, help="base calibration (default: the shipped one)")
+    a = ap.parse_args(argv)
+    try:
+        meas = json.loads(Path(a.measurements).read_text())
+        cal = build_calibration(meas, a.base, a.measurements)
+    except (OSError, json.JSONDecodeError, SimulatorInputError) as e:
+        print(f"calibration build: error: {e}", file=sys.stderr)
+        return 2
+    Path(a.out).write_text(json.dumps(cal, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
