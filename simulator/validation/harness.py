@@ -1,0 +1,268 @@
+"""Validate the simulator against the end-to-end harness's real SGLang runs
+(``scripts/bench_e2e.py``, docs/e2e.md): replay each run's exact trace through the simulator
+with the same server settings and compare, over the same measurement window.
+
+Input: the harness's ``--out`` directory:
+
+  results.json         {"configs": {NAME: {"command": str, "attention_backend": str,
+                        "kv_cache_dtype": str|None, "max_total_num_tokens": int, ...}},
+                        "runs": [{"config", "workload" (longgen|sharegpt|ladder), "label",
+                        "trace_file" (relative), "client": {bench_serving metrics +
+                        time_limited, window_s, steady_*}, "server_log": {"log_bytes":
+                        [start, end], ...}, "rate_req_s", "saturation_req_s"}, ...],
+                        "environment": {...}}
+  logs/server__NAME.log  (or logs.tar.gz holding logs/)
+  logs/traces/*.jsonl    the exact traces (Mooncake JSONL)
+
+Server settings come from the run's server log (``server_args=ServerArgs(...)``) or, failing
+that, from the recorded command line; the DiffKV backend's forced settings (decode CUDA graph
+off, radix cache off, no chunked prefill) are applied for ``attention_backend == "diffkv"``.
+
+The measured runs stop at a window W (``client.window_s``) while the simulator runs every
+request to its end, so simulated quantities are taken over the same window: output tokens and
+completions with time <= W (and over [W/2, W] for the steady rates), batch sizes of decode
+steps ending <= W, TTFT/TPOT over requests that finished <= W (bench_serving's completed
+requests). Fitting runs (default ``bf16/longgen``) are never validated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from simulator.engine.cluster import RunResult
+from simulator.errors import SimulatorInputError
+from simulator.metrics.summary import per_request_arrays
+from simulator.serving.settings import ServerSettings
+from simulator.validation.sglang_log import ServerLog
+
+# issue 8's targets: (relative error bound, or absolute for the ratio); None = reported only
+TARGETS = {"kv_pool": 0.01, "throughput": 0.05, "mean_batch": 0.05, "tpot": 0.05,
+           "ttft": 0.10, "ratio_pp": 0.05}
+TTFT_MAX_LOAD = 0.8
+_TS = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:\.\d+)?)")
+
+
+@dataclass
+class HarnessRun:
+    config: str
+    workload: str
+    label: str
+    trace_path: Path
+    client: dict[str, Any]
+    log_slice: str
+    rate_req_s: float | None
+    saturation_req_s: float | None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.config}/{self.label}"
+
+    @property
+    def window_s(self) -> float | None:
+        w = self.client.get("window_s")
+        return float(w) if isinstance(w, (int, float)) and w > 0 else None
+
+
+@dataclass
+class HarnessResults:
+    root: Path
+    configs: dict[str, dict[str, Any]]
+    runs: list[HarnessRun]
+    environment: dict[str, Any]
+    server_logs: dict[str, Path]
+
+    def run(self, key: str) -> HarnessRun:
+        for r in self.runs:
+            if r.key == key or f"{r.config}/{r.workload}" == key:
+                return r
+        raise SimulatorInputError(f"{self.root}: no run {key!r}; runs are "
+                                  f"{', '.join(r.key for r in self.runs)}")
+
+
+def _need(d: dict[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise SimulatorInputError(f"{where}: missing field {key!r}")
+    return d[key]
+
+
+def load_harness(root: str | Path) -> HarnessResults:
+    root = Path(root)
+    res_path = root / "results.json"
+    try:
+        data = json.loads(res_path.read_text())
+    except OSError as e:
+        raise SimulatorInputError(f"cannot read {res_path}: {e.strerror} (the harness's "
+                                  "results.json; run scripts/bench_e2e.py --out DIR)") from e
+    except json.JSONDecodeError as e:
+        raise SimulatorInputError(f"{res_path}: line {e.lineno}: invalid JSON ({e.msg})") from e
+    logs = root / "logs"
+    tar = root / "logs.tar.gz"
+    if not logs.is_dir() and tar.exists():
+        with tarfile.open(tar) as t:
+            members = [m for m in t.getmembers() if m.isfile()
+                       and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts]
+            t.extractall(root, members=members, filter="data")
+    configs = _need(data, "configs", str(res_path))
+    if not isinstance(configs, dict):
+        raise SimulatorInputError(f"{res_path}: 'configs' must be an object")
+    server_logs: dict[str, Path] = {}
+    for name in configs:
+        p = logs / f"server__{name}.log"
+        if p.exists():
+            server_logs[name] = p
+    runs = []
+    for i, r in enumerate(_need(data, "runs", str(res_path))):
+        where = f"{res_path}: runs[{i}]"
+        if not isinstance(r, dict):
+            raise SimulatorInputError(f"{where} must be an object")
+        cfg = _need(r, "config", where)
+        tf = root / _need(r, "trace_file", where)
+        if not tf.exists():
+            raise SimulatorInputError(f"{where}: trace file {tf} does not exist")
+        if cfg not in server_logs:
+            raise SimulatorInputError(f"{where}: no server log {logs / f'server__{cfg}.log'} "
+                                      f"(nor in {tar})")
+        span = _need(_need(r, "server_log", where), "log_bytes", where + ".server_log")
+        with open(server_logs[cfg], "rb") as f:
+            f.seek(int(span[0]))
+            text = f.read(int(span[1]) - int(span[0])).decode(errors="replace")
+        runs.append(HarnessRun(cfg, _need(r, "workload", where), r.get("label", r["workload"]),
+                               tf, _need(r, "client", where), text, r.get("rate_req_s"),
+                               r.get("saturation_req_s"), r))
+    return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs)
+
+
+# ---- server settings ------------------------------------------------------------------------
+def _cli_args(command: str) -> dict[str, str]:
+    """--flag value / --flag pairs of a launch_server command line, as ServerArgs names."""
+    out: dict[str, str] = {}
+    toks = shlex.split(command)
+    for i, t in enumerate(toks):
+        if t.startswith("--"):
+            name = t[2:].replace("-", "_")
+            nxt = toks[i + 1] if i + 1 < len(toks) else None
+            out[name] = nxt if nxt is not None and not nxt.startswith("--") else "True"
+    return out
+
+
+def _opt_int(v: str | None) -> int | None:
+    if v is None or v in ("None", ""):
+        return None
+    return int(float(v))
+
+
+def _opt_float(v: str | None) -> float | None:
+    return None if v is None or v in ("None", "") else float(v)
+
+
+def _flag(v: str | None) -> bool:
+    return v == "True"
+
+
+def server_settings(cfg: dict[str, Any], log: ServerLog) -> tuple[ServerSettings, str]:
+    """The simulator's settings for one harness configuration, and the KV format name."""
+    args = dict(_cli_args(cfg.get("command", "")))
+    args.update(log.server_args)          # SGLang's own resolved values win
+    backend = cfg.get("attention_backend") or args.get("attention_backend")
+    dtype = cfg.get("kv_cache_dtype") or args.get("kv_cache_dtype")
+    diffkv = backend == "diffkv"
+    fmt = "diffkv" if diffkv else ("fp8" if dtype and "fp8" in str(dtype) else "bf16")
+    chunk = _opt_int(args.get("chunked_prefill_size"))
+    s = ServerSettings(
+        chunked_prefill_size=-1 if diffkv else chunk,
+        max_prefill_tokens=_opt_int(args.get("max_prefill_tokens")) or 16384,
+        cuda_graph_max_bs=_opt_int(args.get("cuda_graph_max_bs")),
+        disable_cuda_graph=diffkv or _flag(args.get("disable_cuda_graph")),
+        enable_piecewise_cuda_graph=not (diffkv or _flag(args.get(
+            "disable_piecewise_cuda_graph"))),
+        enable_mixed_chunk=_flag(args.get("enable_mixed_chunk")),
+        schedule_conservativeness=_opt_float(args.get("schedule_conservativeness")) or 1.0,
+        mem_fraction_static=_opt_float(args.get("mem_fraction_static")),
+        max_total_tokens=_opt_int(args.get("max_total_tokens")),
+        max_running_requests=_opt_int(args.get("max_running_requests")),
+        context_len=_opt_int(args.get("context_length")),
+        disable_radix_cache=diffkv or _flag(args.get("disable_radix_cache")))
+    return s, fmt
+
+
+# ---- windowed simulator metrics -------------------------------------------------------------
+def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
+    """The simulator's run measured like the harness measured the real one: over [0, W]."""
+    arrs = per_request_arrays(res)
+    lg = res.replicas[0].log.arrays()
+    t_end, running = lg["t_end"], lg["running"]
+    first = np.array([r.first_token for r in res.requests if r.first_token >= 0])
+    w = window if window is not None else (float(t_end.max()) if t_end.size else 0.0)
+    t0 = min(r.arrival for r in res.requests)
+    end = t0 + w
+    done = (arrs["arrival"] + arrs["e2e"]) <= end + 1e-9
+
+    def tokens_until(t: float) -> float:
+        return float(running[t_end <= t].sum()) + float((first <= t).sum())
+
+    half = t0 + w / 2
+    dec = (running > 0) & (t_end <= end)
+    ttft = arrs["ttft"][done] * 1e3
+    tpot = arrs["tpot"][done]
+    tpot = tpot[~np.isnan(tpot)] * 1e3
+    finish = arrs["arrival"] + arrs["e2e"]
+    return {
+        "window_s": w,
+        "output_throughput": tokens_until(end) / w if w > 0 else math.nan,
+        "steady_output_throughput": ((tokens_until(end) - tokens_until(half)) / (w / 2)
+                                     if w > 0 else math.nan),
+        "request_throughput": float(done.sum()) / w if w > 0 else math.nan,
+        "steady_request_throughput": (float(((finish > half) & (finish <= end)).sum())
+                                      / (w / 2) if w > 0 else math.nan),
+        "completed": int(done.sum()),
+        "mean_ttft_ms": float(ttft.mean()) if ttft.size else math.nan,
+        "mean_tpot_ms": float(tpot.mean()) if tpot.size else math.nan,
+        "mean_batch": float(running[dec].mean()) if dec.any() else math.nan,
+        "peak_batch": int(running[dec].max()) if dec.any() else 0,
+        "kv_pool_tokens": res.server.pool.token_capacity,
+        "series_t": (t_end[t_end <= end] - t0).tolist(),
+        "series_batch": lg["batch"][t_end <= end].tolist(),
+    }
+
+
+def measured_series(log_slice: str) -> tuple[list[float], list[int]]:
+    """(seconds from the slice's first Decode line, #running-req) from timestamped lines."""
+    from simulator.validation.sglang_log import _DECODE
+
+    ts, bs = [], []
+    import datetime as dt
+
+    for ln in log_slice.splitlines():
+        m = _DECODE.search(ln)
+        t = _TS.search(ln)
+        if m and t:
+            ts.append(dt.datetime.fromisoformat(t.group(1).replace("T", " ")).timestamp())
+            bs.append(int(m.group(1)))
+    return [t - ts[0] for t in ts] if ts else [], bs
+
+
+# ---- comparison rows ------------------------------------------------------------------------
+def row(metric: str, run: str, measured: float | None, predicted: float | None,
+        target: float | None, absolute: bool = False, note: str = "") -> dict[str, Any]:
+    """One comparison: error = predicted / measured - 1 (absolute: predicted - measured);
+    PASS when |error| <= target, MISS otherwise, '-' without a target or a value."""
+    ok = (measured is not None and predicted is not None and math.isfinite(measured)
+          and math.isfinite(predicted) and (absolute or measured != 0))
+    err = None
+    if ok:
+        err = predicted - measured if absolute else predicted / measured - 1
+    verdict = "-" if err is None or target is None else ("PASS" if abs(err) <= target
+                                                         else "MISS")
+    return {"metric": metric, "run": run, "measured": measured, "predicted": predicted,
+            "error": err, "absolute": absolute, "target": target, "verdict": verdict,
+            "note": note}
