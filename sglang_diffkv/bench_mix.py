@@ -28,6 +28,8 @@ kernel compute the same bits; :func:`hash_u24` is the torch side and
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sglang_diffkv.policy import DecodeAction, Tier, contributing_queries, thresholds
@@ -49,10 +51,12 @@ PRUNED_MEAN = -1.0
 
 
 def cut(fraction: float | torch.Tensor) -> int | torch.Tensor:
-    """The draw threshold of a cumulative fraction: ``u < cut(f)`` has probability f."""
+    """The draw threshold of a cumulative fraction: ``u < cut(f)`` has probability f.
+    floor(f * 2^24 + 0.5) in float64: the same bits in torch, Python and the kernel (a
+    round-half-even would need a matching rint everywhere)."""
     if isinstance(fraction, torch.Tensor):
-        return torch.round(fraction.double() * U_RANGE).long().clamp(0, U_RANGE)
-    return min(max(round(fraction * U_RANGE), 0), U_RANGE)
+        return torch.floor(fraction.double() * U_RANGE + 0.5).long().clamp(0, U_RANGE)
+    return min(max(math.floor(fraction * U_RANGE + 0.5), 0), U_RANGE)
 
 
 def decode_cuts(mix: Mix) -> tuple[int, int]:
@@ -86,6 +90,7 @@ def prefill_fractions(mix: Mix, length: torch.Tensor, window: int) -> torch.Tens
     towards ``high * L``; when they exceed it (short prompts) nothing outside is high and
     low : pruned keep the mix's ratio. float64 [B, 2]."""
     high, low, pruned = mix
+    # (the kernel, kernels.bench_mix, repeats these float64 operations in this order)
     n = length.double()
     w = n.clamp(max=window)
     outside = (n - w).clamp_min(1)

@@ -138,6 +138,38 @@ def test_synthetic_significance_classifies_as_drawn(alphas):
     assert {0, 1, 2} <= set(cls.tier[3].flatten().tolist())
 
 
+def run_significance_kernel(device: str, lengths: list[int], hkv: int) -> None:
+    """kernels.bench_mix.synthetic_significance == the torch function, bit for bit, on a
+    poisoned output, for several mixes (incl. no low, no pruned, all high) and thresholds."""
+    from sglang_diffkv.kernels import bench_mix as kbm
+
+    g = torch.Generator().manual_seed(6)
+    b = len(lengths)
+    length = torch.tensor(lengths)
+    lmax = max(lengths)
+    seed = torch.randint(0, 2**40, (b,), generator=g)
+    ah = torch.rand(b, generator=g) * 20 + 0.5
+    al = torch.where(torch.rand(b, generator=g) < 0.5, 0.0, ah * torch.rand(b, generator=g))
+    for mix in (MIX, (0.0733, 0.9267, 0.0), (1.0, 0.0, 0.0), (0.7, 0.0, 0.3)):
+        for layer in (0, 31):
+            ref = bm.synthetic_significance(seed, layer, hkv, length, lmax, ah, al, mix, 64, 64)
+            poison = torch.full((b, hkv, lmax), float("nan"), device=device)
+            got = kbm.synthetic_significance(seed.to(device), layer, hkv, length.to(device),
+                                             lmax, ah.to(device), al.to(device), mix, 64, 64,
+                                             out=poison)
+            assert got is poison
+            assert torch.equal(got.cpu(), ref), (mix, layer)
+
+
+def test_significance_kernel_matches_torch():
+    run_significance_kernel("cpu", [1, 9, 64, 65, 300], hkv=3)
+
+
+@pytest.mark.gpu
+def test_significance_kernel_matches_torch_gpu():
+    run_significance_kernel("cuda", [1, 63, 64, 65, 1000, 4096, 8191], hkv=8)
+
+
 def test_whole_prompt_follows_the_mix():
     lengths = torch.tensor([512, 2048, 40])
     seed = torch.tensor([3, 4, 5])

@@ -37,6 +37,7 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "block_counts": "*i32", "first_rank": "*i32", "totals": "*i32", "tier_in": "*i8",
     "n_high": "*i32", "positions": "*i64", "alpha": "*fp32", "action_out": "*i8",
     "hmin_out": "*i64", "lmin_out": "*i64", "bench_seed": "*i64",
+    "seed": "*i64", "mix": "*fp64",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -62,6 +63,8 @@ KERNELS = [
                                                WINDOW=64, BT=256, BENCH=bench, **HI, **LO,
                                                **hash_constexprs()))
       for bench in (False, True)),
+    ("bench_mix", "_bench_sig_kernel", dict(WINDOW=64, Q=64, BL=128, HIGH_MEAN=2.0,
+                                            PRUNED_MEAN=-1.0, **hash_constexprs())),
 ]
 
 

@@ -43,10 +43,13 @@ class DiffKVOps:
         self.cache = cache
         self.use_kernels = use_kernels
         self._plans: dict[tuple[int, int], Any] = {}
+        self._bench_mix_t: torch.Tensor | None = None
         if use_kernels:
             from sglang_diffkv import kernels
+            from sglang_diffkv.kernels import bench_mix as bench_kernels
 
             self.k = kernels
+            self.bench_k = bench_kernels
             self.name = "Triton kernels (sglang_diffkv.kernels)"
         else:
             self.name = "torch reference (sglang_diffkv.cache)"
@@ -63,10 +66,18 @@ class DiffKVOps:
             return
         cfg = c.config
         sig = self.k.prefill_scores(q, k, lengths, scale, cfg.score_queries)
+        alpha = c.alpha[req]
         if cfg.bench_mix is not None:
             # the scoring kernels above ran for their cost; the draw decides the tiers
-            sig = c.bench_significance(layer, req, lengths, k.shape[2])
-        alpha = c.alpha[req]
+            # (one launch: CompressedKVCache.bench_significance, bit for bit)
+            if self._bench_mix_t is None:
+                self._bench_mix_t = torch.tensor(cfg.bench_mix, dtype=torch.float64,
+                                                 device=c.device)
+            sig = self.bench_k.synthetic_significance(
+                c.bench_seed[req], layer, c.spec.num_kv_heads, lengths, k.shape[2],
+                alpha[:, 0], alpha[:, 1], cfg.bench_mix, cfg.window, cfg.score_queries,
+                self._bench_mix_t,
+            )
         cls = self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
             alpha[:, 0], alpha[:, 1], cfg.window, cfg.score_queries,
