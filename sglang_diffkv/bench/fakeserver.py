@@ -98,7 +98,15 @@ class FakeState:
                     f"pruned 20.0%; pages in use {used // 10}/1000 (1.0%; a bf16 cache would "
                     f"need {used // 4}), active requests {len(self.running)} holding {used} "
                     "tokens")
-                log("DiffKV profile: step 12.50 ms, memory management 1.50 ms/step")
+                # the real line's format, from the module that writes it (imports torch,
+                # so only for diffkv)
+                from sglang_diffkv.step_profile import profile_line
+
+                n = self.decode_log_interval
+                window = {"step": 12.5 * n, "alloc": 1.0 * n, "reclaim": 0.25 * n,
+                          "free": 0.25 * n, "policy": 2.0 * n}
+                log(profile_line("decode", n, window, self.steps,
+                                 {k: v * self.steps / n for k, v in window.items()}))
 
 
 def make_app(state: FakeState) -> web.Application:

@@ -10,9 +10,11 @@ this module adds what that parser does not keep:
   N`` (not matched by the simulator's retraction pattern) and ``#queue-req`` of decode lines;
 - DiffKV's step lines (``DiffKV decode: batch B, tokens high x% / low y% / pruned z%; pages in
   use U/T (...; a bf16 cache would need P), active requests A holding N tokens``);
-- any DiffKV line with millisecond figures (``SGLANG_DIFFKV_PROFILE=1``: memory management and
-  step time; its exact wording is another module's, so figures are read generically as
-  ``<name> <number> ms`` / ``<name>_ms=<number>`` and averaged per name);
+- DiffKV's profile lines (``SGLANG_DIFFKV_PROFILE=1``, parsed by
+  ``sglang_diffkv.step_profile.parse_profile_line``): memory-management (mm), policy and step
+  ms per step for each forward mode, averaged over the slice weighted by each line's steps;
+- any other DiffKV line with millisecond figures, read generically as ``<name> <number> ms`` /
+  ``<name>_ms=<number>`` and averaged per name (so a reworded line still gives numbers);
 - every other DiffKV line, kept raw (first and last few) so nothing new is lost.
 """
 
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.step_profile import parse_profile_line
 from simulator.errors import SimulatorInputError
 from simulator.validation.sglang_log import parse_server_log
 
@@ -80,16 +83,43 @@ def pick_ms(ms: dict[str, float], words: tuple[str, ...]) -> float | None:
     return None
 
 
-def mm_ms_per_step(stats: dict[str, Any]) -> float | None:
-    """DiffKV memory-management ms per step from the profile figures, if any were logged."""
+def mm_ms_per_step(stats: dict[str, Any], mode: str = "decode") -> float | None:
+    """DiffKV memory-management ms per step (of ``mode``) from the profile lines, else from
+    generic millisecond figures, if any were logged."""
+    prof = (stats.get("diffkv_profile") or {}).get(mode)
+    if prof:
+        return float(prof["mm_ms"])
     return pick_ms(stats.get("diffkv_ms") or {}, ("mm", "memory", "manage"))
+
+
+_PROFILE_FIELDS = ("mm_ms", "step_ms", "alloc_ms", "reclaim_ms", "free_ms", "policy_ms")
+
+
+def _profile_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per mode: steps covered and each per-step figure averaged with the lines' step counts
+    as weights (a line reports its last log interval's mean)."""
+    out: dict[str, dict[str, float]] = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        rs = [r for r in rows if r["mode"] == mode]
+        w = np.array([max(r["steps"], 1) for r in rs], dtype=float)
+        d: dict[str, float] = {"lines": len(rs), "steps": int(sum(r["steps"] for r in rs))}
+        for f in _PROFILE_FIELDS:
+            d[f] = float(np.average([r[f] for r in rs], weights=w))
+        d["mm_pct"] = 100.0 * d["mm_ms"] / d["step_ms"] if d["step_ms"] > 0 else 0.0
+        d["policy_pct"] = 100.0 * d["policy_ms"] / d["step_ms"] if d["step_ms"] > 0 else 0.0
+        out[mode] = d
+    return out
 
 
 def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
     steps: list[tuple[float, ...]] = []
     ms_vals: dict[str, list[float]] = defaultdict(list)
+    profile: list[dict[str, Any]] = []
     other: list[str] = []
     for ln in lines:
+        if (prof := parse_profile_line(ln)) is not None:
+            profile.append(prof)
+            continue
         if m := _STEP.search(ln):
             bf = _BF16_PAGES.search(ln)
             act = _ACTIVE.search(ln)
@@ -126,6 +156,8 @@ def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
         if ok.any():
             # what the same tokens would take in bf16 / what they take here
             out["diffkv_mean_compression_vs_bf16"] = float(ratio[ok].mean())
+    if profile:
+        out["diffkv_profile"] = _profile_summary(profile)
     if ms_vals:
         out["diffkv_ms"] = {k: float(np.mean(v)) for k, v in ms_vals.items()}
         out["diffkv_ms_lines"] = max(len(v) for v in ms_vals.values())
