@@ -69,8 +69,8 @@ def _etas(values: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
         raise SimulatorInputError(f"{where} has shape {a.shape}; its axes give {shape}")
     bad = a[~((a > 0) & (a <= ETA_GRID_MAX))]
     if bad.size:
-        raise SimulatorInputError(f"{where} has eta {float(bad.flat[0])!r}: every measured eta must be "
-                                  f"in (0, {ETA_GRID_MAX}]")
+        raise SimulatorInputError(f"{where} has eta {float(bad.flat[0])!r}: every measured eta "
+                                  f"must be in (0, {ETA_GRID_MAX}]")
     return a
 
 

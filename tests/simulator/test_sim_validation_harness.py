@@ -1,0 +1,242 @@
+"""scripts/validate_simulator.py on a synthetic harness-shaped results folder: the "real" runs
+are simulated with a hidden per-step cost, written as the harness writes them (results.json,
+server logs with server_args / pool / Prefill / Decode lines, Mooncake traces), then
+validated: the fit on the fitting run recovers the hidden cost, the validated rows PASS, a
+tampered measurement MISSes with the right error, and bad inputs are named."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sim_helpers import scenario
+
+from simulator.errors import SimulatorInputError
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import load_calibration
+from simulator.validation.harness import load_harness, row, windowed_summary
+from simulator.workload.schema import Trace, TraceRequest
+from simulator.workload.writer import write_mooncake_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+HIDDEN_STEP_S = 1.0e-3
+T0 = dt.datetime(2026, 11, 22, 9, 0, 0)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("validate_simulator",
+                                                  ROOT / "scripts" / "validate_simulator.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _log_lines(res, offset_s: float, window: float) -> list[str]:
+    """SGLang-style scheduler lines from a simulated run (decode-log-interval 10) up to the
+    window's end (where the harness cuts its log slice); #token = pool usage x capacity."""
+    lg = res.replicas[0].log.arrays()
+    cap = res.server.pool.token_capacity
+    out, toks, t_int, n_dec = [], 0, 0.0, 0
+    for t_end, dtime, kind, running, usage in zip(lg["t_end"], lg["dt"], lg["kind"],
+                                                  lg["running"], lg["usage"], strict=True):
+        if t_end > window:
+            break
+        ts = (T0 + dt.timedelta(seconds=offset_s + float(t_end))).strftime("%Y-%m-%d %H:%M:%S")
+        t_int += float(dtime)
+        if kind != 1:
+            out.append(f"[{ts}] Prefill batch, #new-seq: 1, #new-token: 100, #cached-token: 0,"
+                       f" token usage: 0.10, #running-req: {running}, #queue-req: 0")
+            continue
+        toks += int(running)
+        n_dec += 1
+        if n_dec % 10 == 0:
+            out.append(f"[{ts}] Decode batch, #running-req: {running}, #token: "
+                       f"{int(usage * cap)}, token usage: {usage:.2f}, cuda graph: True, "
+                       f"gen throughput (token/s): {toks / t_int:.3f}, #queue-req: 0")
+            toks, t_int = 0, 0.0
+    return out
+
+
+def _trace(n: int, rate: float | None, seed: int, out_len: tuple[int, int]) -> Trace:
+    rng = np.random.default_rng(seed)
+    t = 0.0
+    reqs = []
+    for _ in range(n):
+        if rate is not None:
+            t += float(rng.exponential(1 / rate))
+        reqs.append(TraceRequest(t, int(rng.integers(100, 600)),
+                                 int(rng.integers(*out_len))))
+    return Trace(tuple(reqs), name="fixture")
+
+
+def make_results(root: Path) -> dict:
+    """A harness-shaped folder: bf16 (longgen, sharegpt, ladder@0.5x) and diffkv (sharegpt)."""
+    truth = replace(load_calibration("h100"), step_overhead_s=HIDDEN_STEP_S)
+    settings = ServerSettings(mem_fraction_static=0.85, enable_piecewise_cuda_graph=False)
+    (root / "logs" / "traces").mkdir(parents=True)
+    configs, runs = {}, []
+    sharegpt = _trace(1500, None, 2, (50, 300))
+    plan = {"bf16": [("longgen", _trace(300, None, 1, (400, 600)), 10.0, None),
+                     ("sharegpt", sharegpt, 8.0, None),
+                     ("ladder@0.5x", None, 10.0, 0.5)],
+                     "diffkv": [("sharegpt", sharegpt, 30.0, None)]}
+    for cfg, workloads in plan.items():
+        diffkv = cfg == "diffkv"
+        cmd = ("python -m sglang.launch_server --model-path /tmp/m --mem-fraction-static 0.85 "
+               "--disable-piecewise-cuda-graph --decode-log-interval 10"
+               + (" --attention-backend diffkv" if diffkv else " --attention-backend triton"))
+        s = replace(settings, disable_cuda_graph=diffkv, disable_radix_cache=diffkv,
+                    chunked_prefill_size=-1 if diffkv else None,
+                    enable_piecewise_cuda_graph=False)
+        sc = replace(scenario(), calibration=truth, settings=s)
+        fmt = "diffkv" if diffkv else "bf16"
+        srv = sc.server(fmt)
+        head = [f"[{T0:%Y-%m-%d %H:%M:%S}] server_args=ServerArgs(model_path='/tmp/m', "
+                "mem_fraction_static=0.85, chunked_prefill_size=8192, max_prefill_tokens=16384,"
+                " disable_piecewise_cuda_graph=True, disable_cuda_graph=False, "
+                "decode_log_interval=10)",
+                f"[{T0:%Y-%m-%d %H:%M:%S}] max_total_num_tokens={srv.pool.token_capacity}, "
+                "chunked_prefill_size=8192, max_running_requests=4096"]
+        text = "\n".join(head) + "\n"
+        configs[cfg] = {"command": cmd, "attention_backend": "diffkv" if diffkv else "triton",
+                        "kv_cache_dtype": None, "max_total_num_tokens": srv.pool.token_capacity}
+        saturation = None
+        for i, (label, trace, window, frac) in enumerate(workloads):
+            rate = None
+            if trace is None:
+                rate = frac * saturation
+                base = _trace(int(rate * window * 2) + 20, rate, 3, (50, 300))
+                trace = Trace(tuple(r for r in base.requests if r.arrival_s < window), "lad")
+            tf = f"logs/traces/{cfg}__{label}.jsonl"
+            write_mooncake_jsonl(trace, root / tf)
+            res = sc.run(trace, fmt, srv)
+            w = windowed_summary(res, window)
+            start = len(text.encode())
+            text += "\n".join(_log_lines(res, 100.0 * (i + 1), window)) + "\n"
+            client = {"output_throughput": w["output_throughput"],
+                      "steady_output_throughput": w["steady_output_throughput"],
+                      "request_throughput": w["request_throughput"],
+                      "steady_request_throughput": w["steady_request_throughput"],
+                      "mean_ttft_ms": w["mean_ttft_ms"], "mean_tpot_ms": w["mean_tpot_ms"],
+                      "window_s": window, "time_limited": True, "completed": w["completed"]}
+            rec = {"config": cfg, "workload": label.split("@")[0], "label": label,
+                   "trace_file": tf, "client": client,
+                   "server_log": {"log_bytes": [start, len(text.encode())]}}
+            if label == "sharegpt":
+                saturation = w["steady_request_throughput"]
+                rec["saturation_req_s"] = saturation
+            if rate is not None:
+                rec.update(rate_req_s=rate, saturation_req_s=saturation, rate_fraction=frac)
+            runs.append(rec)
+        (root / "logs" / f"server__{cfg}.log").write_text(text)
+    data = {"environment": {"gpu": "synthetic"}, "configs": configs, "runs": runs}
+    (root / "results.json").write_text(json.dumps(data))
+    return data
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("harness")
+    make_results(root)
+    return root
+
+
+def test_fit_on_the_fitting_run_and_validated_rows_pass(results, tmp_path):
+    vs = _script()
+    doc = tmp_path / "docs" / "simulator-validation.md"
+    out_json = tmp_path / "rows.json"
+    rc = vs.main([str(results), "--doc", str(doc), "--json", str(out_json)])
+    assert rc == 0
+    got = json.loads(out_json.read_text())
+    fit = got["fit"]
+    assert fit["run"] == "bf16/longgen"
+    # the fitted costs reproduce the fitting run's steps; the split between the per-step and
+    # the per-request cost is loose (the interval's batch is estimated from its end lines)
+    assert fit["mape"] < 0.01 < fit["mape_before"]
+    assert fit["step_overhead_s"] == pytest.approx(HIDDEN_STEP_S, rel=0.25)
+    rows = got["rows"]
+    assert not any(r["run"].endswith("longgen") for r in rows if "/" in r["run"])  # held out
+    by = {(r["metric"], r["run"]): r for r in rows}
+    assert by[("KV pool tokens", "bf16")]["verdict"] == "PASS"
+    assert by[("KV pool tokens", "bf16")]["error"] == pytest.approx(0.0)
+    for key in [("saturation output tok/s (steady)", "bf16/sharegpt"),
+                ("TPOT mean (ms)", "bf16/sharegpt"), ("TPOT mean (ms)", "bf16/ladder@0.5x"),
+                ("TTFT mean (ms)", "bf16/ladder@0.5x"),
+                ("saturation output tok/s (steady)", "diffkv/sharegpt")]:
+        assert by[key]["verdict"] == "PASS", by[key]
+    ratio = by[("DiffKV / bf16 output tok/s", "sharegpt")]
+    assert ratio["absolute"] and abs(ratio["error"]) <= 0.05
+    text = doc.read_text()
+    assert "bf16/longgen" in text and "PASS" in text
+    assert (doc.parent / "simulator-validation" / "latency_vs_rate.png").stat().st_size > 1000
+    assert (doc.parent / "simulator-validation" / "batch_timeseries.png").exists()
+
+
+def test_a_wrong_measurement_misses_with_its_error(results, tmp_path):
+    data = json.loads((results / "results.json").read_text())
+    root = tmp_path / "r"
+    import shutil
+
+    shutil.copytree(results, root)
+    run = next(r for r in data["runs"] if r["config"] == "bf16" and r["label"] == "sharegpt")
+    true_tpot = run["client"]["mean_tpot_ms"]
+    run["client"]["mean_tpot_ms"] = true_tpot * 1.25
+    (root / "results.json").write_text(json.dumps(data))
+    out_json = tmp_path / "rows.json"
+    assert _script().main([str(root), "--doc", str(tmp_path / "d.md"), "--json",
+                           str(out_json)]) == 0
+    r = next(r for r in json.loads(out_json.read_text())["rows"]
+             if r["metric"] == "TPOT mean (ms)" and r["run"] == "bf16/sharegpt")
+    assert r["verdict"] == "MISS"
+    assert r["error"] == pytest.approx(r["predicted"] / (true_tpot * 1.25) - 1)
+    assert r["error"] < -0.15
+
+
+def test_row_arithmetic():
+    assert row("m", "r", 100.0, 104.0, 0.05)["verdict"] == "PASS"
+    r = row("m", "r", 100.0, 94.0, 0.05)
+    assert r["verdict"] == "MISS" and r["error"] == pytest.approx(-0.06)
+    r = row("ratio", "w", 1.80, 1.86, 0.05, absolute=True)
+    assert r["verdict"] == "MISS" and r["error"] == pytest.approx(0.06)
+    assert row("m", "r", 0.0, 1.0, 0.05)["verdict"] == "-"
+    assert row("m", "r", None, 1.0, 0.05)["error"] is None
+    assert row("m", "r", 1.0, math.nan, 0.05)["verdict"] == "-"
+    assert row("m", "r", 1.0, 2.0, None)["verdict"] == "-"
+
+
+def test_bad_inputs_are_named(tmp_path, results):
+    with pytest.raises(SimulatorInputError, match="results.json.*No such file"):
+        load_harness(tmp_path)
+    (tmp_path / "results.json").write_text('{"configs": {}, \n "runs": [oops]}')
+    with pytest.raises(SimulatorInputError, match="line 2: invalid JSON"):
+        load_harness(tmp_path)
+    data = json.loads((results / "results.json").read_text())
+    data["runs"][1]["trace_file"] = "logs/traces/missing.jsonl"
+    root = tmp_path / "r"
+    import shutil
+
+    shutil.copytree(results, root)
+    (root / "results.json").write_text(json.dumps(data))
+    with pytest.raises(SimulatorInputError, match=r"runs\[1\]: trace file .*missing.jsonl"):
+        load_harness(root)
+    data["runs"][1]["trace_file"] = "logs/traces/bf16__sharegpt.jsonl"
+    (root / "logs" / "traces" / "bf16__sharegpt.jsonl").write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5}\n'
+        '{"timestamp": 1, "input_length": -3, "output_length": 5}\n')
+    (root / "results.json").write_text(json.dumps(data))
+    h = load_harness(root)
+    from simulator.workload.loaders import load_trace
+
+    with pytest.raises(SimulatorInputError, match="line 2"):
+        load_trace(h.runs[1].trace_path)
+    assert _script().main([str(root), "--doc", str(tmp_path / "x.md")]) == 2
+    del data["runs"][0]["server_log"]
+    (root / "results.json").write_text(json.dumps(data))
+    with pytest.raises(SimulatorInputError, match=r"runs\[0\]: missing field 'server_log'"):
+        load_harness(root)
