@@ -63,8 +63,13 @@ KERNELS = [
                                                WINDOW=64, BT=256, BENCH=bench, **HI, **LO,
                                                **hash_constexprs()))
       for bench in (False, True)),
-    ("bench_mix", "_bench_sig_kernel", dict(WINDOW=64, Q=64, BL=128, HIGH_MEAN=2.0,
-                                            PRUNED_MEAN=-1.0, **hash_constexprs())),
+    # layer == 1 arrives as a constexpr: the hash must not call tensor methods on it
+    ("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
+                                             WINDOW=64, BT=256, BENCH=True, layer=1, **HI,
+                                             **LO, **hash_constexprs())),
+    *(("bench_mix", "_bench_sig_kernel", dict(WINDOW=64, Q=64, BL=128, HIGH_MEAN=2.0,
+                                              PRUNED_MEAN=-1.0, **hash_constexprs(), **one))
+      for one in ({}, {"layer": 1})),
 ]
 
 
@@ -76,7 +81,8 @@ def compile_one(module: str, name: str, constexprs: dict) -> str:
     fn = getattr(importlib.import_module(f"sglang_diffkv.kernels.{module}"), name)
     signature = {}
     for arg, param in zip(fn.arg_names, fn.params, strict=True):
-        if param.is_constexpr:
+        # an int argument given a value here is compiled as Triton specialises a runtime 1
+        if param.is_constexpr or arg in constexprs:
             signature[arg] = "constexpr"
         else:
             signature[arg] = POINTERS.get(arg, "fp32" if arg in FLOATS else "i32")

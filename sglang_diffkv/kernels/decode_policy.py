@@ -70,11 +70,12 @@ def _mix32(x, MUL_A: tl.constexpr, MUL_B: tl.constexpr):
 @triton.jit
 def _hash_u24(seed, layer, head, position, MUL_A: tl.constexpr, MUL_B: tl.constexpr,
               SALT: tl.constexpr, U_BITS: tl.constexpr):
-    """bench_mix.hash_u24 for one (seed, layer, head, position)."""
-    x = _mix32((seed.to(tl.int64) & 0xFFFFFFFF) ^ SALT, MUL_A, MUL_B)
-    x = _mix32(x ^ (layer.to(tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
-    x = _mix32(x ^ (head.to(tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
-    x = _mix32(x ^ (position.to(tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
+    """bench_mix.hash_u24 for one (seed, layer, head, position). tl.cast, not .to: an int
+    argument equal to 1 arrives as a constexpr (Triton specialises it), which has no .to."""
+    x = _mix32((tl.cast(seed, tl.int64) & 0xFFFFFFFF) ^ SALT, MUL_A, MUL_B)
+    x = _mix32(x ^ (tl.cast(layer, tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
+    x = _mix32(x ^ (tl.cast(head, tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
+    x = _mix32(x ^ (tl.cast(position, tl.int64) & 0xFFFFFFFF), MUL_A, MUL_B)
     return x >> (32 - U_BITS)
 
 
