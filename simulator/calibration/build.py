@@ -38,21 +38,24 @@ from typing import Any
 import numpy as np
 
 from simulator.errors import SimulatorInputError
+from simulator.kv.formats import make_format
 from simulator.serving.cost import CostModel
+from simulator.serving.server import Deployment, ResolvedServer
 from simulator.serving.settings import ServerSettings
 from simulator.specs.calibration import GEMM_OPS, Calibration, load_calibration
 from simulator.specs.gpu import load_gpu
 from simulator.specs.model import load_model
-from simulator.studies.scenario import Scenario
 
 # calibration key -> the simulator format whose pool and cost model count its bytes
 KEY_FORMAT = {"bf16": "bf16", "fp8": "fp8", "K8V4": "k8v4", "K4V2": "k4v2", "diffkv": "diffkv"}
 
 
 def _cost_models(model: str, gpu: str, base: Calibration) -> dict[str, CostModel]:
-    g = load_gpu(gpu)
-    sc = Scenario(load_model(model), g, base, ServerSettings())
-    return {key: sc.server(fmt).cost for key, fmt in KEY_FORMAT.items()}
+    # built without simulator.studies (which imports simpy): the GPU machine may lack it
+    g, m = load_gpu(gpu), load_model(model)
+    return {key: ResolvedServer(Deployment(m, g, make_format(fmt, m.head_dim), ServerSettings(),
+                                           base)).cost
+            for key, fmt in KEY_FORMAT.items()}
 
 
 def gemm_ops(cost: CostModel) -> dict[str, tuple[float, int, int, int]]:
