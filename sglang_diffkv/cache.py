@@ -13,7 +13,7 @@ Prefill attention is exact on the fresh K/V (as in DiffKV); compression happens 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -79,6 +79,11 @@ class CompressedKVCache:
         self.pages = alloc_page_storage(num_pages, self.geometry.page_bytes, self.device)
         # Per-request thresholds (alpha_h, alpha_l); the config's unless overridden.
         self.alpha = torch.zeros(max_reqs, 2, device=self.device)
+        # Decode-step page allocation: the manager's torch ops; the kernels path swaps in the
+        # one-launch CUDA compaction (kernels.decode_compaction), same state changes.
+        self.decode_room: Callable[[torch.Tensor, torch.Tensor], AllocResult] = (
+            self.manager.ensure_decode_room
+        )
         # Prompt tokens kept per (request, layer, head, tier) between prefill and reclaim.
         self._prompt_kept = torch.zeros(
             max_reqs, num_layers, num_kv_heads, 2, dtype=torch.int64, device=self.device
@@ -250,7 +255,7 @@ class CompressedKVCache:
         if mix is not None and mix[1] > 0:
             low = torch.ones_like(low)
         tiers = torch.stack([torch.ones_like(low), low], -1)
-        return self.manager.ensure_decode_room(req, tiers)
+        return self.decode_room(req, tiers)
 
     def decode_layer_store(
         self,

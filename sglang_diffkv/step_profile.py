@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -103,8 +103,10 @@ def parse_profile_line(line: str) -> dict[str, Any] | None:
 class StepProfiler:
     """Spans of memory-management work and of whole forward steps, per forward mode."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = torch.device(device).type == "cuda"
+        self._clock = clock  # host seconds, off CUDA (injectable so tests need no sleeps)
         self._step_start: Any = None
         self._open: list[tuple[str, Any, Any]] = []  # spans of the step under way
         self._done: list[tuple[str, str, Any, Any]] = []  # (mode, bucket, start, end) unread
@@ -123,7 +125,7 @@ class StepProfiler:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return self._clock()
 
     def begin_step(self) -> None:
         self._step_start = self.mark()

@@ -390,6 +390,8 @@ def _merge_kernel(
 #   asm:  4 code bytes per inline-PTX call (prmt + lop3 + fma.f16x2, see _codes.py): in the
 #         sm_90 SASS of the K8V4/K4V2 loop, 566 -> 514 instructions per thread per high page
 #         and 986 -> 780 per low page (the conversion's PRMT/SHF/LOP3/HADD2 share)
+# asm is the default: on the H100 it was as fast or faster than base in 17 of 18 grid cases
+# (K4V2 B32 x 16k: 535 vs 594 us; docs/benchmarks.md, 2026-11-22 session 2).
 VARIANTS = {"base": False, "asm": True}
 
 
@@ -426,7 +428,7 @@ class DecodeAttentionPlan:
     num_warps: int
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
-    variant: str = "base"  # a key of VARIANTS: how the split-K pass converts codes
+    variant: str = "asm"  # a key of VARIANTS: how the split-K pass converts codes
 
 
     @classmethod
@@ -444,7 +446,7 @@ class DecodeAttentionPlan:
         num_warps: int = 4,
         num_stages: int = 2,
         maxnreg: int | None = 96,
-        variant: str = "base",
+        variant: str = "asm",
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "

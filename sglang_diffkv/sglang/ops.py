@@ -16,6 +16,7 @@ takes the drawn actions (``bench_mix.forced_actions``, in-kernel on the Triton p
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -50,7 +51,8 @@ class DiffKVOps:
 
             self.k = kernels
             self.bench_k = bench_kernels
-            self.name = "Triton kernels (sglang_diffkv.kernels)"
+            self.name = "Triton kernels (sglang_diffkv.kernels) + CUDA decode compaction"
+            cache.decode_room = functools.partial(kernels.decode_compaction, cache.manager)
         else:
             self.name = "torch reference (sglang_diffkv.cache)"
 
