@@ -406,11 +406,18 @@ def variant_constexprs(variant: str) -> dict[str, bool]:
 class DecodeAttentionPlan:
     """Static launch shape and scratch for one (geometry, heads, batch, max_context).
 
-    Plan once per batch size (CUDA graphs capture ``run``); ``run`` checks shapes and
-    launches two kernels without any host synchronisation. Defaults (one page per
-    iteration, 4 warps, 2 stages, 8 programs per SM, 96 registers per thread: 5 programs
-    resident per SM instead of 4) are the fastest of ``scripts/bench_kernels.py``'s sweep
-    on an H100 (docs/benchmarks.md, "Kernels").
+    ``batch`` and ``max_context`` are upper bounds: ``run`` takes any batch of at most
+    ``batch`` requests (the grid follows q; scratch is indexed by the program's batch
+    index, so a smaller batch uses a prefix of it), and every (request, layer, head) row it
+    reads must hold at most ``max_context`` tokens per tier (n_high, n_low <= max_context;
+    a decode row holds at most its sequence length in n_high + n_low). Nothing checks this
+    on the device: a longer row is wrong, not an error (its pages past ``maxp * ppp`` have
+    no program and the merge reads partitions nobody wrote), so callers size
+    ``max_context`` from the batch's longest sequence. ``run`` checks shapes and launches
+    two kernels without any host synchronisation (CUDA graphs can capture it). Defaults
+    (one page per iteration, 4 warps, 2 stages, 8 programs per SM, 96 registers per
+    thread: 5 programs resident per SM instead of 4) are the fastest of
+    ``scripts/bench_kernels.py``'s sweep on an H100 (docs/benchmarks.md, "Kernels").
     """
 
     geometry: PageGeometry
@@ -513,10 +520,13 @@ class DecodeAttentionPlan:
         adds each token's max-over-group probability to its page score. Returns (out in
         q's dtype unless ``out`` is given, natural-log lse fp32 [B, Hq])."""
         geo = self.geometry
-        b, hq, d = self.batch, self.num_q_heads, geo.head_dim
-        if q.shape != (b, hq, d):
-            raise ValueError(f"q must be [{b}, {hq}, {d}] (the plan's batch), got "
-                             f"{tuple(q.shape)}")
+        hq, d = self.num_q_heads, geo.head_dim
+        b = q.shape[0] if q.dim() == 3 else -1
+        # Scratch offsets are (b * num_programs(1) + h) * MAXP + ...: num_programs(1) is the
+        # KV head count, never the plan's batch, so any b <= batch stays inside the buffers.
+        if q.dim() != 3 or q.shape[1:] != (hq, d) or b > self.batch:
+            raise ValueError(f"q must be [B, {hq}, {d}] with B <= {self.batch} (the plan's "
+                             f"batch), got {tuple(q.shape)}")
         if q.stride(-1) != 1:
             raise ValueError("q's last dimension must be contiguous")
         if table.dim() != 4 or table.shape[2] != self.num_kv_heads or table.stride(-1) != 1:
@@ -534,6 +544,8 @@ class DecodeAttentionPlan:
             out = torch.empty_like(q)
         if lse is None:
             lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+        if b == 0:  # a grid dimension of 0 is not launchable; nothing to attend
+            return out, lse
         u8, f16, f32, _ = page_views(pages)
         tab = table[:, layer]
         cnt = counts[:, layer]

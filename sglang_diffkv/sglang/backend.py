@@ -43,6 +43,9 @@ class DiffKVForwardMetadata:
     req_idx: torch.Tensor  # int64 [B]: req_pool_idx of each request
     seq_lens: torch.Tensor  # int64 [B]: tokens after this step
     positions: torch.Tensor | None = None  # decode: position of the new token
+    # decode: the longest sequence in the batch (host int): sizes the attention plan, since
+    # no row holds more tokens than its sequence length
+    max_seq_len: int = 0
     # extend only: prompt lengths, and where each flat token sits in the padded batch
     lengths: torch.Tensor | None = None
     num_tokens: int = 0
@@ -112,9 +115,11 @@ class DiffKVAttnBackend(AttentionBackend):
                 f"DiffKV decode step for {req.numel()} requests needed {int(res.needed)} pages "
                 f"but only {int(res.free)} are free; check_decode_mem should have retracted"
             )
-        for r, n in zip(req.tolist(), seq.tolist(), strict=True):
+        seq_list = seq.tolist()
+        for r, n in zip(req.tolist(), seq_list, strict=True):
             self.pool.seq_len[r] = n
-        return DiffKVForwardMetadata(True, rows, req, seq, positions=seq - 1)
+        return DiffKVForwardMetadata(True, rows, req, seq, positions=seq - 1,
+                                     max_seq_len=max(seq_list, default=0))
 
     def _extend_metadata(self, fb: Any) -> DiffKVForwardMetadata:
         prefix = list(fb.extend_prefix_lens_cpu)
@@ -209,7 +214,8 @@ class DiffKVAttnBackend(AttentionBackend):
         self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])
         if self.prof is not None:
             self.prof.add("policy", start)
-        out = self.ops.decode_attend(layer_idx, md.req_idx, q3[rows], layer.scaling)
+        out = self.ops.decode_attend(layer_idx, md.req_idx, q3[rows], layer.scaling,
+                                     max_seq_len=md.max_seq_len)
         o = q.new_zeros(q3.shape[0], hq, dv)
         o[rows] = out.to(q.dtype)
         if layer.layer_id == self.last_layer:

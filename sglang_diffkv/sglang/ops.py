@@ -17,14 +17,40 @@ takes the drawn actions (``bench_mix.forced_actions``, in-kernel on the Triton p
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from sglang_diffkv.cache import CompressedKVCache
 
+logger = logging.getLogger("sglang_diffkv")
+
 KERNELS_ENV = "SGLANG_DIFFKV_KERNELS"
+
+# Decode-attention plans hold split-K scratch that grows with batch x context (about 2 MB
+# per request at 8192 tokens for a Llama-3-8B layer shape), so the cache is bounded in
+# bytes, not in plans; the plan in use is always kept even when it alone is larger.
+PLAN_CACHE_BYTES = 1 << 30
+MIN_PLAN_BATCH = 8
+MIN_PLAN_CONTEXT = 256
+
+
+def _next_pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def plan_bucket(batch: int, max_seq_len: int, max_reqs: int, max_context: int
+                ) -> tuple[int, int]:
+    """(batch, context) a decode-attention plan is built for: powers of two (so the batch
+    size changing every step reuses one plan and only log2 many are ever built), capped by
+    what the cache can hold, and never below the actual batch / longest sequence (a plan's
+    ``max_context`` must cover every row's tier counts, which are <= its sequence length)."""
+    b = max(batch, min(_next_pow2(batch, MIN_PLAN_BATCH), max_reqs))
+    ctx = max(max_seq_len, min(_next_pow2(max_seq_len, MIN_PLAN_CONTEXT), max_context))
+    return b, ctx
 
 
 def want_kernels(device: torch.device, environ: dict[str, str] | None = None) -> bool:
@@ -40,10 +66,16 @@ def want_kernels(device: torch.device, environ: dict[str, str] | None = None) ->
 
 
 class DiffKVOps:
-    def __init__(self, cache: CompressedKVCache, use_kernels: bool) -> None:
+    def __init__(self, cache: CompressedKVCache, use_kernels: bool,
+                 plan_cache_bytes: int = PLAN_CACHE_BYTES) -> None:
         self.cache = cache
         self.use_kernels = use_kernels
-        self._plans: dict[tuple[int, int], Any] = {}
+        # (bucketed batch, bucketed context, q heads) -> DecodeAttentionPlan, least recently
+        # used first
+        self._plans: OrderedDict[tuple[int, int, int], Any] = OrderedDict()
+        self.plan_cache_bytes = plan_cache_bytes
+        self.plans_built = 0
+        self._logged_plan_keys: set[tuple[int, int, int]] = set()
         self._bench_mix_t: torch.Tensor | None = None
         if use_kernels:
             from sglang_diffkv import kernels
@@ -104,22 +136,51 @@ class DiffKVOps:
         )
 
     def decode_attend(self, layer: int, req: torch.Tensor, q: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-        """Output [B, Hq, D] (scores of every cached token accumulated)."""
+                      scale: float, max_seq_len: int | None = None) -> torch.Tensor:
+        """Output [B, Hq, D] (scores of every cached token accumulated). ``max_seq_len``:
+        the batch's longest sequence (tokens after this step's store), known on the host;
+        None sizes the plan for the cache's ``max_context`` (always safe, more scratch)."""
         c = self.cache
         if not self.use_kernels:
             return c.decode_layer_attend(layer, req, q, scale).out
-        key = (q.shape[0], q.shape[1])
-        plan = self._plans.get(key)
-        if plan is None:
-            # Plans hold split-K scratch sized for their batch: keep the few recent sizes.
-            while len(self._plans) >= 4:
-                self._plans.pop(next(iter(self._plans)))
-            plan = self.k.DecodeAttentionPlan.build(
-                c.geometry, q.shape[1], c.spec.num_kv_heads, q.shape[0], c.spec.max_context,
-                q.device,
-            )
-            self._plans[key] = plan
+        ctx = c.spec.max_context if max_seq_len is None else max_seq_len
+        plan = self.decode_plan(q.shape[0], ctx, q.shape[1], q.device)
         out, _ = plan.run(q.contiguous(), c.pages, c.manager.table, c.manager.counts, req,
                           layer, scale)
         return out
+
+    def decode_plan(self, batch: int, max_seq_len: int, num_q_heads: int,
+                    device: torch.device) -> Any:
+        """The cached plan covering ``batch`` requests of at most ``max_seq_len`` tokens,
+        built on a miss; least recently used plans are dropped while the cache holds more
+        than ``plan_cache_bytes`` of scratch (the returned plan is never dropped)."""
+        c = self.cache
+        spec = c.spec
+        b, ctx = plan_bucket(batch, max_seq_len, spec.max_reqs, spec.max_context)
+        key = (b, ctx, num_q_heads)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        plan = self.k.DecodeAttentionPlan.build(
+            c.geometry, num_q_heads, spec.num_kv_heads, b, ctx, device
+        )
+        self._plans[key] = plan
+        self.plans_built += 1
+        while len(self._plans) > 1 and self.cached_plan_bytes() > self.plan_cache_bytes:
+            self._plans.popitem(last=False)
+        # once per bucket at INFO: a bucket built again after eviction would otherwise log
+        # every few steps when the batch oscillates across a boundary
+        first = key not in self._logged_plan_keys
+        self._logged_plan_keys.add(key)
+        logger.log(
+            logging.INFO if first else logging.DEBUG,
+            "DiffKV decode attention: plan for batch <= %d, context <= %d, %d q heads: "
+            "scratch %.1f MiB (%d plan(s) cached, %.1f MiB of %.0f MiB budget)",
+            b, ctx, num_q_heads, plan.scratch_bytes() / 2**20, len(self._plans),
+            self.cached_plan_bytes() / 2**20, self.plan_cache_bytes / 2**20,
+        )
+        return plan
+
+    def cached_plan_bytes(self) -> int:
+        return sum(p.scratch_bytes() for p in self._plans.values())

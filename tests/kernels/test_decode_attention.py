@@ -19,14 +19,17 @@ def score_view(pages: torch.Tensor) -> torch.Tensor:
     return pages.view(torch.float32)
 
 
-def check_case(geo, contexts, hkv, group, dtype, high, low, device, seed, **plan_kw):
+def check_case(geo, contexts, hkv, group, dtype, high, low, device, seed, plan_batch=None,
+               **plan_kw):
+    """``plan_batch``: build the plan for that many requests (>= len(contexts)) and run it on
+    the smaller batch, as the SGLang seam does with its power-of-two batch buckets."""
     case = random_decode_case(geo, contexts, hkv, num_layers=2, high_frac=high, low_frac=low,
                               jitter=True, spare_reqs=2, device=device, seed=seed)
     b, d = len(contexts), geo.head_dim
     torch.manual_seed(seed)
     q = torch.randn(b, hkv * group, d, device=device).to(dtype)
-    plan = DecodeAttentionPlan.build(geo, hkv * group, hkv, b, case.max_context, device,
-                                     **plan_kw)
+    plan = DecodeAttentionPlan.build(geo, hkv * group, hkv, plan_batch or b, case.max_context,
+                                     device, **plan_kw)
     for buf in (plan.acc, plan.ml, plan.mit, plan.pbuf):
         buf.fill_(float("nan"))  # scratch is poisoned: every read value must be written
     out = torch.full((b, hkv * group, d), float("nan"), device=device)
@@ -86,12 +89,37 @@ def test_decode_attention_one_page_per_iteration_cpu():
                pages_per_iter=1, target_programs=8)
 
 
+def test_plan_for_a_larger_batch_runs_a_smaller_one_cpu():
+    # A plan built for 8 requests runs 3 (grid from q, scratch indexed by the program's
+    # batch index): same output, LSE and score updates as the oracle, with poisoned scratch
+    # beyond the 3 requests' share never read.
+    geo = PageGeometry.build(64, K8V4, K4V2)
+    check_case(geo, [120, 47, 201], 2, 4, torch.float16, 0.4, 0.45, "cpu", seed=21,
+               plan_batch=8, pages_per_iter=1, target_programs=16)
+
+
+def test_plan_runs_an_empty_batch():
+    geo = PageGeometry.build(64, K8V4, K4V2)
+    plan = DecodeAttentionPlan.build(geo, 4, 2, 8, 64, "cpu")
+    case = random_decode_case(geo, [40], 2)
+    out, lse = plan.run(torch.randn(0, 4, 64), case.pages, case.table, case.counts,
+                        case.req_idx[:0], 0, 0.1)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
 def test_plan_rejects_bad_shapes():
     geo = PageGeometry.build(64, K8V4, K4V2)
     plan = DecodeAttentionPlan.build(geo, 4, 2, 2, 64, "cpu")
     case = random_decode_case(geo, [40, 50], 2)
-    with pytest.raises(ValueError, match="q must be"):
+    # more requests than the plan's scratch holds
+    with pytest.raises(ValueError, match=r"q must be \[B, 4, 64\] with B <= 2"):
         plan.run(torch.randn(3, 4, 64), case.pages, case.table, case.counts, case.req_idx, 0,
+                 0.1)
+    with pytest.raises(ValueError, match="q must be"):
+        plan.run(torch.randn(2, 8, 64), case.pages, case.table, case.counts, case.req_idx, 0,
+                 0.1)
+    with pytest.raises(ValueError, match="req_idx must be"):
+        plan.run(torch.randn(1, 4, 64), case.pages, case.table, case.counts, case.req_idx, 0,
                  0.1)
     with pytest.raises(ValueError, match="not a multiple"):
         DecodeAttentionPlan.build(geo, 5, 2, 2, 64, "cpu")
