@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Kernel benchmarks on the GPU (issue 5): decode attention, prefill scoring + compression,
-decode-step compaction. Prints markdown tables and writes them (and JSON) under --out.
+decode-step compaction, the decode policy step (``--only policy``: scan vs parallel
+argmin). Prints markdown tables and writes them (and JSON) under --out.
 
 Decode attention: batch x context x tier mix, 32 query / 8 KV heads, head_dim 128. Bytes
 are the page bytes the step's tokens occupy (whole pages: metadata, score, position and the
@@ -41,6 +42,13 @@ from sglang_diffkv.kernels import (  # noqa: E402
     prefill_scores,
 )
 from sglang_diffkv.kernels.decode_attention import VARIANTS  # noqa: E402
+from sglang_diffkv.kernels.decode_policy import (  # noqa: E402
+    ARGMIN_BLOCK,
+    ARGMIN_PROGRAMS,
+    argmin_partials,
+    argmin_splits,
+    decode_policy_step,
+)
 from sglang_diffkv.kernels.testing import random_decode_case  # noqa: E402
 from sglang_diffkv.layout import PageGeometry  # noqa: E402
 from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
@@ -443,6 +451,87 @@ def compaction_rows() -> list[dict]:
     return out
 
 
+# (label, argmin, block, target programs): the default parallel launch and two neighbours
+POLICY_PATHS = [("scan", "scan", ARGMIN_BLOCK, ARGMIN_PROGRAMS),
+                ("parallel", "parallel", ARGMIN_BLOCK, ARGMIN_PROGRAMS),
+                ("parallel bt256 p16k", "parallel", 256, 16384),
+                ("parallel bt1024 p4k", "parallel", 1024, 4096)]
+
+
+def _policy_call(case, counts0, positions, alpha, key, value, how, block, programs) -> None:
+    """Counters restored, then one policy step of layer 0 (window 64)."""
+    case.counts.copy_(counts0)
+    decode_policy_step(case.pages, case.geometry, case.table, case.counts, case.req_idx, 0,
+                       positions, alpha, 64, key, value, argmin=how, argmin_block=block,
+                       argmin_programs=programs)
+
+
+def policy_rows(batches: tuple[int, ...] = (32, 128, 305),
+                contexts: tuple[int, ...] = (1024, 4096)) -> list[dict]:
+    """One layer's decode policy step (``decode_policy_step``), per call, graph-replayed:
+    scan vs parallel argmin on a 30/50/20 state (Hkv 8, D 128, window 64). Each call
+    restores the token counters first (a graph replays the same step; without the reset
+    the counters would run past the allocated pages), so the times include that small
+    copy; it is also timed alone ("counts copy") and subtracted in "net"."""
+    geo = PageGeometry.build(D, K8V4, K4V2)
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            case = random_decode_case(geo, [ctx] * b, HKV, high_frac=0.3, low_frac=0.5,
+                                      jitter=True, device=DEV, seed=b + ctx)
+            c = case.counts
+            for t, n in ((0, geo.high.tokens_per_page), (1, geo.low.tokens_per_page)):
+                # room for the step's writes inside the allocated pages
+                c[..., t] -= ((c[..., t] % n == 0) & (c[..., t] > 0)).int()
+            counts0 = c.clone()
+            g = torch.Generator(device="cpu").manual_seed(b)
+            positions = ((1 << 20) + torch.randint(0, 64, (b,), generator=g)).to(DEV)
+            alpha = (torch.rand(b, 2, generator=g) * torch.tensor([4.0, 1.0])).to(DEV)
+            key = torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16)
+            value = torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16)
+            tokens = int(c[case.req_idx, 0, :, :2].sum())
+            copy_ms = bench_graph(partial(c.copy_, counts0))
+            row = dict(batch=b, context=ctx, tokens=tokens, copy_us=copy_ms * 1e3)
+            for label, how, block, programs in POLICY_PATHS:
+                try:
+                    row[label] = bench_graph(partial(
+                        _policy_call, case, counts0, positions, alpha, key, value, how,
+                        block, programs)) * 1e3
+                except Exception as e:  # noqa: BLE001 - report and keep benchmarking
+                    print(f"policy B{b} ctx{ctx} {label}: FAILED {type(e).__name__}: {e}",
+                          flush=True)
+                    row[label] = float("nan")
+            row["argmin kernel"] = bench_graph(partial(
+                argmin_partials, case.pages, geo, case.table, c, case.req_idx, 0, positions,
+                64)) * 1e3
+            row["splits"] = argmin_splits(b, HKV, case.table.shape[-1], geo)
+            rows.append(row)
+            # 8 bytes (score + position) per cached token is all the argmin reads
+            print(f"policy B{b} ctx{ctx} ({tokens} tokens, S={row['splits']}): "
+                  + ", ".join(f"{lb} {row[lb]:.1f}" for lb, *_ in POLICY_PATHS)
+                  + f" us; argmin kernel alone {row['argmin kernel']:.1f} us "
+                  f"({tokens * 8 / (row['argmin kernel'] * 1e-6) / 1e12:.2f} TB/s of score+pos);"
+                  f" counts copy {copy_ms * 1e3:.1f} us", flush=True)
+            del case
+            torch.cuda.empty_cache()
+    return rows
+
+
+def policy_table(rows: list[dict]) -> str:
+    labels = [lb for lb, *_ in POLICY_PATHS]
+    lines = ["Decode policy step, one layer, per call (us, graph; net = minus the counts "
+             f"copy each call does), Hkv {HKV}, D {D}, 30/50/20:", "",
+             "| batch | context | tokens | S | " + " | ".join(f"{lb} (net)" for lb in labels)
+             + " | argmin kernel alone | scan / parallel |",
+             "|---|---|---|---|" + "---|" * (len(labels) + 2)]
+    for r in rows:
+        cells = [f"{r[lb]:.1f} ({r[lb] - r['copy_us']:.1f})" for lb in labels]
+        speed = (r["scan"] - r["copy_us"]) / (r["parallel"] - r["copy_us"])
+        lines.append(f"| {r['batch']} | {r['context']} | {r['tokens']} | {r['splits']} | "
+                     + " | ".join(cells) + f" | {r['argmin kernel']:.1f} | {speed:.1f}x |")
+    return "\n".join(lines)
+
+
 def md_tables(meta, decode, base_label, prefill, compaction) -> str:
     lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"measured copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write); "
@@ -484,7 +573,7 @@ def main() -> int:
     ap.add_argument("--out", default="results/bench_kernels")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="sweep,decode,prefill,compaction",
-                    help="sections: sweep, decode, stages, prefill, compaction")
+                    help="sections: sweep, decode, stages, prefill, compaction, policy")
     ap.add_argument("--variants", default="base",
                     help=f"decode attention variants, comma-separated: NAME[@REGS] with NAME "
                          f"in {', '.join(VARIANTS)} and REGS a register cap (0: none)")
@@ -525,6 +614,7 @@ def main() -> int:
     stages = stage_rows(meta["copy_tbs"] * 1e12, variants) if "stages" in only else []
     prefill = prefill_rows(args.quick) if "prefill" in only else []
     compaction = compaction_rows() if "compaction" in only else []
+    policy = policy_rows() if "policy" in only else []
     meta["seconds"] = time.time() - t0
     md = md_tables(meta, decode, base_label, prefill, compaction)
     if decode:
@@ -536,11 +626,13 @@ def main() -> int:
                    f"| {r['variant']} | {r['mix']} | {r['batch']} x {r['context']} | "
                    f"{r['ms'] * 1e3:.0f} | {r['partition_ms'] * 1e3:.0f} | "
                    f"{r['merge_ms'] * 1e3:.0f} | {r['bw_frac']:.0%} |" for r in stages))
+    if policy:
+        md += "\n\n" + policy_table(policy)
     (out / "bench.md").write_text(md + "\n")
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, baseline=base_label,
                                                     decode=decode, prefill=prefill,
                                                     compaction=compaction, stages=stages,
-                                                    variants=variants,
+                                                    variants=variants, policy=policy,
                                                     sweep=sweep_rows), indent=1))
     print("\n" + md)
     print(f"total {meta['seconds']:.0f} s")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_diffkv.cache import CompressedKVCache  # noqa: E402
+from sglang_diffkv.cache import CompressedKVCache, _tier_scores  # noqa: E402
 from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED, DiffKVConfig  # noqa: E402
 from sglang_diffkv.kernels import (  # noqa: E402
     DecodeAttentionPlan,
@@ -41,9 +41,15 @@ from sglang_diffkv.kernels import (  # noqa: E402
     store_tokens_reference,
 )
 from sglang_diffkv.kernels.decode_attention import VARIANTS  # noqa: E402
+from sglang_diffkv.kernels.decode_policy import (  # noqa: E402
+    argmin_partials,
+    argmin_splits,
+    unpack_keys,
+)
 from sglang_diffkv.kernels.testing import random_decode_case, rel_err  # noqa: E402
 from sglang_diffkv.layout import PageGeometry  # noqa: E402
 from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
+from sglang_diffkv.policy import _eligible_argmin  # noqa: E402
 
 DEV = "cuda"
 ROWS: list[tuple[str, str, str, bool, float]] = []
@@ -169,7 +175,9 @@ def compress_check(lengths, hkv, d):
     return run
 
 
-def policy_check(lengths, hkv, d, steps):
+def policy_check(lengths, hkv, d, steps, bench=None):
+    """Steps from a prefilled cache: the reference (CPU), the parallel-argmin kernel path
+    and the scanning one (GPU), all from the same state, compared at every step."""
     def run():
         config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 6.0,
                                          "alpha_l": 1.5, "window": 8, "score_queries": 16})
@@ -177,8 +185,8 @@ def policy_check(lengths, hkv, d, steps):
         caches = []
         lens = torch.tensor(lengths)
         poison = None
-        # reference on the CPU (see store_check), kernel on the GPU from the same state
-        for dev in ("cpu", DEV):
+        # reference on the CPU (see store_check), kernels on the GPU from the same state
+        for dev in ("cpu", DEV, DEV):
             c = CompressedKVCache(config, head_dim=d, num_layers=1, num_kv_heads=hkv,
                                   num_pages=4 * len(lengths) * hkv * (max(lengths) // 32 + 8),
                                   max_reqs=len(lengths), max_context=max(lengths) + steps,
@@ -192,38 +200,103 @@ def policy_check(lengths, hkv, d, steps):
         q = torch.randn(len(lengths), 2 * hkv, lmax, d, generator=g)
         k = torch.randn(len(lengths), hkv, lmax, d, generator=g)
         v = torch.randn(len(lengths), hkv, lmax, d, generator=g)
-        a, b = caches
+        a = caches[0]
         req_a = torch.arange(len(lengths))
         req = req_a.to(DEV)
         a.prefill_layer(0, req_a, lens, q, k, v, d**-0.5)
         a.end_prefill(req_a)
-        b.pages.copy_(a.pages)
-        for name in ("table", "counts", "phase"):
-            getattr(b.manager, name).copy_(getattr(a.manager, name))
-        b.manager.free_list._buf.copy_(a.manager.free_list._buf)
-        b.manager.free_list.head.copy_(a.manager.free_list.head)
-        b.manager.free_list.tail.copy_(a.manager.free_list.tail)
-        b.alpha.copy_(a.alpha)
-        seen, same = set(), True
+        for b in caches[1:]:
+            b.pages.copy_(a.pages)
+            for name in ("table", "counts", "phase"):
+                getattr(b.manager, name).copy_(getattr(a.manager, name))
+            b.manager.free_list._buf.copy_(a.manager.free_list._buf)
+            b.manager.free_list.head.copy_(a.manager.free_list.head)
+            b.manager.free_list.tail.copy_(a.manager.free_list.tail)
+            b.alpha.copy_(a.alpha)
+        seeds = torch.arange(len(lengths)) * 7 + 1
+        seen, same = set(), {"parallel": True, "scan": True}
         for step in range(steps):
-            a.begin_decode(req_a)
-            b.begin_decode(req)
+            for c in caches:
+                c.begin_decode(req_a if c is a else req)
             pos = lens + step
             key = torch.randn(len(lengths), hkv, d, generator=g).bfloat16()
             val = torch.randn(len(lengths), hkv, d, generator=g).bfloat16()
             alpha = a.alpha[req_a]
             r = decode_policy_step_reference(a.pages, a.geometry, a.manager.table,
                                              a.manager.counts, req_a, 0, pos, alpha,
-                                             config.window, key, val)
-            o = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts, req,
-                                   0, pos.to(DEV), alpha.to(DEV), config.window, key.to(DEV),
-                                   val.to(DEV))
-            same &= (torch.equal(o.action.cpu(), r.action.to(torch.int8))
-                     and torch.equal(o.hmin.cpu(), r.hmin) and torch.equal(o.lmin.cpu(), r.lmin)
-                     and torch.equal(a.pages, b.pages.cpu())
-                     and torch.equal(a.manager.counts, b.manager.counts.cpu()))
-            seen |= set(o.action.flatten().tolist())
-        return f"{steps} steps equal={same}; actions seen {sorted(seen)}", same
+                                             config.window, key, val,
+                                             bench=None if bench is None else (seeds, bench))
+            for b, how in zip(caches[1:], same, strict=True):
+                o = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts,
+                                       req, 0, pos.to(DEV), alpha.to(DEV), config.window,
+                                       key.to(DEV), val.to(DEV),
+                                       bench=None if bench is None else (seeds.to(DEV), bench),
+                                       argmin=how)
+                same[how] &= (torch.equal(o.action.cpu(), r.action.to(torch.int8))
+                              and torch.equal(o.hmin.cpu(), r.hmin)
+                              and torch.equal(o.lmin.cpu(), r.lmin)
+                              and torch.equal(a.pages, b.pages.cpu())
+                              and torch.equal(a.manager.counts, b.manager.counts.cpu()))
+            seen |= set(r.action.flatten().tolist())
+        return (f"{steps} steps equal: parallel={same['parallel']} scan={same['scan']}; "
+                f"actions seen {sorted(seen)}", all(same.values()))
+    return run
+
+
+def policy_large_check(batch, ctx_lo, ctx_hi, hkv, seed):
+    """A random decoded state at serving size (30/50/20 jittered, contexts in
+    [ctx_lo, ctx_hi]): the parallel argmin's keys against the reference argmin (CPU), and
+    one whole step, normal and benchmark mode, parallel vs scan vs the reference."""
+    def run():
+        geo = PageGeometry.build(128, K8V4, K4V2)
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        ctx = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
+        case = random_decode_case(geo, ctx, hkv, high_frac=0.3, low_frac=0.5, jitter=True,
+                                  spare_reqs=5, device=DEV, seed=seed)
+        c = case.counts
+        for t, n in ((0, geo.high.tokens_per_page), (1, geo.low.tokens_per_page)):
+            c[..., t] -= ((c[..., t] % n == 0) & (c[..., t] > 0)).int()  # room for the step
+        window = 64
+        # p just past the positions' range [0, 2^20): the newest ~100 tokens are too young
+        pos = ((1 << 20) + torch.randint(-100, 100, (batch,), generator=g)).to(DEV)
+        # part poisoned: every entry must be written
+        s = argmin_splits(batch, hkv, case.table.shape[-1], geo)
+        part = torch.randint(-(1 << 62), 1 << 62, (batch, hkv, s, 2), device=DEV)
+        got = unpack_keys(argmin_partials(case.pages, geo, case.table, c, case.req_idx, 0, pos,
+                                          window, out=part))
+        pages_cpu, rows = case.pages.cpu(), case.table[case.req_idx, 0].cpu()
+        cnt = c[case.req_idx, 0].long().cpu()
+        want = []
+        for tier in (0, 1):
+            _, score, spos = _tier_scores(pages_cpu, geo, rows, cnt[..., tier], tier)
+            want += _eligible_argmin(score, spos, cnt[..., tier], pos.cpu(), window)
+        keys_ok = all(torch.equal(x.cpu(), y.to(x.dtype)) for x, y in zip(got, want,
+                                                                          strict=True))
+        alpha = torch.rand(batch, 2, generator=g) * torch.tensor([3000.0, 800.0])
+        key = torch.randn(batch, hkv, 128, generator=g).bfloat16()
+        val = torch.randn(batch, hkv, 128, generator=g).bfloat16()
+        steps_ok, seen = True, set()
+        for bm in (None, (torch.arange(batch) * 3 + 1, (0.3, 0.5, 0.2))):
+            ref_pages, ref_counts = pages_cpu.clone(), c.cpu().clone()
+            r = decode_policy_step_reference(ref_pages, geo, case.table.cpu(), ref_counts,
+                                             case.req_idx.cpu(), 0, pos.cpu(), alpha, window,
+                                             key, val, bench=bm)
+            seen |= set(r.action.flatten().tolist())
+            for how in ("parallel", "scan"):
+                pages, counts = case.pages.clone(), c.clone()
+                o = decode_policy_step(pages, geo, case.table, counts, case.req_idx, 0, pos,
+                                       alpha.to(DEV), window, key.to(DEV), val.to(DEV),
+                                       bench=None if bm is None else (bm[0].to(DEV), bm[1]),
+                                       argmin=how)
+                steps_ok &= (torch.equal(o.action.cpu(), r.action.to(torch.int8))
+                             and torch.equal(o.hmin.cpu(), r.hmin)
+                             and torch.equal(o.lmin.cpu(), r.lmin)
+                             and torch.equal(pages.cpu(), ref_pages)
+                             and torch.equal(counts.cpu(), ref_counts))
+                del pages
+        none = int((want[1] < 0).sum() + (want[3] < 0).sum())
+        return (f"argmin keys equal={keys_ok} (S={s}, {none} rows w/o victim); steps "
+                f"equal={steps_ok}, actions {sorted(seen)}", keys_ok and steps_ok)
     return run
 
 
@@ -304,6 +377,12 @@ def main() -> int:
                                                                             32, 8, 128))
     check("compress_prefill", "L=(1000, 4096) Hkv8 D128", compress_check([1000, 4096], 8, 128))
     check("decode_policy", "B3 Hkv8 D128, 24 steps", policy_check([300, 150, 513], 8, 128, 24))
+    check("decode_policy", "B3 Hkv8 D128, 12 steps, bench (.3,.5,.2)",
+          policy_check([300, 150, 513], 8, 128, 12, bench=(0.3, 0.5, 0.2)))
+    check("decode_policy", "B305 Hkv8 D128 ctx 1k-3k, random state",
+          policy_large_check(305, 1000, 3000, 8, seed=3))
+    check("decode_policy", "B7 Hkv8 D128 ctx 20-200, random state",
+          policy_large_check(7, 20, 200, 8, seed=4))
     os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "0"
     check("compaction(cuda)", "B128 x 32 layers x 8 heads",
           compaction_check(128, 32, 8, "decode_room_kernel"))

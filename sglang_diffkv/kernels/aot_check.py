@@ -37,7 +37,7 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "block_counts": "*i32", "first_rank": "*i32", "totals": "*i32", "tier_in": "*i8",
     "n_high": "*i32", "positions": "*i64", "alpha": "*fp32", "action_out": "*i8",
     "hmin_out": "*i64", "lmin_out": "*i64", "bench_seed": "*i64",
-    "seed": "*i64", "mix": "*fp64",
+    "seed": "*i64", "mix": "*fp64", "part": "*i64",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -60,13 +60,21 @@ KERNELS = [
     ("prefill", "_store_prefill_kernel", dict(PAGE_BYTES=GEO.page_bytes, D=128, Q=64, BL=64,
                                               **HI, **LO)),
     *(("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
-                                               WINDOW=64, BT=256, BENCH=bench, **HI, **LO,
-                                               **hash_constexprs()))
-      for bench in (False, True)),
-    # layer == 1 arrives as a constexpr: the hash must not call tensor methods on it
+                                               WINDOW=64, BT=256, PARALLEL=par, BENCH=bench,
+                                               **HI, **LO, **hash_constexprs()))
+      for bench in (False, True) for par in (False, True)),
+    # layer == 1 arrives as a constexpr: the hash must not call tensor methods on it; so
+    # does n_split == 1 (one argmin program per row at large batches)
     ("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
-                                             WINDOW=64, BT=256, BENCH=True, layer=1, **HI,
-                                             **LO, **hash_constexprs())),
+                                             WINDOW=64, BT=256, PARALLEL=True, BENCH=True,
+                                             layer=1, n_split=1, **HI, **LO,
+                                             **hash_constexprs())),
+    # the parallel argmin, on both geometries (non-power-of-two low tokens per page)
+    *(("decode_policy", "_argmin_kernel",
+       dict(PAGE_BYTES=g.page_bytes, ROW_LEN=130, WINDOW=64, BT=512,
+            **{k: h[k] for k in ("H_N", "H_SOFF", "H_POFF")},
+            **{k: lo[k] for k in ("L_N", "L_SOFF", "L_POFF")}))
+      for g, h, lo in ((GEO, HI, LO), (GEO1, HI1, LO1))),
     *(("bench_mix", "_bench_sig_kernel", dict(WINDOW=64, Q=64, BL=128, HIGH_MEAN=2.0,
                                               PRUNED_MEAN=-1.0, **hash_constexprs(), **one))
       for one in ({}, {"layer": 1})),

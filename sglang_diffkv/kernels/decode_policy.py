@@ -8,6 +8,16 @@ the low tier, the new token is quantised into its high slot, and the token count
 advance. Same effect, byte for byte, as ``CompressedKVCache.decode_layer_store``.
 Preconditions as there: ``ensure_decode_room`` ran for this step.
 
+The eligible argmin runs one of two ways (``argmin=``). "scan": each policy program walks
+its row's tokens serially, BT at a time (latency-bound: ~2440 programs at batch 305, each a
+chain of ~10-20 dependent table -> score loads). "parallel" (default): a first kernel,
+``_argmin_kernel``, splits every row over ``S`` programs (grid (B, Hkv, S)); each reduces
+its blocks of tokens to one packed int64 key per tier (see :func:`_pack_key`) and stores it
+in a [B, Hkv, S, 2] buffer; the policy kernel then takes the min over the S partial keys.
+Every argmin program writes its two keys unconditionally, so the buffer needs no
+initialisation (no fill launch, no atomics, no state carried between calls) and the result
+is deterministic. Both give the same (min avg, first slot) bit for bit.
+
 Benchmark mode (``BENCH``, a constexpr: the normal kernel carries none of it) replaces the
 thresholds' verdict by the action ``bench_mix.forced_actions`` draws; the hash is the same
 32-bit arithmetic in int64 with explicit masks, so the bits match torch's exactly.
@@ -58,6 +68,106 @@ def _eligible_argmin(f32, i32, row, n_tok, p, WINDOW: tl.constexpr, ROW_LEN: tl.
 
 
 @triton.jit
+def _none_key():
+    """The packed key of "no eligible token": +inf's order bits over slot 0xFFFFFFFF (-1).
+    (A function, not a module global: the GPU compiler rejects non-constexpr globals.)"""
+    return tl.full([], 0x7F800000FFFFFFFF, tl.int64)
+
+
+@triton.jit
+def _pack_key(avg, slot):
+    """(avg, slot) -> int64 whose signed order is avg's order, then slot's (slot < 2^32).
+
+    The float's bits become an int32 of the same order (negative floats: magnitude bits
+    flipped; -0.0 first folded to +0.0 so that 0 and -0 tie as in the float compare). Scores
+    are sums of probabilities (>= 0), so the flip never fires in practice: it is there so
+    the key is exact for any non-NaN avg at the cost of two integer ops."""
+    bits = avg.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (slot.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _unpack_key(key):
+    """int64 key -> (avg fp32, slot int64 with -1 for none): the inverse of _pack_key."""
+    ordered = (key >> 32).to(tl.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    slot = key & 0xFFFFFFFF
+    return bits.to(tl.float32, bitcast=True), tl.where(slot == 0xFFFFFFFF, -1, slot)
+
+
+@triton.jit
+def _argmin_kernel(
+    f32, i32, table, t_sr, t_sh, counts, c_sr, c_sh, req, positions, part,
+    PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, WINDOW: tl.constexpr, BT: tl.constexpr,
+    H_N: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
+    L_N: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
+):
+    """Program (b, h, s) of S = num_programs(2): the eligible argmin keys of blocks
+    s, s + S, s + 2S, ... of row (b, h), where blocks 0..nb_hi-1 are the high tier's tokens
+    BT at a time and the following ones the low tier's (a block never mixes tiers, so one
+    reduction per block). Stores part[b, h, s] = (high key, low key); a program with no
+    block stores the none key. Same float ops as _eligible_argmin."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    r = tl.load(req + b).to(tl.int64)
+    row = table + r * t_sr + h * t_sh
+    cnt = counts + r * c_sr + h * c_sh
+    n_hi = tl.load(cnt)
+    n_lo = tl.load(cnt + 1)
+    p = tl.load(positions + b).to(tl.int64)
+    nb_hi = tl.cdiv(n_hi, BT)
+    nb = nb_hi + tl.cdiv(n_lo, BT)
+    none = _none_key()
+    best_hi = none
+    best_lo = none
+    for v in range(s, nb, n_split):
+        hi = v < nb_hi
+        tok = tl.where(hi, v, v - nb_hi) * BT + tl.arange(0, BT)
+        inside = tok < tl.where(hi, n_hi, n_lo)
+        # both tiers' page index is computed and one selected: int32 division by a
+        # constexpr is a multiply-high; the slot as tok - q * N, since ``%`` by a
+        # non-power-of-two constexpr compiles to a separate (emulated) rem.s32
+        q_hi = tok // H_N
+        q_lo = tok // L_N
+        col = tl.where(hi, q_hi, ROW_LEN - 1 - q_lo)
+        slot = tok - tl.where(hi, q_hi * H_N, q_lo * L_N)
+        page = tl.load(row + col, mask=inside, other=0).to(tl.int64)
+        # word offsets: page_bytes and the score/position offsets are multiples of 4
+        base = page * (PAGE_BYTES // 4) + slot
+        score = tl.load(f32 + base + tl.where(hi, H_SOFF // 4, L_SOFF // 4), mask=inside,
+                        other=0.0)
+        pos = tl.load(i32 + base + tl.where(hi, H_POFF // 4, L_POFF // 4), mask=inside,
+                      other=0)
+        age = p - pos.to(tl.int64)
+        avg = tl.math.div_rn(score, tl.maximum(age, 1).to(tl.float32))
+        # an eligible +inf avg is no victim either (the reference's isfinite test)
+        ok = inside & (age >= WINDOW) & (avg < float("inf"))
+        key = tl.min(tl.where(ok, _pack_key(avg, tok), none), axis=0)
+        best_hi = tl.where(hi, tl.minimum(best_hi, key), best_hi)
+        best_lo = tl.where(hi, best_lo, tl.minimum(best_lo, key))
+    out = part + ((b * tl.num_programs(1) + h) * n_split + s).to(tl.int64) * 2
+    tl.store(out, best_hi)
+    tl.store(out + 1, best_lo)
+
+
+@triton.jit
+def _min_partial(part, n_split, TIER: tl.constexpr):
+    """Min over a row's n_split partial keys of one tier, 16 at a time."""
+    none = _none_key()
+    best = none
+    for i in range(0, n_split, 16):
+        j = i + tl.arange(0, 16)
+        k = tl.load(part + j.to(tl.int64) * 2 + TIER, mask=j < n_split,
+                    other=0x7F800000FFFFFFFF)
+        best = tl.minimum(best, tl.min(k, axis=0))
+    return best
+
+
+@triton.jit
 def _mix32(x, MUL_A: tl.constexpr, MUL_B: tl.constexpr):
     # bench_mix._mix32: x < 2^32 and MUL_* < 2^31, so no int64 product overflows
     x = x ^ (x >> 16)
@@ -90,10 +200,10 @@ def _threshold(alpha, p):
 def _policy_kernel(
     u8, f16, f32, i32, table, t_sr, t_sh, counts, c_sr, c_sh, req, positions, alpha,
     key, k_sb, k_sh, value, v_sb, v_sh, action_out, hmin_out, lmin_out,
-    bench_seed, layer, cut_h, cut_hl,
+    bench_seed, layer, cut_h, cut_hl, part, n_split,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
-    BT: tl.constexpr, BENCH: tl.constexpr, MUL_A: tl.constexpr, MUL_B: tl.constexpr,
-    SALT: tl.constexpr, U_BITS: tl.constexpr,
+    BT: tl.constexpr, PARALLEL: tl.constexpr, BENCH: tl.constexpr, MUL_A: tl.constexpr,
+    MUL_B: tl.constexpr, SALT: tl.constexpr, U_BITS: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
     H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
@@ -109,10 +219,16 @@ def _policy_kernel(
     n_hi = tl.load(cnt)
     n_lo = tl.load(cnt + 1)
     p = tl.load(positions + b).to(tl.int64)
-    h_avg, hmin = _eligible_argmin(f32, i32, row, n_hi, p, WINDOW, ROW_LEN, False, PAGE_BYTES,
-                                   H_N, H_SOFF, H_POFF, BT)
-    l_avg, lmin = _eligible_argmin(f32, i32, row, n_lo, p, WINDOW, ROW_LEN, True, PAGE_BYTES,
-                                   L_N, L_SOFF, L_POFF, BT)
+    if PARALLEL:
+        # _argmin_kernel's n_split partial keys of this row (it ran just before, same stream)
+        prow = part + (b * tl.num_programs(1) + h).to(tl.int64) * n_split * 2
+        h_avg, hmin = _unpack_key(_min_partial(prow, n_split, 0))
+        l_avg, lmin = _unpack_key(_min_partial(prow, n_split, 1))
+    else:
+        h_avg, hmin = _eligible_argmin(f32, i32, row, n_hi, p, WINDOW, ROW_LEN, False,
+                                       PAGE_BYTES, H_N, H_SOFF, H_POFF, BT)
+        l_avg, lmin = _eligible_argmin(f32, i32, row, n_lo, p, WINDOW, ROW_LEN, True,
+                                       PAGE_BYTES, L_N, L_SOFF, L_POFF, BT)
     full = (n_hi + n_lo + 1) > WINDOW
     # DecodeAction: 0 APPEND_HIGH, 1 EVICT_HIGH, 2 DEMOTE_APPEND, 3 DEMOTE_REPLACE
     if BENCH:
@@ -179,6 +295,30 @@ def hash_constexprs() -> dict[str, int]:
             "U_BITS": bench_mix.U_BITS}
 
 
+# Parallel argmin defaults. A block of 512 tokens is 4 KB of (score, position) loads per
+# iteration with 4 warps (4 tokens per thread), so a 1-3k-token row is 2-6 blocks. ~8192
+# programs are ~4 per resident slot of an H100 (132 SMs x 16 programs of 4 warps): at batch
+# 305 x 8 heads that is S = 4 programs per row, each with ~1 block, i.e. a chain of ~4
+# dependent loads (req -> counts -> table -> score/pos) instead of the scan's ~20-40.
+ARGMIN_BLOCK = 512
+ARGMIN_PROGRAMS = 8192
+
+
+def argmin_splits(b: int, hkv: int, row_len: int, geometry: PageGeometry,
+                  block: int = ARGMIN_BLOCK, programs: int = ARGMIN_PROGRAMS) -> int:
+    """Programs per (request, KV head) row of ``_argmin_kernel``: enough for ~``programs``
+    in all, but no more than the blocks the longest possible row has (a row's two tiers
+    share ``row_len`` columns, so it holds at most row_len x the larger tokens-per-page
+    tokens; +2 for the partial last block of each tier). Shapes only: no host sync, and one
+    grid per batch size under CUDA graphs. The kernel loops over its blocks with stride S,
+    so any S >= 1 gives the same result; this only sets the parallelism."""
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"argmin_block must be a power of two >= 16, got {block}")
+    per_page = max(geometry.high.tokens_per_page, geometry.low.tokens_per_page)
+    most = triton.cdiv(row_len * per_page, block) + 2
+    return max(1, min(triton.cdiv(programs, max(b * hkv, 1)), most))
+
+
 def _check(geometry, table, counts, req_idx, positions, alpha, key, value):
     b, hkv, d = key.shape
     if value.shape != key.shape or d != geometry.head_dim:
@@ -195,6 +335,57 @@ def _check(geometry, table, counts, req_idx, positions, alpha, key, value):
         raise ValueError(f"req_idx and positions must be [{b}], alpha [{b}, 2]")
 
 
+def argmin_partials(
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    req_idx: torch.Tensor,
+    layer: int,
+    positions: torch.Tensor,
+    window: int,
+    block: int = ARGMIN_BLOCK,
+    programs: int = ARGMIN_PROGRAMS,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``_argmin_kernel``: int64 [B, Hkv, S, 2] partial keys (high, low) per row and split;
+    the row's eligible argmin is the min over S (:func:`unpack_keys`). ``out``: a buffer
+    of that shape to fill (every entry is written; tests pass a poisoned one)."""
+    b, hkv = req_idx.shape[0], table.shape[2]
+    row_len = table.shape[-1]
+    n_split = argmin_splits(b, hkv, row_len, geometry, block, programs)
+    if out is None:
+        # every program stores its two keys, so torch.empty suffices (no fill launch)
+        out = torch.empty(b, hkv, n_split, 2, dtype=torch.int64, device=pages.device)
+    elif out.shape != (b, hkv, n_split, 2) or out.dtype != torch.int64 or \
+            not out.is_contiguous():
+        raise ValueError(f"out must be contiguous int64 [{b}, {hkv}, {n_split}, 2]")
+    _, _, f32, i32 = page_views(pages)
+    tab, cnt = table[:, layer], counts[:, layer]
+    hi_c, lo_c = tier_constexprs(geometry.high, "H_"), tier_constexprs(geometry.low, "L_")
+    _argmin_kernel[(b, hkv, n_split)](
+        f32, i32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
+        req_idx, positions.to(torch.int64).contiguous(), out,
+        PAGE_BYTES=geometry.page_bytes, ROW_LEN=row_len, WINDOW=window, BT=block,
+        **{k: hi_c[k] for k in ("H_N", "H_SOFF", "H_POFF")},
+        **{k: lo_c[k] for k in ("L_N", "L_SOFF", "L_POFF")},
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return out
+
+
+def unpack_keys(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Torch side of the policy kernel's reduction: [B, Hkv, S, 2] partial keys ->
+    (h_avg, hmin, l_avg, lmin), [B, Hkv] each; (inf, -1) where a tier has no victim."""
+    key = part.amin(dim=2)
+    ordered = (key >> 32).to(torch.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    avg = bits.view(torch.float32)
+    slot = key & 0xFFFFFFFF
+    slot = torch.where(slot == 0xFFFFFFFF, -1, slot)
+    return avg[..., 0], slot[..., 0], avg[..., 1], slot[..., 1]
+
+
 def decode_policy_step(
     pages: torch.Tensor,
     geometry: PageGeometry,
@@ -208,10 +399,18 @@ def decode_policy_step(
     key: torch.Tensor,
     value: torch.Tensor,
     bench: tuple[torch.Tensor, bench_mix.Mix] | None = None,
+    argmin: str = "parallel",
+    argmin_block: int = ARGMIN_BLOCK,
+    argmin_programs: int = ARGMIN_PROGRAMS,
 ) -> DecodeDecision:
     """Decide and apply one decode step of one layer; updates ``pages`` and the token
     counters in ``counts`` in place. alpha: [B, 2] = (alpha_h, alpha_l) per request.
-    bench: benchmark mode's (seed per request [B], mix); actions follow the mix."""
+    bench: benchmark mode's (seed per request [B], mix); actions follow the mix.
+    argmin: "parallel" (``_argmin_kernel`` first, then the policy kernel) or "scan" (the
+    policy kernel scans its row itself); same results. argmin_block / argmin_programs: the
+    parallel path's tokens per block and target grid size (:func:`argmin_splits`)."""
+    if argmin not in ("parallel", "scan"):
+        raise ValueError(f"argmin must be 'parallel' or 'scan', got {argmin!r}")
     _check(geometry, table, counts, req_idx, positions, alpha, key, value)
     b, hkv, d = key.shape
     dev = key.device
@@ -228,14 +427,22 @@ def decode_policy_step(
         if seed.shape != (b,):
             raise ValueError(f"bench seeds must be [{b}], got {tuple(seed.shape)}")
         cut_h, cut_hl = bench_mix.decode_cuts(bench[1])
+    row_len = table.shape[-1]
+    hi_c, lo_c = tier_constexprs(geometry.high, "H_"), tier_constexprs(geometry.low, "L_")
+    if argmin == "parallel":
+        part = argmin_partials(pages, geometry, table, counts, req_idx, layer, positions,
+                               window, argmin_block, argmin_programs)
+        n_split = part.shape[2]
+    else:
+        n_split, part = 1, action  # never read: PARALLEL=False compiles the scan
     _policy_kernel[(b, hkv)](
         u8, f16, f32, i32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0),
         cnt.stride(1), req_idx, positions,
         alpha.float().contiguous(), key, key.stride(0), key.stride(1), value, value.stride(0),
-        value.stride(1), action, hmin, lmin, seed, layer, cut_h, cut_hl,
-        PAGE_BYTES=geometry.page_bytes, ROW_LEN=table.shape[-1], D=d, WINDOW=window, BT=256,
-        BENCH=bench is not None, **hash_constexprs(),
-        **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"),
+        value.stride(1), action, hmin, lmin, seed, layer, cut_h, cut_hl, part, n_split,
+        PAGE_BYTES=geometry.page_bytes, ROW_LEN=row_len, D=d, WINDOW=window, BT=256,
+        PARALLEL=argmin == "parallel", BENCH=bench is not None, **hash_constexprs(),
+        **hi_c, **lo_c,
         num_warps=4, enable_fp_fusion=False,
     )
     return DecodeDecision(action=action, hmin=hmin, lmin=lmin)
