@@ -8,15 +8,17 @@ the low tier, the new token is quantised into its high slot, and the token count
 advance. Same effect, byte for byte, as ``CompressedKVCache.decode_layer_store``.
 Preconditions as there: ``ensure_decode_room`` ran for this step.
 
-The eligible argmin runs one of two ways (``argmin=``). "scan": each policy program walks
-its row's tokens serially, BT at a time (latency-bound: ~2440 programs at batch 305, each a
-chain of ~10-20 dependent table -> score loads). "parallel" (default): a first kernel,
+The eligible argmin runs one of two ways (``argmin=``). "scan" (default): each policy
+program walks its row's tokens serially, BT at a time. "parallel": a first kernel,
 ``_argmin_kernel``, splits every row over ``S`` programs (grid (B, Hkv, S)); each reduces
 its blocks of tokens to one packed int64 key per tier (see :func:`_pack_key`) and stores it
 in a [B, Hkv, S, 2] buffer; the policy kernel then takes the min over the S partial keys.
 Every argmin program writes its two keys unconditionally, so the buffer needs no
 initialisation (no fill launch, no atomics, no state carried between calls) and the result
-is deterministic. Both give the same (min avg, first slot) bit for bit.
+is deterministic. Both give the same (min avg, first slot) bit for bit. Scan stays the
+default: on the H100 (B 32-305 x context 1k-4k, 30/50/20, graph-replayed) parallel was
+0.8-1.3x the scan's time (B305 x 1k: 43 vs 36 us; x 4k: 74 vs 78 us) and costs one more
+launch, which counts in the eager decode path (docs/benchmarks.md).
 
 Benchmark mode (``BENCH``, a constexpr: the normal kernel carries none of it) replaces the
 thresholds' verdict by the action ``bench_mix.forced_actions`` draws; the hash is the same
@@ -399,7 +401,7 @@ def decode_policy_step(
     key: torch.Tensor,
     value: torch.Tensor,
     bench: tuple[torch.Tensor, bench_mix.Mix] | None = None,
-    argmin: str = "parallel",
+    argmin: str = "scan",
     argmin_block: int = ARGMIN_BLOCK,
     argmin_programs: int = ARGMIN_PROGRAMS,
 ) -> DecodeDecision:
