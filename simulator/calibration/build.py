@@ -147,6 +147,11 @@ def measured_grids(meas: dict[str, Any], costs: dict[str, CostModel]) -> dict[st
             x = _int(row, axes[0], where)
             y = _int(row, axes[1], where, minimum=0 if kind == "prefill" else 1)
             t = _time(row, where)
+            if t is None:
+                # skipped point (e.g. over the memory cap; calibrate_gpu.py writes no
+                # read_bytes for it): recorded as unmeasured, its eta held at its neighbours
+                groups.setdefault(key, []).append((x, y, None, 0.0))
+                continue
             if kind == "decode":
                 rb = row.get("read_bytes")
                 if rb is None and key != "diffkv":

@@ -146,6 +146,34 @@ def test_build_rejects_bad_rows_with_their_number():
         build_calibration(meas)
 
 
+def test_skipped_rows_need_no_read_bytes_and_stay_unmeasured(tmp_path):
+    """calibrate_gpu.py writes skipped points (memory cap, budget) as time_s None without
+    read_bytes, also for diffkv, whose measured rows must carry read_bytes."""
+    meas = _measurements()
+    cost = scenario().server("diffkv").cost
+    for b in (1, 16):
+        rb = 1e6 * b
+        meas["decode"].append({"format": "diffkv", "batch": b, "context": 1024,
+                               "time_s": cost.decode_attention_sol(b, b * 1024, rb) / 0.4,
+                               "read_bytes": rb})
+    meas["decode"].append({"format": "diffkv", "batch": 512, "context": 1024, "time_s": None,
+                           "skipped": "memory cap"})
+    cal = build_calibration(meas, None, "synthetic")
+    grid = cal["gpus"]["h100"]["measured"]["decode_attention"]["diffkv"]
+    assert grid["batch"] == [1, 16, 512]
+    assert grid["measured"] == [[True], [True], [False]]
+    assert grid["time_s"][2] == [None]
+    # the skipped batch holds its column's nearest measured eta (B=16), not an invented one
+    assert grid["eta"][2][0] == pytest.approx(0.4, rel=1e-4)
+    assert grid["eta"][1][0] == pytest.approx(0.4, rel=1e-4)
+    calib = load_calibration("h100", _write(tmp_path, cal))
+    assert calib.measured.decode_attention["diffkv"](512, 1024) == pytest.approx(0.4, rel=1e-4)
+    # a grid with only skipped points is left out: the scalar eta stays in charge
+    only = _measurements()
+    only["decode"].append({"format": "fp8", "batch": 4, "context": 64, "time_s": None})
+    assert "fp8" not in build_calibration(only)["gpus"]["h100"]["measured"]["decode_attention"]
+
+
 def _fitting_log(srv, step_s: float, seq_s: float, interval: int = 10) -> str:
     """SGLang-shaped lines from a decode run of shrinking batches: throughput over each
     interval of ``interval`` steps, with a prefill (whose time lands in the next interval)
