@@ -105,6 +105,7 @@ class DiffKVAttnBackend(AttentionBackend):
         rows = torch.nonzero(fb.out_cache_loc != 0).squeeze(1)
         req = fb.req_pool_indices[rows].long()
         seq = fb.seq_lens[rows].long()
+        self.pool.flush_frees()  # (timed as "free" by the pool itself)
         start = None if self.prof is None else self.prof.mark()
         res = self.cache.begin_decode(req)
         ok = bool(res.ok)

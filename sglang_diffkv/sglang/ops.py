@@ -83,8 +83,12 @@ class DiffKVOps:
 
             self.k = kernels
             self.bench_k = bench_kernels
-            self.name = "Triton kernels (sglang_diffkv.kernels) + CUDA decode compaction"
             cache.decode_room = functools.partial(kernels.decode_compaction, cache.manager)
+            # Build (or load) the CUDA compaction library now, at server start: built lazily,
+            # the nvcc run (~4 s) landed in the first decode step of the first requests.
+            room = (kernels.compaction_backend() if cache.device.type == "cuda"
+                    else "torch (not on CUDA)")
+            self.name = f"Triton kernels (sglang_diffkv.kernels); decode page allocation: {room}"
         else:
             self.name = "torch reference (sglang_diffkv.cache)"
 

@@ -195,6 +195,8 @@ class DiffKVTokenToKVPool(KVCache):
         self.num_pages = cache.spec.num_pages
         # Requests whose pages are allocated (begin_prefill happened, free not yet).
         self.active: set[int] = set()
+        # Released requests whose pages go back at the next flush_frees (batched frees).
+        self._pending_free: list[int] = []
         # Per-request thresholds set at ReqToTokenPool.alloc, consumed at begin_prefill.
         self.req_alpha: dict[int, tuple[float, float]] = {}
         # Tokens each active request holds (prompt + decoded), for the per-request metrics.
@@ -206,6 +208,7 @@ class DiffKVTokenToKVPool(KVCache):
 
     def free_pages(self) -> int:
         # Exact: a sync on CUDA (stage 1 runs without the overlap scheduler).
+        self.flush_frees()
         return int(self.cache.manager.num_free_pages())
 
     def decode_reserve_pages(self, num_reqs: int) -> int:
@@ -245,6 +248,7 @@ class DiffKVTokenToKVPool(KVCache):
         self.req_alpha[req_idx] = (alpha_h, alpha_l)
 
     def begin_prefill(self, req_idx: list[int], lengths: list[int]) -> None:
+        self.flush_frees()  # a released slot may come back in this very batch
         c = self.cache.config
         alphas = [self.req_alpha.get(r, (c.alpha_h, c.alpha_l)) for r in req_idx]
         res = self.cache.begin_prefill(
@@ -266,8 +270,17 @@ class DiffKVTokenToKVPool(KVCache):
         if req_idx not in self.active:
             return  # freed before its prefill ran (e.g. aborted while waiting)
         self.stats.record_finished(self.cache, req_idx, self.seq_len.pop(req_idx, 0))
-        self._free([req_idx])
         self.active.discard(req_idx)
+        # SGLang frees finished requests one by one; one batched free_requests per step
+        # costs the same ~10 launches for any count (sharegpt: 1.7-3.5 ms/step of single
+        # frees on the H100). Pending pages go back before anything reads or takes pages.
+        self._pending_free.append(req_idx)
+
+    def flush_frees(self) -> None:
+        """Return the pages of every request released since the last flush (one call)."""
+        if self._pending_free:
+            pending, self._pending_free = self._pending_free, []
+            self._free(pending)
 
     def _free(self, req_idx: list[int]) -> None:
         prof = self.stats.profiler
@@ -277,6 +290,7 @@ class DiffKVTokenToKVPool(KVCache):
             prof.add("free", start)
 
     def release_all(self) -> None:
+        self.flush_frees()
         for r in sorted(self.active):
             self._free([r])
         self.active.clear()

@@ -103,13 +103,16 @@ def replay_on_reference(s: H.MiniScheduler, alphas: dict[str, tuple[float, float
 def assert_back_to_initial_state(s: H.MiniScheduler) -> None:
     kv, cache = s.kv_pool, s.kv_pool.cache
     assert not kv.active
-    cache.manager.check_invariants()
-    assert cache.manager.num_free_pages_host() == kv.num_pages
-    assert bool((cache.manager.table == -1).all()) and not bool(cache.manager.counts.any())
+    # SGLang's own accounting first: available_size() flushes the batched frees, as the
+    # scheduler's calls do between steps
     alloc = s.token_to_kv_pool_allocator
     assert alloc.logical_available_size() == alloc.available_size() == alloc.size
     leak, msg = s.idle_leak_check()  # SGLang's own strict idle check
     assert not leak, msg
+    assert not kv._pending_free
+    cache.manager.check_invariants()
+    assert cache.manager.num_free_pages_host() == kv.num_pages
+    assert bool((cache.manager.table == -1).all()) and not bool(cache.manager.counts.any())
     assert not s.req_pool_leak()
 
 
@@ -229,4 +232,33 @@ def test_kernel_path_matches_the_reference(monkeypatch):
     s.run_until_idle()
     compared = replay_on_reference(s, tol=2e-2)  # bf16 activations
     assert compared == {"extend": 2, "decode": 13 + 9}
+    assert_back_to_initial_state(s)
+
+
+def test_finished_requests_are_freed_in_one_batched_call(monkeypatch):
+    """SGLang releases finished requests one at a time; the pool returns their pages in one
+    free_requests call, before anything reads the free count or takes pages."""
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, budget_for_pages(shape, 600, 8))
+    for i, n in enumerate((30, 31, 32)):
+        s.add_request(f"r{i}", [(5 * j + i) % 900 + 1 for j in range(n)], 6)
+    kv, manager = s.kv_pool, s.kv_pool.cache.manager
+    calls: list[list[int]] = []
+    free_requests = manager.free_requests
+
+    def spy(req_idx):
+        calls.append(torch.as_tensor(req_idx).tolist())
+        return free_requests(req_idx)
+
+    monkeypatch.setattr(manager, "free_requests", spy)
+    s.run_until_idle()
+    assert len(s.finished) == 3
+    # all three (one prefill batch, 6 tokens each) finished in the same step: released one
+    # by one by SGLang, pending together, nothing freed yet
+    assert calls == [] and len(kv._pending_free) == 3 and not kv.active
+    held = manager.num_free_pages_host()
+    kv.free_pages()  # what available_size() does on every scheduler iteration
+    assert len(calls) == 1 and len(calls[0]) == 3
+    assert manager.num_free_pages_host() == kv.num_pages > held
     assert_back_to_initial_state(s)
