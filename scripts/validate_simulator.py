@@ -1,17 +1,23 @@
 #!/usr/bin/env python3
 """Validate diffkv-sim against the end-to-end harness's real SGLang runs (issue 8). CPU only.
 
-    python scripts/validate_simulator.py RESULTS_DIR \
+    python scripts/validate_simulator.py RESULTS_DIR [RESULTS_DIR ...] \
         --calibration results/calibration/calibration.json \
-        [--fit-run bf16/longgen] [--doc docs/simulator-validation.md]
+        [--fit-run bf16/longgen --fit-run diffkv-mix/longgen] [--doc docs/simulator-validation.md]
 
-RESULTS_DIR is ``scripts/bench_e2e.py --out`` (results.json, bench_serving.jsonl, logs/ or
-logs.tar.gz; layout in simulator/validation/harness.py). Steps:
+Each RESULTS_DIR is one ``scripts/bench_e2e.py --out`` (results.json, bench_serving.jsonl,
+logs/ or logs.tar.gz; layout in simulator/validation/harness.py); several folders (one per GPU
+call) are merged, their configuration names must differ. Packed logs are unpacked into
+``--scratch`` (the result folders are not written to). Steps:
 
 1. calibration: the kernel-grid calibration from scripts/calibrate_gpu.py (``--calibration``);
    its fixed per-step / per-request costs are fitted here from the clean Decode intervals of
-   the FITTING run (``--fit-run``, default bf16/longgen; ``none`` keeps the file's). The fitted
-   file is written next to the report. The fitting run is never validated.
+   each FITTING run (``--fit-run``, repeatable, default bf16/longgen; ``none`` keeps the
+   file's). A fit applies to the runs of the same attention backend (triton: bf16 and fp8;
+   diffkv: every DiffKV mix), so the eager, host-bound DiffKV backend gets its own fixed
+   costs; for diffkv it also fits the per-prefill-token cost of its extend path from the
+   backend's profile lines. The fitted files are written next to the report. Fitting runs are
+   never validated: their rows are reported apart, in-sample, without a verdict.
 2. every other run (sharegpt saturation, ladder rates; bf16, fp8, diffkv) is replayed from its
    exact trace file with the server settings from its log, and measured vs predicted rows are
    built over the run's window: KV pool, saturation output tok/s and req/s, mean and peak
@@ -29,6 +35,7 @@ import math
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simulator.errors import SimulatorInputError  # noqa: E402
+from simulator.kv.mix import TierMix  # noqa: E402
+from simulator.metrics.summary import summarize  # noqa: E402
 from simulator.specs.calibration import Calibration, load_calibration  # noqa: E402
 from simulator.specs.gpu import load_gpu  # noqa: E402
 from simulator.specs.model import load_model  # noqa: E402
@@ -51,8 +60,10 @@ from simulator.validation.harness import (  # noqa: E402
     TTFT_MAX_LOAD,
     HarnessResults,
     HarnessRun,
+    diffkv_mix,
     load_harness,
     measured_series,
+    merge_harness,
     row,
     server_settings,
     windowed_summary,
@@ -79,93 +90,168 @@ def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
     return log
 
 
-def scenario(model: str, gpu: str, calib: Calibration, settings: Any) -> Scenario:
-    return Scenario(load_model(model), load_gpu(gpu), calib, settings)
+def backend(fmt: str) -> str:
+    """Which fixed costs a KV format shares: SGLang's triton backend (bf16, fp8: CUDA-graph
+    decode) or the DiffKV backend (eager, host-launch-bound)."""
+    return "diffkv" if fmt == "diffkv" else "triton"
+
+
+def scenario(model: str, gpu: str, calib: Calibration, settings: Any,
+             h: HarnessResults | None = None, config: str | None = None) -> Scenario:
+    """The run's scenario; for a DiffKV configuration with its tiers, window and mix (the
+    server's SGLANG_DIFFKV_CONFIG, benchmark-mode mix)."""
+    dcfg, mix = diffkv_mix(h.configs[config]) if h is not None and config else (None, None)
+    return Scenario(load_model(model), load_gpu(gpu), calib, settings, diffkv_config=dcfg,
+                    mix=TierMix(mix[0], mix[1]) if mix else None)
 
 
 def fit(h: HarnessResults, key: str, model: str, gpu: str, calib: Calibration,
-        out: Path) -> tuple[Calibration, dict[str, Any]]:
+        out_dir: Path) -> tuple[str, Calibration, dict[str, Any]]:
+    """Fixed costs from one fitting run: (backend, fitted calibration, fit info)."""
     run = h.run(key)
     log = slice_log(run, h.server_logs[run.config])
     settings, fmt = server_settings(h.configs[run.config], log)
-    srv = scenario(model, gpu, calib, settings).server(fmt)
+    srv = scenario(model, gpu, calib, settings, h, run.config).server(fmt)
     res = fit_fixed_costs(srv, decode_samples(log, not settings.disable_cuda_graph))
     res["fixed_only"] = True
-    path = write_calibration(out, calibration_file(
-        srv, res, f"{h.root.name}/logs/server__{run.config}.log ({run.key})"))
-    return load_calibration(load_gpu(gpu).key, path), {**res, "run": run.key, "file": str(path)}
+    data = calibration_file(srv, res, f"{run.config} server log ({run.key})")
+    path = write_calibration(out_dir / f"calibration-fitted-{backend(fmt)}.json", data)
+    return backend(fmt), load_calibration(load_gpu(gpu).key, path), {
+        **res, "run": run.key, "backend": backend(fmt), "file": str(path)}
 
 
-def validate(h: HarnessResults, calib: Calibration, model: str, gpu: str,
+def _mean(xs: list[int]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu: str,
              fitting: set[str]) -> tuple[list[dict], dict[str, Any]]:
+    """Rows for every run; a fitting run's rows are marked in-sample and carry no target."""
     rows: list[dict] = []
     sims: dict[str, Any] = {}
     pools_done: set[str] = set()
+    base = calibs["base"]
     for run in h.runs:
-        if run.key in fitting or f"{run.config}/{run.workload}" in fitting:
-            continue
+        in_sample = run.key in fitting or f"{run.config}/{run.workload}" in fitting
         log = slice_log(run, h.server_logs[run.config])
         settings, fmt = server_settings(h.configs[run.config], log)
+        calib = calibs.get(backend(fmt), base)
         trace = load_trace(run.trace_path)
-        sc = scenario(model, gpu, calib, settings)
+        sc = scenario(model, gpu, calib, settings, h, run.config)
         res = sc.run(trace, fmt)
         s = windowed_summary(res, run.window_s)
-        sims[run.key] = {"summary": s, "format": fmt, "run": run}
+        sims[run.key] = {"summary": s, "format": fmt, "run": run, "in_sample": in_sample,
+                         "full": summarize(res)}
         c = run.client
+
+        def tg(name: str, in_sample: bool = in_sample) -> float | None:
+            return None if in_sample else TARGETS.get(name)
+        tag = "in-sample (fitting run)" if in_sample else ""
+
+        def add(metric: str, measured: float | None, predicted: float | None,
+                target: float | None, note: str = "", key: str = run.key, tag: str = tag,
+                in_sample: bool = in_sample) -> None:
+            r = row(metric, key, measured, predicted, target,
+                    note="; ".join(x for x in (note, tag) if x))
+            r["in_sample"] = in_sample
+            rows.append(r)
+
         if run.config not in pools_done:
             pools_done.add(run.config)
             measured_pool = h.configs[run.config].get("max_total_num_tokens") \
                 or log.max_total_num_tokens
-            rows.append(row("KV pool tokens", run.config, measured_pool, s["kv_pool_tokens"],
-                            TARGETS["kv_pool"] if fmt != "diffkv" else None,
-                            note="" if fmt != "diffkv" else "DiffKV: tokens at the mean mix"))
+            r = row("KV pool tokens", run.config, measured_pool, s["kv_pool_tokens"],
+                    TARGETS["kv_pool"],
+                    note="" if fmt != "diffkv" else "DiffKV: SGLang's logical slots at the "
+                    "planning mix vs the simulated pool's tokens at the run's mix")
+            r["in_sample"] = False   # start-up arithmetic: nothing is fitted to it
+            rows.append(r)
+        mb = _mean(log.decode_running)
+        pk = float(max(log.decode_running)) if log.decode_running else None
         mb = float(sum(log.decode_running) / len(log.decode_running)) \
             if log.decode_running else None
         pk = float(max(log.decode_running)) if log.decode_running else None
+        if run.workload == "sharegpt" and not c.get("time_limited"):
+            # every request finished inside the window: bench_serving's whole-run rates
+            # (tokens / duration, each side its own duration); the second half of a window
+            # that ends at the last completion is mostly the drain tail
+            full = sims[run.key]["full"]
+            add("saturation output tok/s", c.get("output_throughput"),
+                full["output_throughput"], tg("throughput"), "whole run (all completed)")
+            add("saturation req/s", c.get("request_throughput"), full["request_throughput"],
+                tg("throughput"), "whole run (all completed)")
+        elif run.workload == "sharegpt":
+            add("saturation output tok/s (steady)", c.get("steady_output_throughput"),
+                s["steady_output_throughput"], tg("throughput"), "window's second half")
+            add("saturation req/s (steady)", c.get("steady_request_throughput"),
+                s["steady_request_throughput"], tg("throughput"), "window's second half")
         if run.workload == "sharegpt":
-            rows += [
-                row("saturation output tok/s (steady)", run.key,
-                    c.get("steady_output_throughput"), s["steady_output_throughput"],
-                    TARGETS["throughput"]),
-                row("saturation req/s (steady)", run.key, c.get("steady_request_throughput"),
-                    s["steady_request_throughput"], TARGETS["throughput"]),
-                row("mean running batch", run.key, mb, s["mean_batch"], TARGETS["mean_batch"]),
-                row("peak running batch", run.key, pk, float(s["peak_batch"]), None),
-                row("TPOT mean (ms)", run.key, c.get("mean_tpot_ms"), s["mean_tpot_ms"],
-                    TARGETS["tpot"]),
-                row("TTFT mean (ms)", run.key, c.get("mean_ttft_ms"), s["mean_ttft_ms"], None,
-                    note="saturation (all at t=0): no target"),
-            ]
+            add("mean running batch", mb, s["mean_batch"], tg("mean_batch"), "Decode lines")
+            add("peak running batch", pk, float(s["peak_batch"]), None, "Decode lines")
+            add("TPOT mean (ms)", c.get("mean_tpot_ms"), s["mean_tpot_ms"], tg("tpot"),
+                "completed requests")
+            add("TTFT mean (ms)", c.get("mean_ttft_ms"), s["mean_ttft_ms"], None,
+                "saturation (all at t=0): no target")
         elif run.workload == "ladder":
             load = (run.rate_req_s / run.saturation_req_s
                     if run.rate_req_s and run.saturation_req_s else None)
             sims[run.key]["load"] = load
-            lt = f"load {load:.0%}" if load is not None else "load ?"
-            ttft_target = TARGETS["ttft"] if load is not None and load < TTFT_MAX_LOAD else None
-            rows += [
-                row("TTFT mean (ms)", run.key, c.get("mean_ttft_ms"), s["mean_ttft_ms"],
-                    ttft_target, note=lt),
-                row("TPOT mean (ms)", run.key, c.get("mean_tpot_ms"), s["mean_tpot_ms"],
-                    TARGETS["tpot"], note=lt),
-                row("mean running batch", run.key, mb, s["mean_batch"], TARGETS["mean_batch"],
-                    note=lt),
-                row("output tok/s (window)", run.key, c.get("output_throughput"),
-                    s["output_throughput"], None, note=lt),
-            ]
+            lt = (f"{run.rate_req_s:.2f} req/s = {load:.0%} of the sharegpt steady req/s"
+                  if load is not None else "load ?")
+            ttft_target = tg("ttft") if load is not None and load < TTFT_MAX_LOAD else None
+            add("TTFT mean (ms)", c.get("mean_ttft_ms"), s["mean_ttft_ms"], ttft_target, lt)
+            add("TPOT mean (ms)", c.get("mean_tpot_ms"), s["mean_tpot_ms"], tg("tpot"), lt)
+            add("mean running batch", mb, s["mean_batch"], tg("mean_batch"), lt)
+            add("output tok/s (window)", c.get("output_throughput"), s["output_throughput"],
+                None, lt)
         else:
-            rows.append(row("output tok/s (window)", run.key, c.get("output_throughput"),
-                            s["output_throughput"], None, note=f"{run.workload}"))
-    # DiffKV / bf16 saturation throughput ratio, both measured on the same workload
-    for wl in ("sharegpt", "longgen"):
-        d, b = sims.get(f"diffkv/{wl}"), sims.get(f"bf16/{wl}")
-        if d and b:
-            m = (d["run"].client.get("steady_output_throughput") or 0) / max(
-                b["run"].client.get("steady_output_throughput") or 0, 1e-9)
-            p = d["summary"]["steady_output_throughput"] / max(
-                b["summary"]["steady_output_throughput"], 1e-9)
-            rows.append(row("DiffKV / bf16 output tok/s", wl, m, p, TARGETS["ratio_pp"],
-                            absolute=True, note="error in ratio points"))
+            # partial window (few or no completions): the steady rate and the Decode batch
+            add("steady output tok/s", c.get("steady_output_throughput"),
+                s["steady_output_throughput"], tg("throughput"),
+                f"{run.workload}: window's second half")
+            add("mean running batch", mb, s["mean_batch"], tg("mean_batch"),
+                f"{run.workload}: Decode lines")
+            add("peak running batch", pk, float(s["peak_batch"]), None,
+                f"{run.workload}: Decode lines")
+            add("retractions", float(log.retractions), float(s["retractions"]), None,
+                f"{run.workload}: whole run (simulated: to its end)")
+    rows += ratio_rows(sims)
     return rows, sims
+
+
+def _rate(sim: dict[str, Any], measured: bool) -> float:
+    c = sim["run"].client
+    if not c.get("time_limited"):
+        return float((c.get("output_throughput") if measured
+                      else sim["full"]["output_throughput"]) or 0)
+    return float((c.get("steady_output_throughput") if measured
+                  else sim["summary"]["steady_output_throughput"]) or 0)
+
+
+def ratio_rows(sims: dict[str, Any]) -> list[dict]:
+    """DiffKV / bf16 output tok/s on the same workload, every DiffKV configuration against
+    every bf16 one: the window's steady (second-half) rate, or bench_serving's whole-run
+    rate for a run that completed inside its window; a target only when neither run is a
+    fitting run."""
+    out = []
+    for wl in ("longgen", "sharegpt"):
+        by_fmt: dict[str, list[tuple[str, dict]]] = {}
+        for key, s in sims.items():
+            if s["run"].workload == wl:
+                by_fmt.setdefault(s["format"], []).append((key, s))
+        for dkey, d in by_fmt.get("diffkv", []):
+            for bkey, b in by_fmt.get("bf16", []):
+                m = _rate(d, measured=True) / max(_rate(b, measured=True), 1e-9)
+                p = _rate(d, measured=False) / max(_rate(b, measured=False), 1e-9)
+                fitted = [k for k, x in ((dkey, d), (bkey, b)) if x["in_sample"]]
+                note = "error in ratio points"
+                if fitted:
+                    note += f"; in-sample ({', '.join(fitted)} fitted)"
+                r = row("DiffKV / bf16 output tok/s", f"{dkey} : {bkey}", m, p,
+                        None if fitted else TARGETS["ratio_pp"], absolute=True, note=note)
+                r["in_sample"] = bool(fitted)
+                out.append(r)
+    return out
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -256,15 +342,17 @@ def plots(sims: dict[str, Any], h: HarnessResults, out_dir: Path) -> list[Path]:
     return paths
 
 
-def report(rows: list[dict], h: HarnessResults, calib: Calibration, fitinfo: dict | None,
-           plot_paths: list[Path], doc: Path, argv: list[str]) -> str:
+def report(all_rows: list[dict], h: HarnessResults, calib: Calibration,
+           fitinfos: list[dict], plot_paths: list[Path], doc: Path, argv: list[str]) -> str:
+    rows = [r for r in all_rows if not r.get("in_sample")]
+    insample = [r for r in all_rows if r.get("in_sample")]
     n_pass = sum(r["verdict"] == "PASS" for r in rows)
     n_miss = sum(r["verdict"] == "MISS" for r in rows)
     env = h.environment
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    fitted = sorted({fitinfo["run"]} if fitinfo else set())
-    validated = sorted({r["run"] for r in rows if "/" in r["run"]})
+    fitted = sorted(f["run"] for f in fitinfos)
+    validated = sorted({r["run"] for r in rows if "/" in r["run"] and " : " not in r["run"]})
     lines = [
         "# Simulator validation against real SGLang runs",
         "",
@@ -278,12 +366,16 @@ def report(rows: list[dict], h: HarnessResults, calib: Calibration, fitinfo: dic
         "",
         table(rows),
         "",
+        "## In-sample rows (fitting runs: no verdict)",
+        "",
+        table(insample) if insample else "none",
+        "",
         "## Runs",
         "",
         f"- fitting (never validated): {', '.join(fitted) or 'none (calibration as given)'}",
         f"- validated: {', '.join(validated)}",
-        f"- harness results: `{h.root}`; GPU {env.get('gpu', '?')}, sglang "
-        f"{env.get('sglang', env.get('versions', '?'))}",
+        "- harness results: " + ", ".join(f"`{_rel(p)}`" for p in (h.sources or [h.root]))
+        + f"; GPU {env.get('gpu', '?')}, sglang {env.get('sglang', env.get('versions', '?'))}",
         "",
         "## Calibration",
         "",
@@ -298,12 +390,15 @@ def report(rows: list[dict], h: HarnessResults, calib: Calibration, fitinfo: dic
                      f"{p.get('cuda')}, torch {p.get('torch')}, triton {p.get('triton')}, "
                      f"sglang {p.get('sglang')}) on {p.get('date')}, commit "
                      f"{p.get('git_commit')}: `{p.get('command')}`")
-    if fitinfo:
-        lines.append(f"- fixed costs fitted from {fitinfo['run']}: step "
-                     f"{1e3 * fitinfo['step_overhead_s']:.3f} ms, per request "
-                     f"{1e6 * fitinfo['seq_overhead_s']:.2f} us over {fitinfo['samples']} clean "
-                     f"decode intervals; MAPE {100 * fitinfo['mape_before']:.1f}% -> "
-                     f"{100 * fitinfo['mape']:.1f}% (`{fitinfo['file']}`)")
+    for fi in fitinfos:
+        lines.append(f"- {fi['backend']} fixed costs fitted from {fi['run']}: step "
+                     f"{1e3 * fi['step_overhead_s']:.3f} ms, per request "
+                     f"{1e6 * fi['seq_overhead_s']:.2f} us over {fi['samples']} clean "
+                     f"decode intervals; MAPE {100 * fi['mape_before']:.1f}% -> "
+                     f"{100 * fi['mape']:.1f}% (`{_rel(Path(fi['file']))}`)"
+                     + (f"; prefill step overhead {1e3 * fi['prefill_step_overhead_s']:.1f} ms"
+                        f" ({fi['prefill_source']})" if fi.get("prefill_step_overhead_s")
+                        else ""))
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.relative_to(doc.parent)})" for p in plot_paths]
     lines += ["", "## Command", "", "```", "python scripts/validate_simulator.py "
@@ -311,15 +406,31 @@ def report(rows: list[dict], h: HarnessResults, calib: Calibration, fitinfo: dic
     return "\n".join(lines)
 
 
+def _rel(p: Path) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", help="scripts/bench_e2e.py --out directory")
+    ap.add_argument("results", nargs="+", help="scripts/bench_e2e.py --out directories "
+                                               "(several are merged)")
     ap.add_argument("--calibration", default=None,
                     help="calibration JSON (scripts/calibrate_gpu.py's calibration.json); "
                          "default: the shipped one")
-    ap.add_argument("--fit-run", default="bf16/longgen",
-                    help="CONFIG/WORKLOAD whose Decode lines fit the fixed costs, or 'none' "
-                         "(default: %(default)s)")
+    ap.add_argument("--fit-run", action="append", default=None,
+                    help="CONFIG/WORKLOAD whose Decode lines fit the fixed costs of its "
+                         "backend (triton or diffkv); repeatable; 'none' keeps the file's "
+                         "(default: bf16/longgen)")
+    ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
+                    help="fixed cost of a DiffKV prefill step beyond the modelled kernels "
+                         "(its extend path's scoring/compression launches), from the backend "
+                         "profile (scripts/profile_backend_ops.py), not from an e2e run "
+                         "(default: 0)")
+    ap.add_argument("--scratch", default=str(ROOT / "results" / "validation-logs"),
+                    help="where packed logs (logs.tar.gz) are unpacked (default: %(default)s)")
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "simulator-validation.md"))
@@ -329,28 +440,43 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     args_used = list(argv if argv is not None else sys.argv[1:])
     try:
-        h = load_harness(a.results)
+        h = merge_harness([load_harness(d, Path(a.scratch) / Path(d).resolve().name)
+                           for d in a.results])
         calib = load_calibration(load_gpu(a.gpu).key, a.calibration)
         doc = Path(a.doc)
         plot_dir = Path(a.plots) if a.plots else doc.parent / "simulator-validation"
         plot_dir.mkdir(parents=True, exist_ok=True)
-        fitinfo = None
+        fitinfos: list[dict] = []
         fitting: set[str] = set()
-        if a.fit_run.lower() != "none":
-            calib, fitinfo = fit(h, a.fit_run, a.model, a.gpu, calib,
-                                 plot_dir / "calibration-fitted.json")
-            fitting.add(fitinfo["run"])
-        rows, sims = validate(h, calib, a.model, a.gpu, fitting)
+        calibs: dict[str, Calibration] = {"base": calib}
+        fit_runs = a.fit_run or ["bf16/longgen"]
+        for key in [k for k in fit_runs if k.lower() != "none"]:
+            be, base = key, calib
+            if a.diffkv_prefill_step_ms and h.configs.get(h.run(key).config, {}).get(
+                    "attention_backend") == "diffkv":
+                base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
+            be, fitted_cal, info = fit(h, key, a.model, a.gpu, base, plot_dir)
+            if be in calibs:
+                raise SimulatorInputError(f"two fitting runs for the {be} backend: "
+                                          f"{', '.join(fit_runs)}")
+            if base.prefill_step_overhead_s:
+                info["prefill_step_overhead_s"] = base.prefill_step_overhead_s
+                info["prefill_source"] = "--diffkv-prefill-step-ms, from the backend profile"
+            calibs[be] = fitted_cal
+            fitinfos.append(info)
+            fitting.add(info["run"])
+        rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
     except SimulatorInputError as e:
         print(f"validate_simulator: error: {e}", file=sys.stderr)
         return 2
     print(table(rows))
     paths = plots(sims, h, plot_dir)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(report(rows, h, calib, fitinfo, paths, doc, args_used))
+    doc.write_text(report(rows, h, calib, fitinfos, paths, doc, args_used))
     print(f"wrote {doc} and {len(paths)} plot(s) in {plot_dir}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "fit": fitinfo}, indent=1,
+        Path(a.json).write_text(json.dumps({"rows": rows, "fit": fitinfos[0] if fitinfos
+                                            else None, "fits": fitinfos}, indent=1,
                                            default=str))
     return 0
 

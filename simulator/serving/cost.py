@@ -181,4 +181,6 @@ class CostModel:
         per_layer += c.layer_overhead_s if graphed else c.eager_layer_overhead_s
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self.lm_head_time(sampled)
+        if s.prefill_tokens:
+            t += c.prefill_step_overhead_s
         return t + c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)

@@ -39,6 +39,9 @@ ETA_FIELDS = ("eta_mem_gemm", "eta_comp_gemm", "eta_comp_prefill_attention",
 SECONDS_FIELDS = ("allreduce_latency_s", "layer_overhead_s", "eager_layer_overhead_s",
                   "step_overhead_s", "seq_overhead_s")
 GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
+# optional seconds (0 when absent, so older files load unchanged): a fixed cost per step that
+# computes prompt tokens, e.g. the DiffKV extend path's scoring and compression launches
+OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s",)
 # a measured efficiency may exceed 1 where the datasheet peak understates this GPU (boost
 # clocks, an HBM part above spec); more than this is a units error in the calibration file
 ETA_GRID_MAX = 1.5
@@ -229,6 +232,7 @@ class Calibration:
     post_load_overhead_gib: float
     provenance: dict[str, Any]
     source_file: str
+    prefill_step_overhead_s: float = 0.0
     measured: MeasuredGrids = field(default_factory=MeasuredGrids)
     # the "measured" object as read (raw times, masks, provenance): written back unchanged
     measured_raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -265,17 +269,23 @@ class Calibration:
                 raise SimulatorInputError(f"{where}.{f}={v!r} must be a number >= 0")
         if not isinstance(d["provenance"], dict) or "source" not in d["provenance"]:
             raise SimulatorInputError(f"{where}.provenance must be an object with a 'source'")
+        for f in OPTIONAL_SECONDS_FIELDS:
+            v = d.get(f, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise SimulatorInputError(f"{where}.{f}={v!r} must be a number >= 0")
         raw = d.get("measured", {})
         measured = MeasuredGrids.from_dict(raw, f"{where}.measured")
         return cls(gpu=gpu, eta_mem_decode_attention={k: float(v) for k, v in etas.items()},
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
-                   **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)})
+                   **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)},
+                   **{f: float(d.get(f, 0.0)) for f in OPTIONAL_SECONDS_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
         """The GPU entry as JSON (the schema ``from_dict`` reads)."""
         d: dict[str, Any] = {"provenance": dict(self.provenance)}
         d.update({f: getattr(self, f) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)})
+        d.update({f: getattr(self, f) for f in OPTIONAL_SECONDS_FIELDS if getattr(self, f)})
         d["eta_mem_decode_attention"] = dict(self.eta_mem_decode_attention)
         if self.measured:
             # raw extras (time_s, masks) kept; the parsed grids are the authority for eta

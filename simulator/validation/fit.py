@@ -47,6 +47,8 @@ from simulator.serving.server import ResolvedServer
 from simulator.validation.sglang_log import ServerLog
 
 MIN_SAMPLES = 8
+# below this relative spread (std / mean) of the intervals' batch, only the per-step cost is fit
+BATCH_SPREAD_MIN = 0.05
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -107,14 +109,23 @@ def fit_fixed_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, An
     y = samples[:, 2]
     x = np.column_stack([np.ones(len(y)), np.maximum(1, np.round(samples[:, 0]))])
     # relative residuals: every interval counts alike, whatever its step time
-    const, c_seq = _nnls(x / y[:, None], (y - base_arr) / y)
+    spread = float(np.std(x[:, 1]) / np.mean(x[:, 1]))
+    if spread < BATCH_SPREAD_MIN:
+        # a (nearly) constant batch cannot tell a per-step from a per-request cost; charge it
+        # per step (host launch overheads do not grow with the batch) and keep c_seq
+        xs = x[:, :1] / y[:, None]
+        (const,) = _nnls(xs, (y - base_arr - cal.seq_overhead_s * x[:, 1]) / y)
+        c_seq = cal.seq_overhead_s
+    else:
+        const, c_seq = _nnls(x / y[:, None], (y - base_arr) / y)
     pred = base_arr + x @ np.array([const, c_seq])
     before = base_arr + cal.step_overhead_s + cal.seq_overhead_s * x[:, 1]
     return {"step_overhead_s": float(const), "seq_overhead_s": float(c_seq),
             "samples": int(len(y)), "mape": float(np.mean(np.abs(pred / y - 1))),
             "mape_before": float(np.mean(np.abs(before / y - 1))),
             "kernel_share": float(np.mean(base_arr / y)),
-            "grids": bool(cal.measured)}
+            "grids": bool(cal.measured), "batch_spread": spread,
+            "per_step_only": spread < BATCH_SPREAD_MIN}
 
 
 def fit_decode(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:

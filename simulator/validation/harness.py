@@ -80,6 +80,7 @@ class HarnessResults:
     runs: list[HarnessRun]
     environment: dict[str, Any]
     server_logs: dict[str, Path]
+    sources: list[Path] = field(default_factory=list)   # the harness folders merged here
 
     def run(self, key: str) -> HarnessRun:
         for r in self.runs:
@@ -95,7 +96,10 @@ def _need(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def load_harness(root: str | Path) -> HarnessResults:
+def load_harness(root: str | Path, extract_to: str | Path | None = None) -> HarnessResults:
+    """One harness ``--out`` folder. ``logs.tar.gz`` (when there is no ``logs/``) is unpacked
+    into ``extract_to`` (default: the folder itself), e.g. a scratch folder for committed
+    results that should stay untouched."""
     root = Path(root)
     res_path = root / "results.json"
     try:
@@ -107,11 +111,15 @@ def load_harness(root: str | Path) -> HarnessResults:
         raise SimulatorInputError(f"{res_path}: line {e.lineno}: invalid JSON ({e.msg})") from e
     logs = root / "logs"
     tar = root / "logs.tar.gz"
+    base = root
     if not logs.is_dir() and tar.exists():
-        with tarfile.open(tar) as t:
-            members = [m for m in t.getmembers() if m.isfile()
-                       and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts]
-            t.extractall(root, members=members, filter="data")
+        base = Path(extract_to) if extract_to is not None else root
+        logs = base / "logs"
+        if not logs.is_dir():
+            with tarfile.open(tar) as t:
+                members = [m for m in t.getmembers() if m.isfile()
+                           and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts]
+                t.extractall(base, members=members, filter="data")
     configs = _need(data, "configs", str(res_path))
     if not isinstance(configs, dict):
         raise SimulatorInputError(f"{res_path}: 'configs' must be an object")
@@ -126,7 +134,7 @@ def load_harness(root: str | Path) -> HarnessResults:
         if not isinstance(r, dict):
             raise SimulatorInputError(f"{where} must be an object")
         cfg = _need(r, "config", where)
-        tf = root / _need(r, "trace_file", where)
+        tf = base / _need(r, "trace_file", where)
         if not tf.exists():
             raise SimulatorInputError(f"{where}: trace file {tf} does not exist")
         if cfg not in server_logs:
@@ -139,7 +147,36 @@ def load_harness(root: str | Path) -> HarnessResults:
         runs.append(HarnessRun(cfg, _need(r, "workload", where), r.get("label", r["workload"]),
                                tf, _need(r, "client", where), text, r.get("rate_req_s"),
                                r.get("saturation_req_s"), r))
-    return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs)
+    return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
+                          [root])
+
+
+def merge_harness(parts: list[HarnessResults]) -> HarnessResults:
+    """Several harness folders (one per GPU call, each with its own configurations) as one:
+    configurations, runs and server logs joined; a configuration name may appear in one
+    folder only (its runs' log slices are byte offsets into that folder's server log)."""
+    if not parts:
+        raise SimulatorInputError("no harness results given")
+    if len(parts) == 1:
+        return parts[0]
+    configs: dict[str, dict[str, Any]] = {}
+    logs: dict[str, Path] = {}
+    where: dict[str, Path] = {}
+    for h in parts:
+        for name, cfg in h.configs.items():
+            if name in configs:
+                raise SimulatorInputError(f"configuration {name!r} is in both {where[name]} and "
+                                          f"{h.root}: merged results need distinct names")
+            configs[name] = cfg
+            where[name] = h.root
+        logs.update(h.server_logs)
+    roots = [p for h in parts for p in h.sources]
+    common = Path(*Path(roots[0]).resolve().parts)
+    for p in roots[1:]:
+        while common not in (Path(p).resolve(), *Path(p).resolve().parents):
+            common = common.parent
+    env = dict(parts[0].environment)
+    return HarnessResults(common, configs, [r for h in parts for r in h.runs], env, logs, roots)
 
 
 # ---- server settings ------------------------------------------------------------------------
@@ -195,6 +232,27 @@ def server_settings(cfg: dict[str, Any], log: ServerLog) -> tuple[ServerSettings
     return s, fmt
 
 
+def diffkv_mix(cfg: dict[str, Any]) -> tuple[Any, tuple[float, float] | None]:
+    """(DiffKVConfig, (high, low) benchmark-mode mix) of a DiffKV configuration, from its
+    SGLANG_DIFFKV_CONFIG (env or command line); (None, None) for other backends."""
+    if cfg.get("attention_backend") != "diffkv":
+        return None, None
+    from sglang_diffkv.config import ConfigError, DiffKVConfig
+
+    spec = (cfg.get("env") or {}).get("SGLANG_DIFFKV_CONFIG")
+    if spec is None:
+        m = re.search(r"SGLANG_DIFFKV_CONFIG=('[^']*'|\S+)", cfg.get("command", ""))
+        spec = m.group(1).strip("'") if m else None
+    if spec is None:
+        return None, None
+    try:
+        dcfg = DiffKVConfig.from_env({"SGLANG_DIFFKV_CONFIG": spec})
+    except ConfigError as e:
+        raise SimulatorInputError(f"SGLANG_DIFFKV_CONFIG={spec!r}: {e}") from e
+    mix = (dcfg.bench_mix[0], dcfg.bench_mix[1]) if dcfg.bench_mix else None
+    return dcfg, mix
+
+
 # ---- windowed simulator metrics -------------------------------------------------------------
 def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
     """The simulator's run measured like the harness measured the real one: over [0, W]."""
@@ -230,6 +288,7 @@ def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
         "mean_batch": float(running[dec].mean()) if dec.any() else math.nan,
         "peak_batch": int(running[dec].max()) if dec.any() else 0,
         "kv_pool_tokens": res.server.pool.token_capacity,
+        "retractions": int(sum(rep.scheduler.retractions for rep in res.replicas)),
         "series_t": (t_end[t_end <= end] - t0).tolist(),
         "series_batch": lg["batch"][t_end <= end].tolist(),
     }

@@ -161,7 +161,10 @@ def test_fit_on_the_fitting_run_and_validated_rows_pass(results, tmp_path):
     assert fit["mape"] < 0.01 < fit["mape_before"]
     assert fit["step_overhead_s"] == pytest.approx(HIDDEN_STEP_S, rel=0.25)
     rows = got["rows"]
-    assert not any(r["run"].endswith("longgen") for r in rows if "/" in r["run"])  # held out
+    # the fitting run is held out: its rows are in-sample, without a target or verdict
+    fit_rows = [r for r in rows if r["run"] == "bf16/longgen"]
+    assert fit_rows and all(r["in_sample"] and r["target"] is None and r["verdict"] == "-"
+                            for r in fit_rows)
     by = {(r["metric"], r["run"]): r for r in rows}
     assert by[("KV pool tokens", "bf16")]["verdict"] == "PASS"
     assert by[("KV pool tokens", "bf16")]["error"] == pytest.approx(0.0)
@@ -170,7 +173,7 @@ def test_fit_on_the_fitting_run_and_validated_rows_pass(results, tmp_path):
                 ("TTFT mean (ms)", "bf16/ladder@0.5x"),
                 ("saturation output tok/s (steady)", "diffkv/sharegpt")]:
         assert by[key]["verdict"] == "PASS", by[key]
-    ratio = by[("DiffKV / bf16 output tok/s", "sharegpt")]
+    ratio = by[("DiffKV / bf16 output tok/s", "diffkv/sharegpt : bf16/sharegpt")]
     assert ratio["absolute"] and abs(ratio["error"]) <= 0.05
     text = doc.read_text()
     assert "bf16/longgen" in text and "PASS" in text
@@ -240,3 +243,61 @@ def test_bad_inputs_are_named(tmp_path, results):
     (root / "results.json").write_text(json.dumps(data))
     with pytest.raises(SimulatorInputError, match=r"runs\[0\]: missing field 'server_log'"):
         load_harness(root)
+
+
+def _split(results: Path, dest: Path) -> list[Path]:
+    """The fixture folder split into one folder per configuration, as the GPU runs were."""
+    import shutil
+
+    data = json.loads((results / "results.json").read_text())
+    out = []
+    for cfg in data["configs"]:
+        d = dest / f"e2e-{cfg}"
+        shutil.copytree(results, d)
+        part = {**data, "configs": {cfg: data["configs"][cfg]},
+                "runs": [r for r in data["runs"] if r["config"] == cfg]}
+        (d / "results.json").write_text(json.dumps(part))
+        out.append(d)
+    return out
+
+
+def test_several_result_folders_are_merged_and_fitting_runs_stay_out(results, tmp_path):
+    from simulator.validation.harness import merge_harness
+
+    parts = _split(results, tmp_path)
+    assert len(parts) == 2
+    merged = merge_harness([load_harness(p) for p in parts])
+    whole = load_harness(results)
+    assert sorted(r.key for r in merged.runs) == sorted(r.key for r in whole.runs)
+    assert set(merged.configs) == set(whole.configs) and merged.sources == parts
+    for r in merged.runs:
+        assert r.log_slice == whole.run(r.key).log_slice
+    with pytest.raises(SimulatorInputError, match="configuration 'bf16' is in both"):
+        merge_harness([load_harness(parts[0]), load_harness(parts[0])])
+    # the script on the split folders gives the rows of the single folder, fit held out
+    out_json = tmp_path / "rows.json"
+    assert _script().main([*map(str, parts), "--doc", str(tmp_path / "d.md"), "--json",
+                           str(out_json)]) == 0
+    got = json.loads(out_json.read_text())
+    assert [f["run"] for f in got["fits"]] == ["bf16/longgen"]
+    validated = {r["run"] for r in got["rows"] if r["verdict"] in ("PASS", "MISS")}
+    assert "bf16/longgen" not in validated and "bf16/sharegpt" in validated
+    assert all(r["target"] is None for r in got["rows"] if r["run"] == "bf16/longgen")
+    assert "in-sample" in (tmp_path / "d.md").read_text()
+
+
+def test_constant_batch_fit_charges_the_per_step_cost():
+    from simulator.validation.fit import fit_fixed_costs
+
+    srv = scenario().server("bf16")
+    cost, cal = srv.cost, srv.deployment.calibration
+    from simulator.validation.fit import _shape
+
+    rows = []
+    for t in np.linspace(2e5, 4e5, 20):
+        shape = _shape(srv, 300.0, t)
+        rows.append((300.0, t, cost.step_time(shape) + 0.01))   # 10 ms hidden per step
+    res = fit_fixed_costs(srv, np.array(rows))
+    assert res["per_step_only"]
+    assert res["step_overhead_s"] == pytest.approx(cal.step_overhead_s + 0.01, rel=1e-3)
+    assert res["seq_overhead_s"] == cal.seq_overhead_s
