@@ -74,6 +74,19 @@ class ModelShape:
         return self.head_dim**-0.5
 
 
+def budget_for_pages(shape: ModelShape, pages: int, max_reqs: int) -> int:
+    """A KV memory budget that gives the DiffKV pool exactly ``pages`` pages for ``shape``
+    under the current SGLANG_DIFFKV_CONFIG."""
+    from sglang_diffkv.config import DiffKVConfig
+    from sglang_diffkv.sglang.pool import CapacityPlan
+
+    plan = CapacityPlan.build(DiffKVConfig.from_env(), shape.head_dim, shape.num_layers,
+                              shape.num_kv_heads)
+    state = plan.request_state_bytes(max_reqs, shape.context_len + 4)
+    # + one cell: the runner rounds the budget down to whole logical tokens
+    return state + pages * (plan.geometry.page_bytes + 4) + plan.cell_bytes
+
+
 class FakeModelConfig:
     def __init__(self, shape: ModelShape) -> None:
         self.head_dim = shape.head_dim

@@ -15,8 +15,7 @@ import harness as H
 import pytest
 import torch
 
-from sglang_diffkv.config import DiffKVConfig
-from sglang_diffkv.sglang.pool import CapacityPlan, PoolStats
+from sglang_diffkv.sglang.pool import PoolStats
 from sglang_diffkv.step_profile import parse_profile_line
 
 MIX = (0.3, 0.5, 0.2)
@@ -28,11 +27,6 @@ def _cpu(monkeypatch):
     H.cpu_sglang_helpers(monkeypatch)
 
 
-def budget_for_pages(shape: H.ModelShape, pages: int, max_reqs: int) -> int:
-    plan = CapacityPlan.build(DiffKVConfig.from_env(), shape.head_dim, shape.num_layers,
-                              shape.num_kv_heads)
-    state = plan.request_state_bytes(max_reqs, shape.context_len + 4)
-    return state + pages * (plan.geometry.page_bytes + 4) + plan.cell_bytes
 
 
 def run_bench(monkeypatch, caplog, shape: H.ModelShape, kernels: str,
@@ -42,7 +36,7 @@ def run_bench(monkeypatch, caplog, shape: H.ModelShape, kernels: str,
     monkeypatch.setenv("SGLANG_DIFFKV_PROFILE", "1")
     monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", kernels)
     with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
-        s = H.MiniScheduler(shape, budget_for_pages(shape, 900, 8))
+        s = H.MiniScheduler(shape, H.budget_for_pages(shape, 900, 8))
         for n, (prompt, new) in enumerate(requests):
             s.add_request(str(n), [(7 * i + n) % 997 + 1 for i in range(prompt)], new)
         s.run_until_idle()

@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from sglang_diffkv.cache import CompressedKVCache
-from sglang_diffkv.config import DiffKVConfig
-from sglang_diffkv.sglang.pool import CapacityPlan
 
 COMPRESSING = {"preset": "llama-3-8b", "alpha_h": 1.5, "alpha_l": 0.4, "window": 8,
                "score_queries": 8}
@@ -28,12 +26,6 @@ def _cpu(monkeypatch):
     H.cpu_sglang_helpers(monkeypatch)
 
 
-def budget_for_pages(shape: H.ModelShape, pages: int, max_reqs: int) -> int:
-    plan = CapacityPlan.build(DiffKVConfig.from_env(), shape.head_dim, shape.num_layers,
-                              shape.num_kv_heads)
-    state = plan.request_state_bytes(max_reqs, shape.context_len + 4)
-    # + one cell: the runner rounds the budget down to whole logical tokens
-    return state + pages * (plan.geometry.page_bytes + 4) + plan.cell_bytes
 
 
 def exact_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: H.ModelShape
@@ -119,7 +111,7 @@ def assert_back_to_initial_state(s: H.MiniScheduler) -> None:
 def test_extend_and_decode_match_the_reference_through_compression(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     shape = H.ModelShape()
-    s = H.MiniScheduler(shape, budget_for_pages(shape, 600, 8))
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 600, 8))
     s.add_request("a", [(7 * i) % 997 + 1 for i in range(70)], 40)
     s.add_request("b", [(3 * i) % 991 + 2 for i in range(33)], 25)
     s.run_until_idle()
@@ -140,7 +132,7 @@ def test_extend_and_decode_match_the_reference_through_compression(monkeypatch):
 def test_padded_decode_rows_are_skipped(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     shape = H.ModelShape()
-    s = H.MiniScheduler(shape, budget_for_pages(shape, 400, 8))
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 400, 8))
     # padded rows: out_cache_loc 0 and a stale req_pool_idx naming a live request
     s.pad_decode_rows = 2
     s.add_request("a", list(range(1, 41)), 20)
@@ -155,7 +147,7 @@ def test_padded_decode_rows_are_skipped(monkeypatch):
 def test_page_exhaustion_retracts_instead_of_failing(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "no-compression")
     shape = H.ModelShape()
-    s = H.MiniScheduler(shape, budget_for_pages(shape, 40, 8))
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 40, 8))
     s.new_token_ratio = 0.05  # a decayed ratio: SGLang admits optimistically
     for i in range(3):
         s.add_request(f"r{i}", [(i * 13 + j) % 900 + 1 for j in range(40)], 80)
@@ -172,7 +164,7 @@ def test_page_exhaustion_retracts_instead_of_failing(monkeypatch):
 def test_per_request_thresholds_from_custom_params(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     shape = H.ModelShape()
-    s = H.MiniScheduler(shape, budget_for_pages(shape, 400, 8))
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 400, 8))
     s.add_request("keep", list(range(1, 61)), 2,
                   custom_params={"diffkv_alpha_h": 0.0, "diffkv_alpha_l": 0.0})
     s.add_request("squeeze", list(range(1, 61)), 2)
@@ -188,7 +180,7 @@ def test_per_request_thresholds_from_custom_params(monkeypatch):
 def test_flush_cache_resets_the_pool(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "default")
     shape = H.ModelShape()
-    s = H.MiniScheduler(shape, budget_for_pages(shape, 300, 8))
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8))
     s.add_request("a", list(range(1, 50)), 30)
     s.step()
     s.step()
@@ -205,7 +197,7 @@ def test_startup_report_and_step_metrics_are_logged(monkeypatch, caplog):
     monkeypatch.setenv("SGLANG_DIFFKV_LOG_INTERVAL", "1")
     shape = H.ModelShape()
     with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
-        s = H.MiniScheduler(shape, budget_for_pages(shape, 300, 8))
+        s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8))
         s.add_request("a", list(range(1, 50)), 5)
         s.run_until_idle()
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -225,7 +217,7 @@ def test_kernel_path_matches_the_reference(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "1")
     shape = H.ModelShape(dtype=torch.bfloat16)
-    s = H.MiniScheduler(shape, budget_for_pages(shape, 300, 8))
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8))
     assert s.runner.attn_backend.ops.use_kernels
     s.add_request("a", [(7 * i) % 997 + 1 for i in range(45)], 14)
     s.add_request("b", [(3 * i) % 991 + 2 for i in range(30)], 10)
@@ -240,7 +232,7 @@ def test_finished_requests_are_freed_in_one_batched_call(monkeypatch):
     free_requests call, before anything reads the free count or takes pages."""
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     shape = H.ModelShape()
-    s = H.MiniScheduler(shape, budget_for_pages(shape, 600, 8))
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 600, 8))
     for i, n in enumerate((30, 31, 32)):
         s.add_request(f"r{i}", [(5 * j + i) % 900 + 1 for j in range(n)], 6)
     kv, manager = s.kv_pool, s.kv_pool.cache.manager
