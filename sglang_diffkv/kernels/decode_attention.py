@@ -499,6 +499,29 @@ class DecodeAttentionPlan:
                                 dtype=torch.float16, device=dev)
         self.mit = torch.empty(heads * maxp * self.iters_max * g,
                                dtype=torch.float32, device=dev)
+        # Launch constants, built once per plan instead of on every (per-layer) run: the tier
+        # dicts, the variant's constexpr, the merge pass's tier subset and block sizes.
+        geo = self.geometry
+        hi, lo = tier_constexprs(geo.high, "H_"), tier_constexprs(geo.low, "L_")
+        self._part_c: dict[str, int | bool] = {**hi, **lo, **variant_constexprs(self.variant)}
+        self._merge_c: dict[str, int] = dict(
+            BLOCK_P=triton.next_power_of_2(maxp), CH=max(1, 256 // self.row_stride),
+            H_N=hi["H_N"], H_BN=hi["H_BN"], H_SOFF=hi["H_SOFF"], L_N=lo["L_N"],
+            L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"],
+        )
+        # ``common`` per table row length (ROW_LEN is the only call-dependent entry)
+        self._common: dict[int, dict[str, int]] = {}
+
+    def _common_constexprs(self, row_len: int) -> dict[str, int]:
+        common = self._common.get(row_len)
+        if common is None:
+            # (ROW_LEN is a runtime argument: one compile serves every max_context)
+            common = self._common[row_len] = dict(
+                PAGE_BYTES=self.geometry.page_bytes, ROW_LEN=row_len, G=self.group,
+                BLOCK_G=self.block_g, D=self.geometry.head_dim, PPI=self.pages_per_iter,
+                ITERS_MAX=self.iters_max, MAXP_HI=self.maxp_hi,
+                MAXP=self.maxp_hi + self.maxp_lo, RS=self.row_stride)
+        return common
 
     def scratch_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.acc, self.ml, self.pbuf, self.mit))
@@ -515,10 +538,13 @@ class DecodeAttentionPlan:
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         stages: str = "partition,merge",
+        views: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [B, Hq, D] over layer ``layer`` of the requests in ``req_idx``;
         adds each token's max-over-group probability to its page score. Returns (out in
-        q's dtype unless ``out`` is given, natural-log lse fp32 [B, Hq])."""
+        q's dtype unless ``out`` is given, natural-log lse fp32 [B, Hq]). ``views``:
+        ``page_views(pages)`` computed once per step by the caller (saves three tensor views
+        per layer); None computes them here."""
         geo = self.geometry
         hq, d = self.num_q_heads, geo.head_dim
         b = q.shape[0] if q.dim() == 3 else -1
@@ -546,42 +572,31 @@ class DecodeAttentionPlan:
             lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
         if b == 0:  # a grid dimension of 0 is not launchable; nothing to attend
             return out, lse
-        u8, f16, f32, _ = page_views(pages)
+        u8, f16, f32, _ = page_views(pages) if views is None else views
         tab = table[:, layer]
         cnt = counts[:, layer]
-        hi = tier_constexprs(geo.high, "H_")
-        lo = tier_constexprs(geo.low, "L_")
-        maxp = self.maxp_hi + self.maxp_lo
-        # (ROW_LEN is a runtime argument: one compile serves every max_context)
-        common = dict(PAGE_BYTES=geo.page_bytes, ROW_LEN=table.shape[-1], G=self.group,
-                      BLOCK_G=self.block_g, D=d, PPI=self.pages_per_iter,
-                      ITERS_MAX=self.iters_max, MAXP_HI=self.maxp_hi, MAXP=maxp,
-                      RS=self.row_stride)
-        grid = (b, self.num_kv_heads, maxp)
+        common = self._common_constexprs(table.shape[-1])
+        grid = (b, self.num_kv_heads, common["MAXP"])
         if "partition" in stages:  # (``stages`` lets the benchmark time each launch alone)
-            self._partition(grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common, hi, lo)
+            self._partition(grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common)
         if "merge" in stages:
-            self._merge(grid, f32, tab, cnt, req_idx, out, lse, common, hi, lo, maxp)
+            self._merge(grid, f32, tab, cnt, req_idx, out, lse, common)
         return out, lse
 
-    def _partition(self, grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common, hi, lo):
+    def _partition(self, grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common):
         _partition_kernel[grid](
             q, q.stride(0), q.stride(1), u8, f16, tab, tab.stride(0), tab.stride(1),
             cnt, cnt.stride(0), cnt.stride(1), req_idx, self.acc, self.ml, self.pbuf,
-            self.mit, sm_scale * LOG2E, self.ppp_hi, self.ppp_lo, **common, **hi, **lo,
-            **variant_constexprs(self.variant),
+            self.mit, sm_scale * LOG2E, self.ppp_hi, self.ppp_lo, **common, **self._part_c,
             num_warps=self.num_warps, num_stages=self.num_stages,
             **({"maxnreg": self.maxnreg} if self.maxnreg and q.is_cuda else {}),
         )
 
-    def _merge(self, grid, f32, tab, cnt, req_idx, out, lse, common, hi, lo, maxp):
+    def _merge(self, grid, f32, tab, cnt, req_idx, out, lse, common):
         _merge_kernel[grid](
             f32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
             req_idx, self.acc, self.ml, self.pbuf, self.mit, out, out.stride(0),
-            out.stride(1), lse, self.ppp_hi, self.ppp_lo, **common,
-            BLOCK_P=triton.next_power_of_2(maxp), CH=max(1, 256 // self.row_stride),
-            H_N=hi["H_N"], H_BN=hi["H_BN"],
-            H_SOFF=hi["H_SOFF"], L_N=lo["L_N"], L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"],
+            out.stride(1), lse, self.ppp_hi, self.ppp_lo, **common, **self._merge_c,
             num_warps=4,
         )
 

@@ -27,6 +27,9 @@ thresholds' verdict by the action ``bench_mix.forced_actions`` draws; the hash i
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -388,6 +391,68 @@ def unpack_keys(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return avg[..., 0], slot[..., 0], avg[..., 1], slot[..., 1]
 
 
+@functools.lru_cache(maxsize=64)
+def _policy_constexprs(geometry: PageGeometry, row_len: int, window: int,
+                       bench: bool) -> dict[str, int | bool]:
+    """The policy kernel's constexprs for one (geometry, row length, window, mode): built
+    once, not per layer (the tier dicts and the hash constants cost host time on every
+    eager call). Geometry layouts are frozen dataclasses, hence hashable."""
+    return dict(PAGE_BYTES=geometry.page_bytes, ROW_LEN=row_len, D=geometry.head_dim,
+                WINDOW=window, BT=256, BENCH=bench, **hash_constexprs(),
+                **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"))
+
+
+@dataclass(frozen=True)
+class DecodeStepInputs:
+    """What every layer's policy step of one decode step shares, converted once per step
+    (eagerly each conversion, gather or allocation is a launch and host time on all 32+
+    layers). ``decode_policy_step(..., step=...)`` uses these as given, so they must be
+    exactly what :func:`prepare_decode_step` produces. The action/hmin/lmin buffers are
+    reused by every layer: a :class:`DecodeDecision` from a prepared call is overwritten
+    by the next layer's call (the backend discards it)."""
+
+    positions: torch.Tensor  # int64 contiguous [B]
+    alpha: torch.Tensor  # float32 contiguous [B, 2]
+    seed: torch.Tensor  # int64 contiguous [B] (benchmark mode) or positions (never read)
+    bench: bool
+    cut_h: int
+    cut_hl: int
+    views: tuple[torch.Tensor, ...]  # page_views(pages): uint8, fp16, fp32, int32
+    action: torch.Tensor  # int8 [B, Hkv]
+    hmin: torch.Tensor  # int64 [B, Hkv]
+    lmin: torch.Tensor  # int64 [B, Hkv]
+
+
+def prepare_decode_step(
+    pages: torch.Tensor,
+    req_idx: torch.Tensor,
+    positions: torch.Tensor,
+    alpha: torch.Tensor,
+    num_kv_heads: int,
+    bench: tuple[torch.Tensor, bench_mix.Mix] | None = None,
+) -> DecodeStepInputs:
+    """The per-step conversions ``decode_policy_step`` otherwise does on every call.
+    (``req_idx`` only sizes the buffers: the kernels take any integer dtype and widen it
+    on load, so it is passed per call unconverted.)"""
+    b = req_idx.shape[0]
+    dev = pages.device
+    positions = positions.to(torch.int64).contiguous()
+    if bench is None:
+        seed, cut_h, cut_hl = positions, 0, 0  # the seed pointer is never read
+    else:
+        seed = bench[0].to(device=dev, dtype=torch.int64).contiguous()
+        if seed.shape != (b,):
+            raise ValueError(f"bench seeds must be [{b}], got {tuple(seed.shape)}")
+        cut_h, cut_hl = bench_mix.decode_cuts(bench[1])
+    return DecodeStepInputs(
+        positions=positions, alpha=alpha.float().contiguous(), seed=seed,
+        bench=bench is not None, cut_h=cut_h, cut_hl=cut_hl, views=page_views(pages),
+        action=torch.empty(b, num_kv_heads, dtype=torch.int8, device=dev),
+        hmin=torch.empty(b, num_kv_heads, dtype=torch.int64, device=dev),
+        lmin=torch.empty(b, num_kv_heads, dtype=torch.int64, device=dev),
+    )
+
+
 def decode_policy_step(
     pages: torch.Tensor,
     geometry: PageGeometry,
@@ -404,50 +469,47 @@ def decode_policy_step(
     argmin: str = "scan",
     argmin_block: int = ARGMIN_BLOCK,
     argmin_programs: int = ARGMIN_PROGRAMS,
+    *,
+    step: DecodeStepInputs | None = None,
 ) -> DecodeDecision:
     """Decide and apply one decode step of one layer; updates ``pages`` and the token
     counters in ``counts`` in place. alpha: [B, 2] = (alpha_h, alpha_l) per request.
     bench: benchmark mode's (seed per request [B], mix); actions follow the mix.
     argmin: "parallel" (``_argmin_kernel`` first, then the policy kernel) or "scan" (the
     policy kernel scans its row itself); same results. argmin_block / argmin_programs: the
-    parallel path's tokens per block and target grid size (:func:`argmin_splits`)."""
+    parallel path's tokens per block and target grid size (:func:`argmin_splits`).
+    step: the step's inputs from :func:`prepare_decode_step` (same ``pages``, ``req_idx``,
+    ``positions``, ``alpha`` and ``bench``); then those arguments are not converted again
+    (they are only shape-checked) and the decision lands in the step's shared buffers."""
     if argmin not in ("parallel", "scan"):
         raise ValueError(f"argmin must be 'parallel' or 'scan', got {argmin!r}")
     _check(geometry, table, counts, req_idx, positions, alpha, key, value)
     b, hkv, d = key.shape
-    dev = key.device
-    action = torch.empty(b, hkv, dtype=torch.int8, device=dev)
-    hmin = torch.empty(b, hkv, dtype=torch.int64, device=dev)
-    lmin = torch.empty(b, hkv, dtype=torch.int64, device=dev)
-    u8, f16, f32, i32 = page_views(pages)
+    if step is None:
+        step = prepare_decode_step(pages, req_idx, positions, alpha, hkv, bench)
+    elif step.action.shape != (b, hkv) or step.bench != (bench is not None):
+        raise ValueError(f"step inputs are for {tuple(step.action.shape)} rows "
+                         f"(bench={step.bench}), this call is for ({b}, {hkv}) "
+                         f"(bench={bench is not None})")
+    u8, f16, f32, i32 = step.views
     tab, cnt = table[:, layer], counts[:, layer]
-    positions = positions.to(torch.int64).contiguous()
-    if bench is None:
-        seed, cut_h, cut_hl = positions, 0, 0  # the seed pointer is never read
-    else:
-        seed = bench[0].to(device=dev, dtype=torch.int64).contiguous()
-        if seed.shape != (b,):
-            raise ValueError(f"bench seeds must be [{b}], got {tuple(seed.shape)}")
-        cut_h, cut_hl = bench_mix.decode_cuts(bench[1])
-    row_len = table.shape[-1]
-    hi_c, lo_c = tier_constexprs(geometry.high, "H_"), tier_constexprs(geometry.low, "L_")
     if argmin == "parallel":
-        part = argmin_partials(pages, geometry, table, counts, req_idx, layer, positions,
+        part = argmin_partials(pages, geometry, table, counts, req_idx, layer, step.positions,
                                window, argmin_block, argmin_programs)
         n_split = part.shape[2]
     else:
-        n_split, part = 1, action  # never read: PARALLEL=False compiles the scan
+        n_split, part = 1, step.action  # never read: PARALLEL=False compiles the scan
     _policy_kernel[(b, hkv)](
         u8, f16, f32, i32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0),
-        cnt.stride(1), req_idx, positions,
-        alpha.float().contiguous(), key, key.stride(0), key.stride(1), value, value.stride(0),
-        value.stride(1), action, hmin, lmin, seed, layer, cut_h, cut_hl, part, n_split,
-        PAGE_BYTES=geometry.page_bytes, ROW_LEN=row_len, D=d, WINDOW=window, BT=256,
-        PARALLEL=argmin == "parallel", BENCH=bench is not None, **hash_constexprs(),
-        **hi_c, **lo_c,
+        cnt.stride(1), req_idx, step.positions,
+        step.alpha, key, key.stride(0), key.stride(1), value, value.stride(0),
+        value.stride(1), step.action, step.hmin, step.lmin, step.seed, layer, step.cut_h,
+        step.cut_hl, part, n_split,
+        PARALLEL=argmin == "parallel",
+        **_policy_constexprs(geometry, table.shape[-1], window, step.bench),
         num_warps=4, enable_fp_fusion=False,
     )
-    return DecodeDecision(action=action, hmin=hmin, lmin=lmin)
+    return DecodeDecision(action=step.action, hmin=step.hmin, lmin=step.lmin)
 
 
 def decode_policy_step_reference(

@@ -46,6 +46,9 @@ class DiffKVForwardMetadata:
     # decode: the longest sequence in the batch (host int): sizes the attention plan, since
     # no row holds more tokens than its sequence length
     max_seq_len: int = 0
+    # decode: DiffKVOps.begin_decode_step's per-step inputs shared by every layer (None on
+    # the reference path)
+    step: Any = None
     # extend only: prompt lengths, and where each flat token sits in the padded batch
     lengths: torch.Tensor | None = None
     num_tokens: int = 0
@@ -119,8 +122,12 @@ class DiffKVAttnBackend(AttentionBackend):
         seq_list = seq.tolist()
         for r, n in zip(req.tolist(), seq_list, strict=True):
             self.pool.seq_len[r] = n
-        return DiffKVForwardMetadata(True, rows, req, seq, positions=seq - 1,
-                                     max_seq_len=max(seq_list, default=0))
+        positions = seq - 1
+        max_seq_len = max(seq_list, default=0)
+        return DiffKVForwardMetadata(
+            True, rows, req, seq, positions=positions, max_seq_len=max_seq_len,
+            step=self.ops.begin_decode_step(req, positions, max_seq_len),
+        )
 
     def _extend_metadata(self, fb: Any) -> DiffKVForwardMetadata:
         prefix = list(fb.extend_prefix_lens_cpu)
@@ -212,11 +219,12 @@ class DiffKVAttnBackend(AttentionBackend):
         layer_idx = layer.layer_id - self.start_layer
         rows = md.rows
         start = None if self.prof is None else self.prof.mark()
-        self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows])
+        self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows],
+                              step=md.step)
         if self.prof is not None:
             self.prof.add("policy", start)
         out = self.ops.decode_attend(layer_idx, md.req_idx, q3[rows], layer.scaling,
-                                     max_seq_len=md.max_seq_len)
+                                     max_seq_len=md.max_seq_len, step=md.step)
         o = q.new_zeros(q3.shape[0], hq, dv)
         o[rows] = out.to(q.dtype)
         if layer.layer_id == self.last_layer:

@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +66,20 @@ def want_kernels(device: torch.device, environ: dict[str, str] | None = None) ->
     return device.type == "cuda"
 
 
+@dataclass
+class DecodeStep:
+    """One decode step's shared inputs (``DiffKVOps.begin_decode_step``): the policy
+    kernel's prepared tensors and the attention plan per q head count, looked up on the
+    first layer and reused by the rest (a plan evicted from the cache meanwhile stays
+    valid: the step holds it)."""
+
+    req: torch.Tensor
+    positions: torch.Tensor
+    max_seq_len: int | None
+    policy: Any  # kernels.decode_policy.DecodeStepInputs
+    plans: dict[int, Any] = field(default_factory=dict)
+
+
 class DiffKVOps:
     def __init__(self, cache: CompressedKVCache, use_kernels: bool,
                  plan_cache_bytes: int = PLAN_CACHE_BYTES) -> None:
@@ -80,9 +95,11 @@ class DiffKVOps:
         if use_kernels:
             from sglang_diffkv import kernels
             from sglang_diffkv.kernels import bench_mix as bench_kernels
+            from sglang_diffkv.kernels import decode_policy as policy_kernels
 
             self.k = kernels
             self.bench_k = bench_kernels
+            self.policy_k = policy_kernels
             cache.decode_room = functools.partial(kernels.decode_compaction, cache.manager)
             # Build (or load) the CUDA compaction library now, at server start: built lazily,
             # the nvcc run (~4 s) landed in the first decode step of the first requests.
@@ -126,32 +143,73 @@ class DiffKVOps:
 
     # ---- decode -----------------------------------------------------------------------
 
+    def begin_decode_step(self, req: torch.Tensor, positions: torch.Tensor,
+                          max_seq_len: int | None = None) -> DecodeStep | None:
+        """What every layer of this decode step shares, prepared once per step (the page
+        views are of ``cache.pages``, which is allocated once and never replaced). Eagerly,
+        the per-layer gathers (alpha, benchmark seeds), dtype conversions, output buffers,
+        page views and plan lookup cost host time on every layer; now once per step. None
+        on the reference path (nothing to prepare)."""
+        if not self.use_kernels:
+            return None
+        c = self.cache
+        mix = c.config.bench_mix
+        policy = self.policy_k.prepare_decode_step(
+            c.pages, req, positions, c.alpha[req], c.spec.num_kv_heads,
+            bench=None if mix is None else (c.bench_seed[req], mix),
+        )
+        return DecodeStep(req=req, positions=positions, max_seq_len=max_seq_len,
+                          policy=policy)
+
     def decode_store(self, layer: int, req: torch.Tensor, positions: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
+                     k: torch.Tensor, v: torch.Tensor, step: DecodeStep | None = None
+                     ) -> None:
+        """``step``: this step's ``begin_decode_step`` (same ``req`` / ``positions``);
+        None prepares the per-step inputs here (same results, more host time)."""
         c = self.cache
         if not self.use_kernels:
             c.decode_layer_store(layer, req, positions, k, v)
             return
         mix = c.config.bench_mix
+        if step is None:
+            step = self.begin_decode_step(req, positions)
+        p = step.policy
+        # (alpha / bench seeds / positions in the call are shape-checked only: the kernel
+        # reads the step's prepared copies)
         self.k.decode_policy_step(
-            c.pages, c.geometry, c.manager.table, c.manager.counts, req, layer, positions,
-            c.alpha[req], c.config.window, k.contiguous(), v.contiguous(),
-            bench=None if mix is None else (c.bench_seed[req], mix),
+            c.pages, c.geometry, c.manager.table, c.manager.counts, req, layer, p.positions,
+            p.alpha, c.config.window, k.contiguous(), v.contiguous(),
+            bench=None if mix is None else (p.seed, mix), step=p,
         )
 
     def decode_attend(self, layer: int, req: torch.Tensor, q: torch.Tensor,
-                      scale: float, max_seq_len: int | None = None) -> torch.Tensor:
+                      scale: float, max_seq_len: int | None = None,
+                      step: DecodeStep | None = None) -> torch.Tensor:
         """Output [B, Hq, D] (scores of every cached token accumulated). ``max_seq_len``:
         the batch's longest sequence (tokens after this step's store), known on the host;
-        None sizes the plan for the cache's ``max_context`` (always safe, more scratch)."""
+        None sizes the plan for the cache's ``max_context`` (always safe, more scratch).
+        ``step``: this step's ``begin_decode_step``; its plan (per q head count) and page
+        views are reused by every layer (its ``max_seq_len`` then applies)."""
         c = self.cache
         if not self.use_kernels:
             return c.decode_layer_attend(layer, req, q, scale).out
-        ctx = c.spec.max_context if max_seq_len is None else max_seq_len
-        plan = self.decode_plan(q.shape[0], ctx, q.shape[1], q.device)
+        hq = q.shape[1]
+        if step is None:
+            plan, views = self._plan_for(q.shape[0], max_seq_len, hq, q.device), None
+        else:
+            plan = step.plans.get(hq)
+            if plan is None:
+                plan = step.plans[hq] = self._plan_for(q.shape[0], step.max_seq_len, hq,
+                                                       q.device)
+            views = step.policy.views
         out, _ = plan.run(q.contiguous(), c.pages, c.manager.table, c.manager.counts, req,
-                          layer, scale)
+                          layer, scale, views=views)
         return out
+
+    def _plan_for(self, batch: int, max_seq_len: int | None, num_q_heads: int,
+                  device: torch.device) -> Any:
+        ctx = self.cache.spec.max_context if max_seq_len is None else max_seq_len
+        return self.decode_plan(batch, ctx, num_q_heads, device)
 
     def decode_plan(self, batch: int, max_seq_len: int, num_q_heads: int,
                     device: torch.device) -> Any:

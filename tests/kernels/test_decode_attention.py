@@ -125,6 +125,31 @@ def test_plan_rejects_bad_shapes():
         DecodeAttentionPlan.build(geo, 5, 2, 2, 64, "cpu")
 
 
+def test_plan_reruns_with_prepared_views_bit_identically_cpu():
+    """The plan's launch constants are cached at build (and ``common`` per row length);
+    runs with ``page_views`` passed in (the per-step path) and computed per call, and a
+    second plan's first run, give the same output, LSE and pages, bit for bit, layer after
+    layer on the same plan."""
+    from sglang_diffkv.kernels._tier import page_views
+
+    geo = PageGeometry.build(64, K8V4_GROUPED, K4V2_GROUPED)
+    case = random_decode_case(geo, [130, 61, 200], 2, num_layers=2, high_frac=0.45,
+                              low_frac=0.4, jitter=True, spare_reqs=2, seed=31)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    kw = dict(pages_per_iter=1, target_programs=12)
+    plan = DecodeAttentionPlan.build(geo, 8, 2, 4, case.max_context, "cpu", **kw)
+    fresh = DecodeAttentionPlan.build(geo, 8, 2, 4, case.max_context, "cpu", **kw)
+    p_call, p_step = case.pages.clone(), case.pages.clone()
+    views = page_views(p_step)
+    for layer in (0, 1, 0):
+        want = fresh.run(q, p_call, case.table, case.counts, case.req_idx, layer, 0.125)
+        got = plan.run(q, p_step, case.table, case.counts, case.req_idx, layer, 0.125,
+                       views=views)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(p_step, p_call)
+        fresh = DecodeAttentionPlan.build(geo, 8, 2, 4, case.max_context, "cpu", **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mix", [(0.98, 0.01), (0.01, 0.98), (0.3, 0.5)])

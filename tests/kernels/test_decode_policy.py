@@ -84,3 +84,46 @@ def test_decode_policy_cpu():
 def test_decode_policy_gpu():
     seen = run_steps("cuda", torch.float16, steps=12, lengths=(90, 64, 40), hkv=8, d=128)
     assert len(seen) >= 3
+
+
+@pytest.mark.parametrize("bench", [False, True])
+def test_prepared_step_equals_per_call(bench):
+    """``prepare_decode_step`` once per step, reused by every layer (as DiffKVOps does),
+    gives the same decisions, pages and counters, bit for bit, as per-call conversion."""
+    from sglang_diffkv.kernels.decode_policy import prepare_decode_step
+
+    a, req, lens = prefilled([40, 23, 61], 2, 64, "cpu", seed=21)
+    b = copy_state(a, "cpu")
+    g = torch.Generator(device="cpu").manual_seed(22)
+    # non-contiguous, non-float32 alpha and int32 positions: the conversions must happen
+    alpha = torch.rand(2, 3, generator=g, dtype=torch.float64).t() * 4
+    mix = (0.3, 0.5, 0.2)
+    seeds = torch.randint(0, 2**31, (3,), generator=g, dtype=torch.int32)
+    seen = set()
+    for step in range(4):
+        a.begin_decode(req).raise_if_failed()
+        b.begin_decode(req).raise_if_failed()
+        positions = (lens + step).to(torch.int32)
+        bench_arg = (seeds, mix) if bench else None
+        prep = prepare_decode_step(b.pages, req, positions, alpha, 2, bench=bench_arg)
+        for layer in range(2):
+            key = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
+            value = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
+            want = decode_policy_step(a.pages, a.geometry, a.manager.table, a.manager.counts,
+                                      req, layer, positions, alpha, CONFIG.window, key, value,
+                                      bench=bench_arg)
+            got = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts,
+                                     req, layer, positions, alpha, CONFIG.window, key, value,
+                                     bench=bench_arg, step=prep)
+            assert got.action is prep.action  # the step's shared buffers
+            for x, y in ((got.action, want.action), (got.hmin, want.hmin),
+                         (got.lmin, want.lmin)):
+                assert torch.equal(x, y)
+            assert torch.equal(a.manager.counts, b.manager.counts)
+            assert torch.equal(a.pages, b.pages)
+            seen.update(got.action.flatten().tolist())
+    assert len(seen) >= 2, f"actions seen: {seen}"
+    with pytest.raises(ValueError, match="step inputs"):
+        decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts, req, 0,
+                           positions, alpha, CONFIG.window, key, value,
+                           bench=None if bench else (seeds, mix), step=prep)

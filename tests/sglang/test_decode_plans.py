@@ -111,3 +111,51 @@ def test_bucketed_plan_attends_a_smaller_batch_like_the_reference():
     # scores accumulated for the same tokens (only the score fields differ, by rounding)
     s0, s1 = caches[0].pages.view(torch.float32), caches[1].pages.view(torch.float32)
     torch.testing.assert_close(s1, s0, rtol=2e-3, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("bench", [True, False])
+def test_per_step_inputs_equal_per_call_path(bench):
+    """``begin_decode_step`` once per step, passed to every layer's decode_store /
+    decode_attend (the backend's path), changes nothing: outputs, pages and counters are
+    bit-identical to the per-call path on the same random state, over several steps."""
+    cfg = CONFIG if bench else DiffKVConfig.from_dict(
+        {"preset": "llama-3-8b", "alpha_h": 6.0, "alpha_l": 1.5, "window": 4,
+         "score_queries": 8})
+    g = torch.Generator().manual_seed(17)
+    caches = [CompressedKVCache(cfg, head_dim=64, num_layers=2, num_kv_heads=2,
+                                num_pages=400, max_reqs=8, max_context=512)
+              for _ in range(2)]
+    req = torch.tensor([4, 0, 2, 5])
+    lengths = torch.tensor([37, 90, 61, 12])
+    q = torch.randn(4, 4, 90, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(4, 2, 90, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(4, 2, 90, 64, generator=g).to(torch.bfloat16)
+    for c in caches:
+        c.pages.fill_(0xA5)
+        c.begin_prefill(req, lengths).raise_if_failed()
+        for layer in range(2):
+            c.prefill_layer(layer, req, lengths, q, k, v, 0.125)
+        c.end_prefill(req)
+    per_call, per_step = (DiffKVOps(c, use_kernels=True) for c in caches)
+    assert per_step.begin_decode_step(req, lengths) is not None
+    assert DiffKVOps(caches[0], use_kernels=False).begin_decode_step(req, lengths) is None
+    for step in range(3):
+        positions = lengths + step
+        max_seq = int(positions.max()) + 1
+        for c in caches:
+            c.begin_decode(req).raise_if_failed()
+        st = per_step.begin_decode_step(req, positions, max_seq)
+        for layer in range(2):
+            kd = torch.randn(4, 2, 64, generator=g).to(torch.bfloat16)
+            vd = torch.randn(4, 2, 64, generator=g).to(torch.bfloat16)
+            qd = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16)
+            per_call.decode_store(layer, req, positions, kd, vd)
+            per_step.decode_store(layer, req, positions, kd, vd, step=st)
+            want = per_call.decode_attend(layer, req, qd, 0.125, max_seq_len=max_seq)
+            got = per_step.decode_attend(layer, req, qd, 0.125, max_seq_len=max_seq, step=st)
+            assert torch.equal(got, want)
+            assert torch.equal(caches[0].pages, caches[1].pages)
+            assert torch.equal(caches[0].manager.counts, caches[1].manager.counts)
+        assert list(st.plans) == [4]  # one plan lookup per step and q head count
