@@ -315,6 +315,18 @@ class CompressedKVCache:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
+    def copy_state_from(self, other: CompressedKVCache) -> None:
+        """Make this cache's state equal to ``other``'s (pages, page table, counters, phases,
+        free list, thresholds, prompt tier counts, benchmark seeds); shapes must match. Lets
+        a test or the GPU check run two paths from one state."""
+        self.pages.copy_(other.pages)
+        for name in ("table", "counts", "phase"):
+            getattr(self.manager, name).copy_(getattr(other.manager, name))
+        for name in ("_buf", "head", "tail"):
+            getattr(self.manager.free_list, name).copy_(getattr(other.manager.free_list, name))
+        for name in ("alpha", "_prompt_kept", "bench_seed"):
+            getattr(self, name).copy_(getattr(other, name))
+
     def free(self, req_idx: IndexLike) -> None:
         self.manager.free_requests(self._index(req_idx))
 

@@ -245,13 +245,7 @@ def _copy(src: CompressedKVCache, device: str = "cpu") -> CompressedKVCache:
                             num_layers=src.spec.num_layers, num_kv_heads=src.spec.num_kv_heads,
                             num_pages=src.spec.num_pages, max_reqs=src.spec.max_reqs,
                             max_context=src.spec.max_context, device=device)
-    dst.pages.copy_(src.pages)
-    for name in ("table", "counts", "phase"):
-        getattr(dst.manager, name).copy_(getattr(src.manager, name))
-    for name in ("_buf", "head", "tail"):
-        getattr(dst.manager.free_list, name).copy_(getattr(src.manager.free_list, name))
-    dst.alpha.copy_(src.alpha)
-    dst.bench_seed.copy_(src.bench_seed)
+    dst.copy_state_from(src)
     return dst
 
 

@@ -36,12 +36,7 @@ def copy_state(src: CompressedKVCache, device) -> CompressedKVCache:
     dst = CompressedKVCache(CONFIG, head_dim=src.geometry.head_dim, num_layers=2,
                             num_kv_heads=src.spec.num_kv_heads, num_pages=400, max_reqs=4,
                             max_context=160, device=device)
-    dst.pages.copy_(src.pages)
-    for name in ("table", "counts", "phase"):
-        getattr(dst.manager, name).copy_(getattr(src.manager, name))
-    for name in ("_buf", "head", "tail"):
-        getattr(dst.manager.free_list, name).copy_(getattr(src.manager.free_list, name))
-    dst.alpha.copy_(src.alpha)
+    dst.copy_state_from(src)
     return dst
 
 

@@ -176,12 +176,7 @@ def cache_pair(geo_name, lengths, hkv, d, seed):
         a.prefill_layer(layer, req, lens, q, k, v, d**-0.5)
     a.end_prefill(req)
     for c in caches[1:]:
-        c.pages.copy_(a.pages)
-        for name in ("table", "counts", "phase"):
-            getattr(c.manager, name).copy_(getattr(a.manager, name))
-        for name in ("_buf", "head", "tail"):
-            getattr(c.manager.free_list, name).copy_(getattr(a.manager.free_list, name))
-        c.alpha.copy_(a.alpha)
+        c.copy_state_from(a)
     return cfg, caches, req, lens
 
 
