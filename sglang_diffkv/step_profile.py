@@ -24,10 +24,11 @@ any synchronisation inside it (``begin_decode`` reads its success flag on the ho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -176,3 +177,19 @@ class StepProfiler:
             self.window[mode] = dict.fromkeys(BUCKETS, 0.0)
             self.window_steps[mode] = 0
         return out
+
+
+_NO_SPAN = contextlib.nullcontext()
+
+
+def span(profiler: StepProfiler | None, bucket: str) -> contextlib.AbstractContextManager:
+    """``with span(prof, "alloc"): ...`` adds the block's time to ``bucket``. Without a
+    profiler (the default) it is a shared no-op context: no event, no sync."""
+    return _NO_SPAN if profiler is None else _span(profiler, bucket)
+
+
+@contextlib.contextmanager
+def _span(profiler: StepProfiler, bucket: str) -> Iterator[None]:
+    start = profiler.mark()
+    yield  # an exception leaves the span unrecorded, as the step it belongs to is lost
+    profiler.add(bucket, start)

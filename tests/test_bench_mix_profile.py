@@ -101,3 +101,21 @@ def test_docs_show_the_regex_the_code_uses():
     shown = "DiffKV profile (?P<mode>" + "".join(
         ln.strip() if i == 0 else " " + ln.strip() for i, ln in enumerate(block.splitlines()))
     assert shown.replace("F", r"\d+(?:\.\d+)?") == PROFILE_LINE_RE.pattern
+
+
+def test_span_times_a_block_and_is_a_no_op_without_a_profiler():
+    from sglang_diffkv.step_profile import span
+
+    with span(None, "alloc"):  # profiling off: nothing to record, nothing raised
+        pass
+    p = StepProfiler("cpu", clock=FakeClock())
+    p.begin_step()
+    with span(p, "alloc"):
+        p._clock.sleep(0.004)
+    with pytest.raises(ValueError, match="profile bucket 'nope'"):
+        with span(p, "nope"):
+            pass
+    p.end_step("decode")
+    (line,) = p.lines()
+    dec = parse_profile_line(line)
+    assert dec["alloc_ms"] == pytest.approx(4) and dec["step_ms"] == pytest.approx(4)

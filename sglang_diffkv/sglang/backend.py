@@ -30,6 +30,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_diffkv.sglang.ops import DiffKVOps, want_kernels
 from sglang_diffkv.sglang.pool import DiffKVPoolError, DiffKVTokenToKVPool
+from sglang_diffkv.step_profile import span
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -109,11 +110,9 @@ class DiffKVAttnBackend(AttentionBackend):
         req = fb.req_pool_indices[rows].long()
         seq = fb.seq_lens[rows].long()
         self.pool.flush_frees()  # (timed as "free" by the pool itself)
-        start = None if self.prof is None else self.prof.mark()
-        res = self.cache.begin_decode(req)
-        ok = bool(res.ok)
-        if self.prof is not None:
-            self.prof.add("alloc", start)
+        with span(self.prof, "alloc"):
+            res = self.cache.begin_decode(req)
+            ok = bool(res.ok)
         if not ok:
             raise DiffKVPoolError(
                 f"DiffKV decode step for {req.numel()} requests needed {int(res.needed)} pages "
@@ -140,10 +139,8 @@ class DiffKVAttnBackend(AttentionBackend):
         lengths_list = [int(n) for n in fb.extend_seq_lens_cpu]
         req = fb.req_pool_indices.long()
         lengths = torch.tensor(lengths_list, dtype=torch.int64, device=req.device)
-        start = None if self.prof is None else self.prof.mark()
-        self.pool.begin_prefill(req.tolist(), lengths_list)
-        if self.prof is not None:
-            self.prof.add("alloc", start)
+        with span(self.prof, "alloc"):
+            self.pool.begin_prefill(req.tolist(), lengths_list)
         b, lmax = len(lengths_list), max(lengths_list)
         token_b = torch.repeat_interleave(torch.arange(b, device=req.device), lengths)
         starts = torch.cumsum(lengths, 0) - lengths
@@ -201,10 +198,9 @@ class DiffKVAttnBackend(AttentionBackend):
         layer_idx = layer.layer_id - self.start_layer
         self.ops.prefill_layer(layer_idx, md.req_idx, md.lengths, qp, kp, vp, layer.scaling)
         if layer.layer_id == self.last_layer:
-            start = None if self.prof is None else self.prof.mark()
-            self.cache.end_prefill(md.req_idx)
+            with span(self.prof, "reclaim"):
+                self.cache.end_prefill(md.req_idx)
             if self.prof is not None:
-                self.prof.add("reclaim", start)
                 self.prof.end_step("prefill")
             self._maybe_log(md, "prefill")
         return o.view(-1, hq * dv)
@@ -218,11 +214,9 @@ class DiffKVAttnBackend(AttentionBackend):
         hq, dv = q3.shape[1], v3.shape[2]
         layer_idx = layer.layer_id - self.start_layer
         rows = md.rows
-        start = None if self.prof is None else self.prof.mark()
-        self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows],
-                              step=md.step)
-        if self.prof is not None:
-            self.prof.add("policy", start)
+        with span(self.prof, "policy"):
+            self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows],
+                                  step=md.step)
         out = self.ops.decode_attend(layer_idx, md.req_idx, q3[rows], layer.scaling,
                                      max_seq_len=md.max_seq_len, step=md.step)
         o = q.new_zeros(q3.shape[0], hq, dv)

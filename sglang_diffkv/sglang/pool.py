@@ -37,7 +37,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import ConfigError, DiffKVConfig
 from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
-from sglang_diffkv.step_profile import StepProfiler
+from sglang_diffkv.step_profile import StepProfiler, span
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -283,16 +283,13 @@ class DiffKVTokenToKVPool(KVCache):
             self._free(pending)
 
     def _free(self, req_idx: list[int]) -> None:
-        prof = self.stats.profiler
-        start = None if prof is None else prof.mark()
-        self.cache.free(req_idx)
-        if prof is not None:
-            prof.add("free", start)
+        with span(self.stats.profiler, "free"):
+            self.cache.free(req_idx)
 
     def release_all(self) -> None:
         self.flush_frees()
-        for r in sorted(self.active):
-            self._free([r])
+        if self.active:
+            self._free(sorted(self.active))  # one batched free, as flush_frees does
         self.active.clear()
         self.req_alpha.clear()
         self.seq_len.clear()
