@@ -73,8 +73,6 @@ class DecodeStep:
     first layer and reused by the rest (a plan evicted from the cache meanwhile stays
     valid: the step holds it)."""
 
-    req: torch.Tensor
-    positions: torch.Tensor
     max_seq_len: int | None
     policy: Any  # kernels.decode_policy.DecodeStepInputs
     plans: dict[int, Any] = field(default_factory=dict)
@@ -158,8 +156,7 @@ class DiffKVOps:
             c.pages, req, positions, c.alpha[req], c.spec.num_kv_heads,
             bench=None if mix is None else (c.bench_seed[req], mix),
         )
-        return DecodeStep(req=req, positions=positions, max_seq_len=max_seq_len,
-                          policy=policy)
+        return DecodeStep(max_seq_len=max_seq_len, policy=policy)
 
     def decode_store(self, layer: int, req: torch.Tensor, positions: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, step: DecodeStep | None = None
