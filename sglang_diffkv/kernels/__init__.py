@@ -11,6 +11,7 @@ from sglang_diffkv.kernels.compaction import (
 )
 from sglang_diffkv.kernels.decode_attention import (
     DecodeAttentionPlan,
+    ScratchArena,
     decode_attention,
     decode_attention_reference,
 )
@@ -30,6 +31,7 @@ from sglang_diffkv.kernels.store import (
 
 __all__ = [
     "DecodeAttentionPlan",
+    "ScratchArena",
     "compaction_backend",
     "compress_prefill",
     "compress_prefill_reference",

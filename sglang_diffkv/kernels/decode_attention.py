@@ -402,6 +402,23 @@ def variant_constexprs(variant: str) -> dict[str, bool]:
     return {"ASM": VARIANTS[variant] and not INTERPRET}
 
 
+class ScratchArena:
+    """One split-K scratch buffer for plans that never run at the same time (the decode
+    CUDA graphs of different batch sizes: one replays at a time). It grows to the largest
+    plan built on it; a plan keeps views of the buffer it was built on, so growing never
+    invalidates an earlier plan (its old buffer stays alive through those views). Build
+    the largest plan first (SGLang captures batch sizes largest first) to hold one buffer."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.buf[:nbytes]
+
+
 @dataclass
 class DecodeAttentionPlan:
     """Static launch shape and scratch for one (geometry, heads, batch, max_context).
@@ -436,6 +453,8 @@ class DecodeAttentionPlan:
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     variant: str = "asm"  # a key of VARIANTS: how the split-K pass converts codes
+    # where the split-K scratch comes from (None: the plan allocates its own)
+    arena: ScratchArena | None = None
 
 
     @classmethod
@@ -454,6 +473,7 @@ class DecodeAttentionPlan:
         num_stages: int = 2,
         maxnreg: int | None = 96,
         variant: str = "asm",
+        arena: ScratchArena | None = None,
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
@@ -481,7 +501,7 @@ class DecodeAttentionPlan:
         iters_max = max(math.ceil(p / pages_per_iter) for p in ppp)
         return cls(geometry, num_q_heads, num_kv_heads, batch, max_context, device,
                    pages_per_iter, ppp[0], ppp[1], maxp[0], maxp[1], iters_max, num_warps,
-                   num_stages, maxnreg, variant)
+                   num_stages, maxnreg, variant, arena)
 
     def __post_init__(self) -> None:
         g = self.num_q_heads // self.num_kv_heads
@@ -489,16 +509,15 @@ class DecodeAttentionPlan:
         self.block_g = max(16, triton.next_power_of_2(g))
         maxp = self.maxp_hi + self.maxp_lo
         bn = max(triton.next_power_of_2(t.tokens_per_page) for t in self.geometry.tiers)
-        heads = self.batch * self.num_kv_heads
-        d = self.geometry.head_dim
-        dev = self.device
-        self.acc = torch.empty(heads * maxp * self.block_g * d, dtype=torch.float32, device=dev)
-        self.ml = torch.empty(heads * maxp * 2 * self.block_g, dtype=torch.float32, device=dev)
-        r = self.row_stride = self.pages_per_iter * bn
-        self.pbuf = torch.empty(heads * maxp * self.iters_max * g * r,
-                                dtype=torch.float16, device=dev)
-        self.mit = torch.empty(heads * maxp * self.iters_max * g,
-                               dtype=torch.float32, device=dev)
+        self.row_stride = self.pages_per_iter * bn
+        need = self.scratch_layout()
+        if self.arena is None:
+            self.acc, self.ml, self.pbuf, self.mit = (
+                torch.empty(n, dtype=dt, device=self.device) for n, dt, _ in need)
+        else:
+            buf = self.arena.take(self.arena_bytes())
+            self.acc, self.ml, self.pbuf, self.mit = (
+                buf[off:off + n * dt.itemsize].view(dt) for n, dt, off in need)
         # Launch constants, built once per plan instead of on every (per-layer) run: the tier
         # dicts, the variant's constexpr, the merge pass's tier subset and block sizes.
         geo = self.geometry
@@ -522,6 +541,26 @@ class DecodeAttentionPlan:
                 ITERS_MAX=self.iters_max, MAXP_HI=self.maxp_hi,
                 MAXP=self.maxp_hi + self.maxp_lo, RS=self.row_stride)
         return common
+
+    def scratch_layout(self) -> list[tuple[int, torch.dtype, int]]:
+        """(elements, dtype, byte offset in an arena) of acc, ml, pbuf and mit; offsets
+        are 256-byte aligned."""
+        heads = self.batch * self.num_kv_heads
+        rows = heads * (self.maxp_hi + self.maxp_lo)
+        g, bg, d = self.group, self.block_g, self.geometry.head_dim
+        sizes = ((rows * bg * d, torch.float32), (rows * 2 * bg, torch.float32),
+                 (rows * self.iters_max * g * self.row_stride, torch.float16),
+                 (rows * self.iters_max * g, torch.float32))
+        out, off = [], 0
+        for n, dt in sizes:
+            out.append((n, dt, off))
+            off += -(-n * dt.itemsize // 256) * 256
+        return out
+
+    def arena_bytes(self) -> int:
+        """Bytes an arena needs to hold this plan's scratch."""
+        n, dt, off = self.scratch_layout()[-1]
+        return off + n * dt.itemsize
 
     def scratch_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.acc, self.ml, self.pbuf, self.mit))

@@ -249,8 +249,10 @@ def _policy_kernel(
         action = tl.where(replace, 3, tl.where(demote_t, 2, tl.where(evict, 1, 0)))
     demote = (action == 2) | (action == 3)
 
-    # Rows of width 2 with only row 0 live: tiles of one token.
-    one = tl.arange(0, 2) < 1
+    # Rows of width 2 with only row 0 live: tiles of one token. A CUDA-graph padding row
+    # (position -1, on the pool's empty pad request) stores nothing and counts nothing.
+    live = p >= 0
+    one = (tl.arange(0, 2) < 1) & ((tl.zeros([2], tl.int32) + live.to(tl.int32)) > 0)
     hmin_c = tl.maximum(hmin, 0)
     src_page = tl.load(row + hmin_c // H_N).to(tl.int64)
     src_base = tl.zeros([2], tl.int64) + src_page * PAGE_BYTES
@@ -286,8 +288,8 @@ def _policy_kernel(
     store_score_pos(f32, i32, new_base, new_slot, one, tl.zeros([2], tl.float32),
                     (tl.zeros([2], tl.int64) + p).to(tl.int32), H_SOFF, H_POFF)
 
-    tl.store(cnt, n_hi + (action == 0).to(tl.int32))
-    tl.store(cnt + 1, n_lo + (action == 2).to(tl.int32))
+    tl.store(cnt, n_hi + ((action == 0) & live).to(tl.int32))
+    tl.store(cnt + 1, n_lo + ((action == 2) & live).to(tl.int32))
     out = b * tl.num_programs(1) + h
     tl.store(action_out + out, action.to(tl.int8))
     tl.store(hmin_out + out, hmin.to(tl.int64))

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from sglang_diffkv.config import ConfigError, DiffKVConfig
+from sglang_diffkv.sglang.ops import KERNELS_ENV, REFERENCE_MODES
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -33,12 +35,31 @@ FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
      "compressed tokens is stage 2"),
     ("chunked_prefill_size", -1,
      "stage 1 scores and compresses whole prompts in one extend (chunk-wise prefill is stage 2)"),
-    ("disable_cuda_graph", True, "DiffKV decode has no CUDA-graph path yet (stage 2)"),
     ("disable_piecewise_cuda_graph", True,
      "piecewise prefill graphs pad the token count, which the DiffKV extend does not handle"),
     ("disable_overlap_schedule", True,
      "the scheduler reads DiffKV's free-page count synchronously between steps in stage 1"),
 )
+
+
+# Forced only on the torch reference path (SGLANG_DIFFKV_KERNELS=0), which synchronises
+# with the host inside the forward; the Triton path captures decode graphs.
+REFERENCE_FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
+    ("disable_cuda_graph", True,
+     "SGLANG_DIFFKV_KERNELS=0 runs the torch reference, which cannot be graph-captured"),
+)
+
+# DiffKV holds several times the requests of a bf16 cache in the same memory; SGLang's
+# default graph limit on an 80 GB GPU (256) would leave its large batches eager.
+DEFAULT_CUDA_GRAPH_MAX_BS = 512
+
+
+def forced_settings(environ: dict[str, str] | None = None
+                    ) -> tuple[tuple[str, Any, str], ...]:
+    """(field, forced value, why) for this process's compute path."""
+    env = os.environ if environ is None else environ
+    reference = env.get(KERNELS_ENV, "auto").strip().lower() in REFERENCE_MODES
+    return FORCED_SETTINGS + (REFERENCE_FORCED_SETTINGS if reference else ())
 
 
 def uses_diffkv(args: Any) -> bool:
@@ -98,7 +119,7 @@ def check_supported(args: Any) -> None:
 def forced_setting_lines(args: Any) -> list[str]:
     """One line per forced setting, naming the user's value when it is overridden."""
     lines = []
-    for name, value, why in FORCED_SETTINGS:
+    for name, value, why in forced_settings():
         before = getattr(args, name, None)
         was = "" if before in (None, value) else f" (was {before})"
         lines.append(f"diffkv: forcing {name}={value}{was}: {why}")
@@ -112,8 +133,17 @@ def apply_forced_settings(args: Any, *, log: bool) -> None:
     if log:
         for line in forced_setting_lines(args):
             logger.log(logging.WARNING if "(was " in line else logging.INFO, line)
-    for name, value, _ in FORCED_SETTINGS:
+    for name, value, _ in forced_settings():
         setattr(args, name, value)
+
+
+def apply_defaults(args: Any) -> None:
+    """Defaults diffkv changes where the user left SGLang's (before its __post_init__)."""
+    if getattr(args, "cuda_graph_max_bs", 0) is None and getattr(args, "cuda_graph_bs",
+                                                                  0) is None:
+        args.cuda_graph_max_bs = DEFAULT_CUDA_GRAPH_MAX_BS
+        logger.info("diffkv: --cuda-graph-max-bs defaults to %d (decode batches up to it "
+                    "replay CUDA graphs; larger ones run eagerly)", DEFAULT_CUDA_GRAPH_MAX_BS)
 
 
 def load_config_for_startup() -> DiffKVConfig:
@@ -157,6 +187,7 @@ def wrap_post_init(original: Callable[[Any], None]) -> Callable[[Any], None]:
         check_supported(self)
         load_config_for_startup()
         apply_forced_settings(self, log=True)
+        apply_defaults(self)
         original(self)
         check_supported(self)
         apply_forced_settings(self, log=False)

@@ -10,6 +10,11 @@ per-layer ``forward_extend`` / ``forward_decode``.
 - decode: per layer the policy step stores the new token (evicting / demoting), then paged
   mixed-precision attention over the compressed cache, which also accumulates scores.
 - padded rows (``out_cache_loc == 0``: slot 0 is never allocated) are skipped.
+- CUDA-graph decode (kernel path): SGLang captures one graph per batch size; the decode
+  inputs live in static buffers (``graphs.DecodeGraphState``) that the replay's metadata
+  step fills, padding rows pointing at the pool's empty pad request. Page allocation runs
+  in that metadata step, outside the graph. Under graphs the per-step log line and the
+  profile's step end are taken at the next step's metadata (the forward runs no Python).
 
 The compute goes through one seam, ``ops.DiffKVOps``: the torch reference
 (``sglang_diffkv.cache.CompressedKVCache``) or the Triton kernels on the same state.
@@ -21,13 +26,14 @@ itself (``sglang_diffkv.step_profile``); off, the profiler is None and nothing i
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_diffkv.sglang.graphs import DecodeGraphState
 from sglang_diffkv.sglang.ops import DiffKVOps, want_kernels
 from sglang_diffkv.sglang.pool import DiffKVPoolError, DiffKVTokenToKVPool
 from sglang_diffkv.step_profile import span
@@ -40,7 +46,7 @@ class DiffKVForwardMetadata:
     """Per-batch indices shared by every layer. Only real (unpadded) requests appear."""
 
     is_decode: bool
-    rows: torch.Tensor  # int64 [B]: row of each request in the forward batch (decode)
+    rows: torch.Tensor | None  # int64 [B]: row of each request in the batch (None: all)
     req_idx: torch.Tensor  # int64 [B]: req_pool_idx of each request
     seq_lens: torch.Tensor  # int64 [B]: tokens after this step
     positions: torch.Tensor | None = None  # decode: position of the new token
@@ -50,6 +56,9 @@ class DiffKVForwardMetadata:
     # decode: DiffKVOps.begin_decode_step's per-step inputs shared by every layer (None on
     # the reference path)
     step: Any = None
+    # decode under a CUDA graph: the captured batch size (rows past req_idx's are padding);
+    # 0 when eager
+    graph_bs: int = 0
     # extend only: prompt lengths, and where each flat token sits in the padded batch
     lengths: torch.Tensor | None = None
     num_tokens: int = 0
@@ -76,6 +85,10 @@ class DiffKVAttnBackend(AttentionBackend):
         self.forward_metadata: DiffKVForwardMetadata | None = None
         self.ops = DiffKVOps(self.cache, want_kernels(torch.device(self.device)))
         self.prof = pool.stats.profiler
+        self.num_q_heads = model_runner.model_config.num_attention_heads
+        self.graphs: DecodeGraphState | None = None
+        # a replayed decode step whose end (profile, log line) the next metadata step takes
+        self._graph_step_open: DiffKVForwardMetadata | None = None
         logger.info(
             "DiffKV attention backend: compute path = %s (SGLANG_DIFFKV_KERNELS=auto|1|0)",
             self.ops.name,
@@ -90,6 +103,7 @@ class DiffKVAttnBackend(AttentionBackend):
     # ---- metadata ------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
+        self._close_graph_step()
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -109,6 +123,18 @@ class DiffKVAttnBackend(AttentionBackend):
         rows = torch.nonzero(fb.out_cache_loc != 0).squeeze(1)
         req = fb.req_pool_indices[rows].long()
         seq = fb.seq_lens[rows].long()
+        seq_list = seq.tolist()
+        self._allocate_decode(req, seq_list)
+        positions = seq - 1
+        max_seq_len = max(seq_list, default=0)
+        return DiffKVForwardMetadata(
+            True, rows, req, seq, positions=positions, max_seq_len=max_seq_len,
+            step=self.ops.begin_decode_step(req, positions, max_seq_len),
+        )
+
+    def _allocate_decode(self, req: torch.Tensor, seq_list: list[int]) -> None:
+        """This step's page room for every request (the policy step then never fails), and
+        the pool's per-request token counts."""
         self.pool.flush_frees()  # (timed as "free" by the pool itself)
         with span(self.prof, "alloc"):
             res = self.cache.begin_decode(req)
@@ -118,15 +144,8 @@ class DiffKVAttnBackend(AttentionBackend):
                 f"DiffKV decode step for {req.numel()} requests needed {int(res.needed)} pages "
                 f"but only {int(res.free)} are free; check_decode_mem should have retracted"
             )
-        seq_list = seq.tolist()
         for r, n in zip(req.tolist(), seq_list, strict=True):
             self.pool.seq_len[r] = n
-        positions = seq - 1
-        max_seq_len = max(seq_list, default=0)
-        return DiffKVForwardMetadata(
-            True, rows, req, seq, positions=positions, max_seq_len=max_seq_len,
-            step=self.ops.begin_decode_step(req, positions, max_seq_len),
-        )
 
     def _extend_metadata(self, fb: Any) -> DiffKVForwardMetadata:
         prefix = list(fb.extend_prefix_lens_cpu)
@@ -213,6 +232,13 @@ class DiffKVAttnBackend(AttentionBackend):
         q3, k3, v3 = _per_head(layer, q, k, v)
         hq, dv = q3.shape[1], v3.shape[2]
         layer_idx = layer.layer_id - self.start_layer
+        if md.graph_bs:
+            # every row, padding included (it points at the empty pad request); no Python
+            # may run per replay, so no profile span and no log line here
+            self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3, v3, step=md.step)
+            out = self.ops.decode_attend(layer_idx, md.req_idx, q3, layer.scaling,
+                                         step=md.step)
+            return out.to(q.dtype).view(-1, hq * dv)
         rows = md.rows
         with span(self.prof, "policy"):
             self.ops.decode_store(layer_idx, md.req_idx, md.positions, k3[rows], v3[rows],
@@ -233,15 +259,74 @@ class DiffKVAttnBackend(AttentionBackend):
             for line in text.splitlines():  # one record per line: log parsers read lines
                 logger.info(line)
 
-    # ---- CUDA graphs: not in stage 1 (forced off at start-up) -----------------------------
+    # ---- CUDA-graph decode ----------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise NotImplementedError(
-            "diffkv stage 1 has no CUDA-graph decode; it forces --disable-cuda-graph"
-        )
+        if max_num_tokens != max_bs:
+            raise NotImplementedError(
+                f"diffkv CUDA graphs capture decode only (one token per request); got "
+                f"{max_num_tokens} tokens for {max_bs} requests"
+            )
+        self.graphs = DecodeGraphState(self.ops, self.pool.pad_req, max_bs, self.num_q_heads)
+        logger.info("DiffKV attention backend: CUDA-graph decode for batch sizes up to %d",
+                    max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return 1
+        # padding rows get sequence length 0, so a replay counts its real rows on the host
+        # (real decode rows hold at least one token)
+        return 0
+
+    def _graph_metadata(self, bs: int, req: torch.Tensor, seq: torch.Tensor
+                        ) -> DiffKVForwardMetadata:
+        g = self.graphs
+        if g is None:
+            raise RuntimeError("diffkv: CUDA-graph metadata before init_cuda_graph_state")
+        return DiffKVForwardMetadata(True, None, g.req[:bs], seq, positions=g.positions[:bs],
+                                     step=g.step(bs), graph_bs=bs)
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor, encoder_lens: Any, forward_mode: Any, spec_info: Any,
+    ) -> None:
+        if not forward_mode.is_decode() or spec_info is not None:
+            raise NotImplementedError(
+                f"diffkv CUDA graphs capture plain decode only, not {forward_mode.name}"
+            )
+        self._close_graph_step()
+        # capture runs with every row padding: the kernels are recorded, nothing is stored
+        self.graphs.load(bs, self.graphs.req[:0], self.graphs.positions[:0])
+        self.forward_metadata = self._graph_metadata(bs, self.graphs.req[:0], seq_lens[:0])
+
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+        seq_lens_sum: int, encoder_lens: Any, forward_mode: Any, spec_info: Any,
+        seq_lens_cpu: torch.Tensor | None = None, **kwargs: Any,
+    ) -> None:
+        self._close_graph_step()
+        if not forward_mode.is_decode() or spec_info is not None:
+            raise NotImplementedError(
+                f"diffkv CUDA graphs replay plain decode only, not {forward_mode.name}"
+            )
+        seq_host = (seq_lens_cpu if seq_lens_cpu is not None else seq_lens.cpu())[:bs].tolist()
+        n = sum(1 for s in seq_host if s > 0)  # real rows come first; padding has length 0
+        if self.prof is not None:
+            self.prof.begin_step()
+        req = req_pool_indices[:n].long()
+        self._allocate_decode(req, seq_host[:n])
+        seq = seq_lens[:n].long()
+        self.graphs.load(bs, req, seq - 1)
+        md = self._graph_metadata(bs, req, seq)
+        self.forward_metadata = md
+        self._graph_step_open = md
+
+    def _close_graph_step(self) -> None:
+        md, self._graph_step_open = self._graph_step_open, None
+        if md is None:
+            return
+        if self.prof is not None:
+            self.prof.end_step("decode")
+        # the log line reads this step's requests: still theirs (frees wait for flush_frees)
+        self._maybe_log(replace(md, req_idx=md.req_idx[:md.seq_lens.numel()]), "decode")
 
 
 def _per_head(

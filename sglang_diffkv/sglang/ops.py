@@ -30,6 +30,7 @@ from sglang_diffkv.cache import CompressedKVCache
 logger = logging.getLogger("sglang_diffkv")
 
 KERNELS_ENV = "SGLANG_DIFFKV_KERNELS"
+REFERENCE_MODES = ("0", "false", "off", "reference")
 
 # Decode-attention plans hold split-K scratch that grows with batch x context (about 2 MB
 # per request at 8192 tokens for a Llama-3-8B layer shape), so the cache is bounded in
@@ -57,7 +58,7 @@ def plan_bucket(batch: int, max_seq_len: int, max_reqs: int, max_context: int
 def want_kernels(device: torch.device, environ: dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     mode = env.get(KERNELS_ENV, "auto").strip().lower()
-    if mode in ("0", "false", "off", "reference"):
+    if mode in REFERENCE_MODES:
         return False
     if mode in ("1", "true", "on", "kernels"):
         return True

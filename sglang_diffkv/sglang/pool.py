@@ -54,6 +54,12 @@ class DiffKVPoolError(RuntimeError):
 # ---- capacity planning (host arithmetic only) -------------------------------------------
 
 
+def cache_rows(max_running_requests: int) -> int:
+    """Request rows of the DiffKV cache: SGLang's request slots plus the pad request that
+    CUDA-graph padding rows point at (``DiffKVTokenToKVPool.pad_req``, the last row)."""
+    return max_running_requests + 1
+
+
 def planning_mix(
     config: DiffKVConfig, environ: dict[str, str] | None = None
 ) -> tuple[float, float]:
@@ -203,6 +209,13 @@ class DiffKVTokenToKVPool(KVCache):
         self.seq_len: dict[int, int] = {}
         self.stats = PoolStats(device)
         self._finalize_allocation_log(size)
+
+    @property
+    def pad_req(self) -> int:
+        """The cache row CUDA-graph padding rows use: one past SGLang's request slots
+        (``cache_rows``), so it is never allocated and its counters stay zero: attention
+        over it reads nothing and the policy step skips it (its position is -1)."""
+        return self.cache.spec.max_reqs - 1
 
     # -- physical accounting (host) --------------------------------------------------------
 

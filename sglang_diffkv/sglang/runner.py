@@ -16,13 +16,14 @@ from typing import Any
 
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import ConfigError, DiffKVConfig
-from sglang_diffkv.sglang.args import FORCED_SETTINGS
+from sglang_diffkv.sglang.args import forced_settings
 from sglang_diffkv.sglang.pool import (
     CapacityPlan,
     DiffKVPoolError,
     DiffKVReqToTokenPool,
     DiffKVTokenToKVPool,
     DiffKVTokenToKVPoolAllocator,
+    cache_rows,
     capacity_report,
 )
 
@@ -89,7 +90,7 @@ def init_pools(runner: Any) -> None:
     context_len = runner.model_config.context_len
     max_context = context_len + EXTRA_CONTEXT
     budget = runner.max_total_num_tokens * plan.cell_bytes
-    num_pages = plan.num_pages(budget, max_reqs, max_context)
+    num_pages = plan.num_pages(budget, cache_rows(max_reqs), max_context)
     if num_pages < plan.rows_per_request * 4:
         raise DiffKVPoolError(
             f"--attention-backend diffkv: the KV budget of {budget / 2**30:.2f} GiB leaves "
@@ -104,7 +105,7 @@ def init_pools(runner: Any) -> None:
         num_layers=num_layers,
         num_kv_heads=plan.num_kv_heads,
         num_pages=num_pages,
-        max_reqs=max_reqs,
+        max_reqs=cache_rows(max_reqs),
         max_context=max_context,
         device=runner.device,
         validate=False,
@@ -125,7 +126,7 @@ def init_pools(runner: Any) -> None:
     )
     # The scheduler reads the slot count from here (tp_worker.get_worker_info).
     runner.max_total_num_tokens = slots
-    for name, value, why in FORCED_SETTINGS:
+    for name, value, why in forced_settings():
         logger.info("diffkv: %s=%s (forced): %s", name, value, why)
     for line in capacity_report(plan, num_pages, slots, max_reqs, context_len):
         logger.info(line)

@@ -122,3 +122,25 @@ def test_prepared_step_equals_per_call(bench):
         decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts, req, 0,
                            positions, alpha, CONFIG.window, key, value,
                            bench=None if bench else (seeds, mix), step=prep)
+
+
+def test_position_minus_one_rows_change_nothing():
+    """CUDA-graph padding rows carry position -1: on any row, even a live request's, the
+    policy kernel stores nothing and advances no counter."""
+    a, req, lens = prefilled([40, 23, 61], 2, 64, "cpu", seed=31)
+    a.begin_decode(req).raise_if_failed()
+    pages = a.pages.clone()
+    g = torch.Generator(device="cpu").manual_seed(32)
+    key = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
+    value = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
+    positions = torch.tensor([-1, int(lens[1]), -1])
+    decode_policy_step(a.pages, a.geometry, a.manager.table, a.manager.counts, req, 0,
+                       positions, a.alpha[req], CONFIG.window, key, value)
+    b, ref_req, _ = prefilled([40, 23, 61], 2, 64, "cpu", seed=31)
+    b.begin_decode(ref_req).raise_if_failed()
+    decode_policy_step_reference(b.pages, b.geometry, b.manager.table, b.manager.counts,
+                                 ref_req[1:2], 0, positions[1:2], b.alpha[ref_req[1:2]],
+                                 CONFIG.window, key[1:2], value[1:2])
+    # exactly what the reference does to the live row alone: the -1 rows were not touched
+    assert torch.equal(a.pages, b.pages) and torch.equal(a.manager.counts, b.manager.counts)
+    assert not torch.equal(a.pages, pages)

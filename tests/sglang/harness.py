@@ -78,11 +78,11 @@ def budget_for_pages(shape: ModelShape, pages: int, max_reqs: int) -> int:
     """A KV memory budget that gives the DiffKV pool exactly ``pages`` pages for ``shape``
     under the current SGLANG_DIFFKV_CONFIG."""
     from sglang_diffkv.config import DiffKVConfig
-    from sglang_diffkv.sglang.pool import CapacityPlan
+    from sglang_diffkv.sglang.pool import CapacityPlan, cache_rows
 
     plan = CapacityPlan.build(DiffKVConfig.from_env(), shape.head_dim, shape.num_layers,
                               shape.num_kv_heads)
-    state = plan.request_state_bytes(max_reqs, shape.context_len + 4)
+    state = plan.request_state_bytes(cache_rows(max_reqs), shape.context_len + 4)
     # + one cell: the runner rounds the budget down to whole logical tokens
     return state + pages * (plan.geometry.page_bytes + 4) + plan.cell_bytes
 
@@ -91,6 +91,7 @@ class FakeModelConfig:
     def __init__(self, shape: ModelShape) -> None:
         self.head_dim = shape.head_dim
         self.v_head_dim = shape.head_dim
+        self.num_attention_heads = shape.num_q_heads
         self.context_len = shape.context_len
         self.num_kv = shape.num_kv_heads
         self.is_hybrid_swa = False
@@ -185,6 +186,10 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
     padded_rows_seen: int = 0
     padded_outputs: list[torch.Tensor] = field(default_factory=list)
     max_peak_logical_used: int = 0
+    # CUDA-graph decode as SGLang's CudaGraphRunner drives the backend (capture sizes; empty:
+    # eager). Emulated on the CPU: the "graph" is the captured metadata re-run as recorded.
+    graph_bs: tuple[int, ...] = ()
+    graph_replays: int = 0
 
     def __post_init__(self) -> None:
         self.server_args = ServerArgs(model_path="dummy", attention_backend="diffkv")
@@ -207,6 +212,56 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
                            self.shape.num_kv_heads, layer_id=i)
             for i in range(self.shape.num_layers)
         ]
+        if self.graph_bs:
+            self._capture_graphs()
+
+    # -- CUDA-graph decode, as CudaGraphRunner drives it ------------------------------------
+
+    def _capture_graphs(self) -> None:
+        backend = self.runner.attn_backend
+        n = max(self.graph_bs)
+        backend.init_cuda_graph_state(n, n)
+        fill = backend.get_cuda_graph_seq_len_fill_value()
+        # DecodeInputBuffers: stale rows past a replay's batch keep their old values, except
+        # seq_lens (refilled with the fill value when the batch is padded)
+        self.g_req = torch.zeros(n, dtype=torch.int64)
+        self.g_seq = torch.full((n,), fill, dtype=torch.int64)
+        self.g_seq_cpu = self.g_seq.clone()
+        self.g_ids = torch.zeros(n, dtype=torch.int64)
+        self.g_pos = torch.zeros(n, dtype=torch.int64)
+        self.captured: dict[int, Any] = {}
+        for bs in sorted(self.graph_bs, reverse=True):  # SGLang captures largest first
+            backend.init_forward_metadata_capture_cuda_graph(
+                bs, bs, self.g_req[:bs], self.g_seq[:bs], None, fbi.ForwardMode.DECODE, None)
+            self.captured[bs] = backend.forward_metadata
+            self._graph_forward(bs)
+
+    def _graph_forward(self, bs: int) -> list[torch.Tensor]:
+        backend = self.runner.attn_backend
+        backend.forward_metadata = self.captured[bs]  # a graph replays its capture's inputs
+        outs = []
+        for layer in self.layers:
+            q, k, v = fake_qkv(self.g_ids[:bs], self.g_pos[:bs], layer.layer_id, self.shape)
+            outs.append((q, k, v, backend.forward_decode(q, k, v, layer, None)))
+        return outs
+
+    def _replay(self, fb: Any) -> list[tuple[torch.Tensor, ...]]:
+        raw = fb.batch_size
+        bs = min(b for b in self.graph_bs if b >= raw)
+        fill = self.runner.attn_backend.get_cuda_graph_seq_len_fill_value()
+        if bs != raw:
+            self.g_seq.fill_(fill)
+            self.g_seq_cpu.fill_(fill)
+        for buf, src in ((self.g_req, fb.req_pool_indices), (self.g_seq, fb.seq_lens),
+                         (self.g_seq_cpu, fb.seq_lens_cpu), (self.g_ids, fb.input_ids),
+                         (self.g_pos, fb.positions)):
+            buf[:raw].copy_(src)
+        self.runner.attn_backend.init_forward_metadata_replay_cuda_graph(
+            bs, self.g_req[:bs], self.g_seq[:bs], int(self.g_seq[:bs].sum()), None,
+            fbi.ForwardMode.DECODE, None, seq_lens_cpu=self.g_seq_cpu[:bs])
+        self.graph_replays += 1
+        self.padded_rows_seen += bs - raw
+        return self._graph_forward(bs)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -286,19 +341,25 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
         mwb = batch.get_model_worker_batch()
         fb = fbi.ForwardBatch.init_new(mwb, self.runner)
         real = fb.batch_size
-        if self.pad_decode_rows and fb.forward_mode.is_decode():
-            self._pad(fb, self.pad_decode_rows)
-        self.runner.attn_backend.init_forward_metadata(fb)
-        n_real_tokens = real if fb.forward_mode.is_decode() else int(fb.input_ids.shape[0])
+        ids = fb.input_ids
+        is_decode = fb.forward_mode.is_decode()
+        n_real_tokens = real if is_decode else int(fb.input_ids.shape[0])
         record = StepRecord(
-            "decode" if fb.forward_mode.is_decode() else "extend",
+            "decode" if is_decode else "extend",
             [r.rid for r in batch.reqs], [], fb.positions[:n_real_tokens].clone(),
             fb.seq_lens[:real].tolist(), fb.req_pool_indices[:real].tolist(),
         )
-        ids = fb.input_ids
-        for layer in self.layers:
-            q, k, v = fake_qkv(ids, fb.positions, layer.layer_id, self.shape)
-            o = layer(q, k, v, fb)
+        if is_decode and self.graph_bs and real <= max(self.graph_bs):
+            layers = self._replay(fb)
+        else:
+            if self.pad_decode_rows and is_decode:
+                self._pad(fb, self.pad_decode_rows)
+            self.runner.attn_backend.init_forward_metadata(fb)
+            layers = []
+            for layer in self.layers:
+                q, k, v = fake_qkv(fb.input_ids, fb.positions, layer.layer_id, self.shape)
+                layers.append((q, k, v, layer(q, k, v, fb)))
+        for q, k, v, o in layers:
             record.layers.append(
                 (q[:n_real_tokens], k[:n_real_tokens], v[:n_real_tokens], o[:n_real_tokens])
             )

@@ -204,7 +204,7 @@ def test_startup_report_and_step_metrics_are_logged(monkeypatch, caplog):
     assert f"page {s.kv_pool.cache.geometry.page_bytes} B; tokens per page: high 32" in text
     assert f"{s.kv_pool.num_pages} pages" in text and "fp16/bf16 tokens" in text
     assert "logical token slots" in text and "expected max concurrency" in text
-    assert "diffkv: disable_cuda_graph=True (forced): " in text  # repeated in the server log
+    assert "diffkv: disable_overlap_schedule=True (forced): " in text  # repeated in the log
     assert "DiffKV prefill: batch 1, tokens high" in text
     assert "DiffKV decode: batch 1" in text and "pruned" in text and "pages in use" in text
     assert "a bf16 cache would need" in text
@@ -224,6 +224,43 @@ def test_kernel_path_matches_the_reference(monkeypatch):
     s.run_until_idle()
     compared = replay_on_reference(s, tol=2e-2)  # bf16 activations
     assert compared == {"extend": 2, "decode": 13 + 9}
+    assert_back_to_initial_state(s)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+def test_cuda_graph_decode_matches_the_reference(monkeypatch, caplog):
+    """Decode driven as CudaGraphRunner does it: captured per batch size with every row
+    padding, replayed from static buffers whose rows past the batch are stale (SGLang
+    refills only seq_lens). Padding must neither store nor score anything: outputs and
+    counters match the reference per request, and the pad request stays empty."""
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "1")
+    monkeypatch.setenv("SGLANG_DIFFKV_LOG_INTERVAL", "1")
+    shape = H.ModelShape(dtype=torch.bfloat16)
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8), graph_bs=(1, 2, 4))
+    backend = s.runner.attn_backend
+    assert backend.graphs is not None and sorted(backend.graphs.steps) == [1, 2, 4]
+    # one scratch arena serves every batch size's plan
+    arena = backend.graphs.arena.buf
+    plans = [st.plans[shape.num_q_heads] for st in backend.graphs.steps.values()]
+    assert all(p.acc.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+               for p in plans)
+    s.add_request("a", [(7 * i) % 997 + 1 for i in range(45)], 14)
+    s.add_request("b", [(3 * i) % 991 + 2 for i in range(30)], 10)
+    s.add_request("c", [(5 * i) % 983 + 3 for i in range(38)], 6)
+    with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
+        s.run_until_idle()
+    # batches of 3 (padded to 4, the padding naming live requests), then 2 and 1
+    assert s.graph_replays == 13 and s.padded_rows_seen == 5
+    compared = replay_on_reference(s, tol=2e-2)
+    assert compared == {"extend": 3, "decode": 13 + 9 + 5}
+    pad = s.kv_pool.pad_req
+    cache = s.kv_pool.cache
+    assert not bool(cache.counts[pad].any()) and bool((cache.manager.table[pad] == -1).all())
+    # the replayed steps still log, each at the next step's metadata (so the last one, with
+    # no step after it, not yet)
+    assert sum("DiffKV decode: batch" in r.getMessage() for r in caplog.records) == 12
     assert_back_to_initial_state(s)
 
 

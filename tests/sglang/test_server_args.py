@@ -9,7 +9,11 @@ import harness as H  # sglang importable on CPU, diffkv registered
 import pytest
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-from sglang_diffkv.sglang.args import FORCED_SETTINGS, DiffKVUnsupportedError
+from sglang_diffkv.sglang.args import (
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    FORCED_SETTINGS,
+    DiffKVUnsupportedError,
+)
 from sglang_diffkv.sglang.pool import DiffKVPoolError
 
 
@@ -24,7 +28,8 @@ def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
     assert a.page_size == 1
     assert a.disable_radix_cache is True
     assert a.chunked_prefill_size == -1
-    assert a.disable_cuda_graph is True
+    assert a.disable_cuda_graph is False  # the kernel path captures decode graphs
+    assert a.cuda_graph_max_bs == DEFAULT_CUDA_GRAPH_MAX_BS
     assert a.disable_piecewise_cuda_graph is True
     assert a.disable_overlap_schedule is True
     forced = [r.getMessage() for r in caplog.records if "forcing" in r.getMessage()]
@@ -36,6 +41,17 @@ def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
     assert any("chunked_prefill_size=-1 (was 4096)" in m for m in forced)
     assert all(": " in m and len(m.split(": ", 1)[1]) > 20 for m in forced)
     assert any("SGLANG_DIFFKV_CONFIG" in r.getMessage() for r in caplog.records)
+
+
+def test_cuda_graphs_follow_the_compute_path(monkeypatch, caplog):
+    a = _args("--cuda-graph-max-bs", "64")
+    assert a.disable_cuda_graph is False and a.cuda_graph_max_bs == 64  # the user's value
+    monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "0")
+    with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
+        a = _args()
+    assert a.disable_cuda_graph is True  # the torch reference cannot be captured
+    assert any("forcing disable_cuda_graph=True" in r.getMessage()
+               and "SGLANG_DIFFKV_KERNELS=0" in r.getMessage() for r in caplog.records)
 
 
 def test_other_backends_are_untouched():
