@@ -37,16 +37,18 @@ FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
      "stage 1 scores and compresses whole prompts in one extend (chunk-wise prefill is stage 2)"),
     ("disable_piecewise_cuda_graph", True,
      "piecewise prefill graphs pad the token count, which the DiffKV extend does not handle"),
-    ("disable_overlap_schedule", True,
-     "the scheduler reads DiffKV's free-page count synchronously between steps in stage 1"),
 )
 
 
 # Forced only on the torch reference path (SGLANG_DIFFKV_KERNELS=0), which synchronises
-# with the host inside the forward; the Triton path captures decode graphs.
+# with the host inside the forward; the Triton path captures decode graphs and runs under
+# the overlap scheduler (pool.py: the scheduler's side waits on the forward's stream).
 REFERENCE_FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("disable_cuda_graph", True,
      "SGLANG_DIFFKV_KERNELS=0 runs the torch reference, which cannot be graph-captured"),
+    ("disable_overlap_schedule", True,
+     "SGLANG_DIFFKV_KERNELS=0 runs the torch reference, which synchronises inside the "
+     "forward"),
 )
 
 # DiffKV holds several times the requests of a bf16 cache in the same memory; SGLang's

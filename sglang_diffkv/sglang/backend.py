@@ -104,6 +104,7 @@ class DiffKVAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self._close_graph_step()
+        self.pool.mark_forward_stream()
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -303,6 +304,7 @@ class DiffKVAttnBackend(AttentionBackend):
         seq_lens_cpu: torch.Tensor | None = None, **kwargs: Any,
     ) -> None:
         self._close_graph_step()
+        self.pool.mark_forward_stream()
         if not forward_mode.is_decode() or spec_info is not None:
             raise NotImplementedError(
                 f"diffkv CUDA graphs replay plain decode only, not {forward_mode.name}"

@@ -18,8 +18,13 @@ Three SGLang objects are replaced:
   react to real memory. Exact at idle: with no request holding pages it equals ``size``, so
   SGLang's strict idle leak check holds whenever every page came back.
 
-Stage 1 runs without the overlap scheduler, so reading the device free-page counter on the
-host (a sync) is always consistent with the last forward.
+Under SGLang's overlap scheduler the forward runs on its own stream while the scheduler
+(on another) already prepares the next batch and releases finished requests. Every device
+read or write the scheduler side makes here first orders its stream after the last forward's
+(``after_forward``: a GPU-side wait, no host sync). So the free-page count the scheduler
+reads (a sync) includes the forward in flight, and a released request's pages go back only
+after the forward that may still read them; the next forward waits on the scheduler's stream
+(SGLang's ``forward_stream.wait_stream``), so it sees the frees.
 """
 
 from __future__ import annotations
@@ -208,6 +213,8 @@ class DiffKVTokenToKVPool(KVCache):
         # Tokens each active request holds (prompt + decoded), for the per-request metrics.
         self.seq_len: dict[int, int] = {}
         self.stats = PoolStats(device)
+        # the stream the backend's last forward ran on (CUDA only; see the module docstring)
+        self._forward_stream: torch.cuda.Stream | None = None
         self._finalize_allocation_log(size)
 
     @property
@@ -217,11 +224,27 @@ class DiffKVTokenToKVPool(KVCache):
         over it reads nothing and the policy step skips it (its position is -1)."""
         return self.cache.spec.max_reqs - 1
 
+    # -- streams: the scheduler's work is ordered after the forward in flight ---------------
+
+    def mark_forward_stream(self) -> None:
+        """Called by the backend as a forward begins (on the forward's stream)."""
+        if self.cache.device.type == "cuda":
+            self._forward_stream = torch.cuda.current_stream(self.cache.device)
+
+    def after_forward(self) -> None:
+        """Order the current stream's next work after the last forward's (GPU-side)."""
+        fs = self._forward_stream
+        if fs is not None:
+            cur = torch.cuda.current_stream(self.cache.device)
+            if cur != fs:
+                cur.wait_stream(fs)
+
     # -- physical accounting (host) --------------------------------------------------------
 
     def free_pages(self) -> int:
-        # Exact: a sync on CUDA (stage 1 runs without the overlap scheduler).
+        # Exact: a sync on CUDA that includes the forward in flight (after_forward).
         self.flush_frees()
+        self.after_forward()
         return int(self.cache.manager.num_free_pages())
 
     def decode_reserve_pages(self, num_reqs: int) -> int:
@@ -282,6 +305,7 @@ class DiffKVTokenToKVPool(KVCache):
         self.req_alpha.pop(req_idx, None)
         if req_idx not in self.active:
             return  # freed before its prefill ran (e.g. aborted while waiting)
+        self.after_forward()  # its counters as the last forward left them
         self.stats.record_finished(self.cache, req_idx, self.seq_len.pop(req_idx, 0))
         self.active.discard(req_idx)
         # SGLang frees finished requests one by one; one batched free_requests per step
@@ -296,6 +320,7 @@ class DiffKVTokenToKVPool(KVCache):
             self._free(pending)
 
     def _free(self, req_idx: list[int]) -> None:
+        self.after_forward()  # the forward in flight may still read these pages
         with span(self.stats.profiler, "free"):
             self.cache.free(req_idx)
 

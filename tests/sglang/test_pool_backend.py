@@ -204,7 +204,7 @@ def test_startup_report_and_step_metrics_are_logged(monkeypatch, caplog):
     assert f"page {s.kv_pool.cache.geometry.page_bytes} B; tokens per page: high 32" in text
     assert f"{s.kv_pool.num_pages} pages" in text and "fp16/bf16 tokens" in text
     assert "logical token slots" in text and "expected max concurrency" in text
-    assert "diffkv: disable_overlap_schedule=True (forced): " in text  # repeated in the log
+    assert "diffkv: disable_piecewise_cuda_graph=True (forced): " in text  # repeated in log
     assert "DiffKV prefill: batch 1, tokens high" in text
     assert "DiffKV decode: batch 1" in text and "pruned" in text and "pages in use" in text
     assert "a bf16 cache would need" in text

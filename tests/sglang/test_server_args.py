@@ -31,7 +31,7 @@ def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
     assert a.disable_cuda_graph is False  # the kernel path captures decode graphs
     assert a.cuda_graph_max_bs == DEFAULT_CUDA_GRAPH_MAX_BS
     assert a.disable_piecewise_cuda_graph is True
-    assert a.disable_overlap_schedule is True
+    assert a.disable_overlap_schedule is False  # the pool orders itself after the forward
     forced = [r.getMessage() for r in caplog.records if "forcing" in r.getMessage()]
     # one line per forced setting, each with its reason; the user's values are named
     assert len(forced) == len(FORCED_SETTINGS)
@@ -50,8 +50,10 @@ def test_cuda_graphs_follow_the_compute_path(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
         a = _args()
     assert a.disable_cuda_graph is True  # the torch reference cannot be captured
-    assert any("forcing disable_cuda_graph=True" in r.getMessage()
-               and "SGLANG_DIFFKV_KERNELS=0" in r.getMessage() for r in caplog.records)
+    assert a.disable_overlap_schedule is True
+    for name in ("disable_cuda_graph", "disable_overlap_schedule"):
+        assert any(f"forcing {name}=True" in r.getMessage()
+                   and "SGLANG_DIFFKV_KERNELS=0" in r.getMessage() for r in caplog.records)
 
 
 def test_other_backends_are_untouched():
