@@ -1,0 +1,153 @@
+"""Where a real SGLang server's decode step goes on the GPU (torch profiler, CUDA kernels).
+
+Starts one server (the same command line as ``scripts/bench_e2e.py``), loads it with
+long-generation requests (non-streaming, ignore_eos), waits until the running batch is
+steady, then asks SGLang's ``/start_profile`` for ``--steps`` forward steps and reads the
+trace it writes. Prints and writes (``--out``/profile.md, profile.json):
+
+- the wall span of the profiled steps and the GPU busy time (union of kernel intervals):
+  their difference is time the GPU waited for the host;
+- kernel time per kernel name, largest first, with its share of the busy time.
+
+    python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config diffkv-mix \\
+        --out /tmp/prof --requests 400 --warm-s 60 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_diffkv.bench.client import prompt_ids  # noqa: E402
+from sglang_diffkv.bench.server import (  # noqa: E402
+    LaunchOptions,
+    ServerProcess,
+    launch_command,
+    launch_env,
+    make_config,
+)
+
+MIX_30_50_20 = '{"preset": "llama-3-8b", "bench_mix": [0.3, 0.5, 0.2]}'
+
+
+def post(url: str, body: dict, timeout: float = 600.0) -> bytes:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+def send_requests(base: str, n: int, out_len: int, seed: int, stop: threading.Event) -> None:
+    def one(i: int) -> None:
+        body = {"input_ids": prompt_ids(seed, i, 256 + (i * 97) % 512),
+                "sampling_params": {"max_new_tokens": out_len, "temperature": 0.0,
+                                    "ignore_eos": True}}
+        try:
+            post(f"{base}/generate", body, timeout=3600)
+        except Exception:  # noqa: BLE001 - the server is stopped under them at the end
+            pass
+
+    for i in range(n):
+        if stop.is_set():
+            return
+        threading.Thread(target=one, args=(i,), daemon=True).start()
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1e3
+
+
+def summarize(trace_path: Path, steps: int) -> dict:
+    with gzip.open(trace_path, "rt") if trace_path.suffix == ".gz" else open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        raise SystemExit(f"{trace_path}: no CUDA kernel events")
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
+    wall_ms = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3
+    busy = union_ms(spans)
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        per[e["name"]][0] += float(e["dur"]) / 1e3
+        per[e["name"]][1] += 1
+    rows = sorted(((n, t, c) for n, (t, c) in per.items()), key=lambda r: -r[1])
+    return {"trace": str(trace_path), "steps": steps, "wall_ms": wall_ms, "busy_ms": busy,
+            "kernels": [{"name": n, "ms": t, "count": c} for n, t, c in rows]}
+
+
+def report(s: dict) -> str:
+    n = max(s["steps"], 1)
+    lines = [f"profiled {s['steps']} steps: wall {s['wall_ms']:.1f} ms "
+             f"({s['wall_ms'] / n:.2f} ms/step), GPU busy {s['busy_ms']:.1f} ms "
+             f"({s['busy_ms'] / n:.2f} ms/step, {100 * s['busy_ms'] / s['wall_ms']:.1f}%)", "",
+             "| kernel | ms/step | % of busy | launches/step |", "|---|---|---|---|"]
+    for k in s["kernels"][:25]:
+        lines.append(f"| `{k['name'][:90]}` | {k['ms'] / n:.3f} | "
+                     f"{100 * k['ms'] / s['busy_ms']:.1f}% | {k['count'] / n:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--config", default="diffkv-mix", help="bf16, fp8, diffkv-mix")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--output-len", type=int, default=4096)
+    ap.add_argument("--warm-s", type=float, default=60.0, help="load time before profiling")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--server-args", default="", help="extra launch_server arguments")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = make_config(a.config, {"diffkv-mix": MIX_30_50_20})
+    opts = LaunchOptions(model=a.model, port=a.port, extra_args=tuple(a.server_args.split()))
+    server = ServerProcess(launch_command(cfg, opts), launch_env(cfg), out / "server.log")
+    stop = threading.Event()
+    server.start(port=a.port)
+    try:
+        print(f"ready after {server.wait_ready(400):.0f} s", flush=True)
+        threading.Thread(target=send_requests, daemon=True,
+                         args=(opts.base_url, a.requests, a.output_len, 0, stop)).start()
+        time.sleep(a.warm_s)
+        trace_dir = out / "trace"
+        post(f"{opts.base_url}/start_profile",
+             {"output_dir": str(trace_dir), "num_steps": a.steps, "activities": ["GPU"]})
+        deadline = time.monotonic() + 180
+        traces: list[Path] = []
+        while time.monotonic() < deadline and not traces:
+            time.sleep(2)
+            traces = sorted(trace_dir.glob("*.trace.json*"))
+        if not traces:
+            print("no trace written within 180 s", flush=True)
+            return 1
+        time.sleep(5)  # the file is written in one go; let it finish
+        s = summarize(traces[-1], a.steps)
+        (out / "profile.json").write_text(json.dumps(s, indent=1))
+        text = report(s)
+        (out / "profile.md").write_text(text + "\n")
+        print(text, flush=True)
+        return 0
+    finally:
+        stop.set()
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""scripts/profile_server_step.py's trace reading on a synthetic torch-profiler trace."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_server_step.py"
+
+
+@pytest.fixture(scope="module")
+def prof():
+    spec = importlib.util.spec_from_file_location("profile_server_step", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_busy_time_is_the_union_of_kernel_intervals(prof, tmp_path):
+    events = [  # ts / dur in microseconds; two overlap, one gap of 500 us
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000},
+        {"cat": "kernel", "name": "attn", "ts": 800, "dur": 400},
+        {"cat": "kernel", "name": "attn", "ts": 1700, "dur": 300},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # not a kernel
+    ]
+    path = tmp_path / "x.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = prof.summarize(path, steps=2)
+    assert s["wall_ms"] == pytest.approx(2.0)
+    assert s["busy_ms"] == pytest.approx(1.5)
+    assert [(k["name"], k["count"]) for k in s["kernels"]] == [("gemm", 1), ("attn", 2)]
+    assert s["kernels"][1]["ms"] == pytest.approx(0.7)
+    text = prof.report(s)
+    assert "0.75 ms/step" in text and "75.0%" in text and "| `attn` | 0.350 |" in text
