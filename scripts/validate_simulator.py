@@ -14,10 +14,13 @@ call) are merged, their configuration names must differ. Packed logs are unpacke
    its fixed per-step / per-request costs are fitted here from the clean Decode intervals of
    each FITTING run (``--fit-run``, repeatable, default bf16/longgen; ``none`` keeps the
    file's). A fit applies to the runs of the same attention backend (triton: bf16 and fp8;
-   diffkv: every DiffKV mix), so the eager, host-bound DiffKV backend gets its own fixed
-   costs; for diffkv it also fits the per-prefill-token cost of its extend path from the
-   backend's profile lines. The fitted files are written next to the report. Fitting runs are
-   never validated: their rows are reported apart, in-sample, without a verdict.
+   diffkv: every DiffKV mix), so the DiffKV backend (its own decode kernels and host-side
+   step work, under CUDA graphs up to its cuda_graph_max_bs) gets its own fixed costs; only
+   Decode lines whose ``cuda graph:`` flag matches the run's graph setting are fitted. The
+   overlap scheduler is not modelled: its effect stays in the fitted costs, so a fitting run
+   should share its overlap mode with the runs it is applied to. The fitted files are
+   written next to the report. Fitting runs are never validated: their rows are reported
+   apart, in-sample, without a verdict.
 2. every other run (sharegpt saturation, ladder rates; bf16, fp8, diffkv) is replayed from its
    exact trace file with the server settings from its log, and measured vs predicted rows are
    built over the run's window: KV pool, saturation output tok/s and req/s, mean and peak
@@ -91,8 +94,9 @@ def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
 
 
 def backend(fmt: str) -> str:
-    """Which fixed costs a KV format shares: SGLang's triton backend (bf16, fp8: CUDA-graph
-    decode) or the DiffKV backend (eager, host-launch-bound)."""
+    """Which fixed costs a KV format shares: SGLang's triton backend (bf16, fp8) or the
+    DiffKV backend (its own decode kernels and per-step host work; both decode under CUDA
+    graphs up to cuda_graph_max_bs, the run's server args say)."""
     return "diffkv" if fmt == "diffkv" else "triton"
 
 
@@ -109,7 +113,7 @@ def fit(h: HarnessResults, key: str, model: str, gpu: str, calib: Calibration,
         out_dir: Path) -> tuple[str, Calibration, dict[str, Any]]:
     """Fixed costs from one fitting run: (backend, fitted calibration, fit info)."""
     run = h.run(key)
-    log = slice_log(run, h.server_logs[run.config])
+    log = slice_log(run, run.server_log or h.server_logs[run.config])
     settings, fmt = server_settings(h.configs[run.config], log)
     srv = scenario(model, gpu, calib, settings, h, run.config).server(fmt)
     res = fit_fixed_costs(srv, decode_samples(log, not settings.disable_cuda_graph))
@@ -133,7 +137,7 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
     base = calibs["base"]
     for run in h.runs:
         in_sample = run.key in fitting or f"{run.config}/{run.workload}" in fitting
-        log = slice_log(run, h.server_logs[run.config])
+        log = slice_log(run, run.server_log or h.server_logs[run.config])
         settings, fmt = server_settings(h.configs[run.config], log)
         calib = calibs.get(backend(fmt), base)
         trace = load_trace(run.trace_path)

@@ -96,7 +96,9 @@ def _server_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="prefill tokens per batch (default: %(default)s)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest CUDA-graph decode batch (default: by GPU memory, 256 at tp<4)")
+                   help="largest CUDA-graph decode batch; larger batches run eagerly "
+                        "(default: 512 for the diffkv format, as the diffkv backend sets it; "
+                        "otherwise by GPU memory, 256 at tp<4 on 80 GB)")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="run every step eagerly (launch overhead per layer)")
     g.add_argument("--disable-piecewise-cuda-graph", action="store_true",

@@ -21,7 +21,7 @@ from simulator.serving.memory import (
 )
 from simulator.serving.prefix_cache import PrefixCache
 from simulator.serving.scheduler import Scheduler, SchedulerLimits
-from simulator.serving.settings import ServerSettings
+from simulator.serving.settings import DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS, ServerSettings
 from simulator.specs.calibration import Calibration
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
@@ -47,6 +47,10 @@ class ResolvedServer:
         chunk_default, graph_default = default_chunk_and_graph(gpu.memory_mib, s.tp)
         chunk = s.chunked_prefill_size if s.chunked_prefill_size is not None else chunk_default
         self.chunked_prefill_size: int | None = None if chunk == -1 else chunk
+        if d.kv_format.calibration_key == "diffkv":
+            # the diffkv backend's own default (sglang_diffkv.sglang.args.apply_defaults),
+            # set before SGLang sizes its memory, so mem_fraction_static sees it too
+            graph_default = DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS
         self.cuda_graph_max_bs = s.cuda_graph_max_bs or graph_default
         self.mem_fraction_static = s.mem_fraction_static or mem_fraction_static(
             gpu.memory_mib, chunk, s.max_prefill_tokens, self.cuda_graph_max_bs, s.tp,

@@ -17,13 +17,20 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600     # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20             # SGLANG_RETRACT_DECODE_STEPS
 CLIP_MAX_NEW_TOKENS = 4096            # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 
+# --attention-backend diffkv's --cuda-graph-max-bs when the user leaves it (and --cuda-graph-bs)
+# unset: it holds several times the requests of a bf16 cache, and SGLang's GPU-memory default
+# (256 on an 80 GB GPU) would leave its large decode batches eager. The one source of truth
+# for sglang_diffkv.sglang.args.DEFAULT_CUDA_GRAPH_MAX_BS (a pure module: the simulator never
+# imports sglang).
+DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS = 512
+
 
 @dataclass(frozen=True)
 class ServerSettings:
     tp: int = 1
     chunked_prefill_size: int | None = None     # None: from GPU memory (8192 on H100/H200)
     max_prefill_tokens: int = 16384
-    cuda_graph_max_bs: int | None = None        # None: from GPU memory and tp
+    cuda_graph_max_bs: int | None = None        # None: from GPU memory and tp (diffkv: 512)
     disable_cuda_graph: bool = False
     enable_piecewise_cuda_graph: bool = True    # on by default in 0.5.10
     enable_mixed_chunk: bool = False

@@ -15,8 +15,12 @@ Input: the harness's ``--out`` directory:
   logs/traces/*.jsonl    the exact traces (Mooncake JSONL)
 
 Server settings come from the run's server log (``server_args=ServerArgs(...)``) or, failing
-that, from the recorded command line; the DiffKV backend's forced settings (decode CUDA graph
-off, radix cache off, no chunked prefill) are applied for ``attention_backend == "diffkv"``.
+that, from the recorded command line; the DiffKV backend's forced settings (radix cache off, no
+chunked prefill, no piecewise prefill graphs) are applied for ``attention_backend == "diffkv"``.
+Its decode CUDA graphs follow the run's own ``disable_cuda_graph`` / ``cuda_graph_max_bs``
+(the backend captures decode graphs, up to 512 by default, except on the torch reference path,
+``SGLANG_DIFFKV_KERNELS=0``, which forces them off). The overlap scheduler is not modelled for
+any backend (``serving/scheduler.py``): its effect stays in the fitted fixed costs.
 
 The measured runs stop at a window W (``client.window_s``) while the simulator runs every
 request to its end, so simulated quantities are taken over the same window: output tokens and
@@ -62,6 +66,7 @@ class HarnessRun:
     rate_req_s: float | None
     saturation_req_s: float | None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    server_log: Path | None = None      # the whole server log its slice comes from
 
     @property
     def key(self) -> str:
@@ -146,15 +151,17 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None) -> Harn
             text = f.read(int(span[1]) - int(span[0])).decode(errors="replace")
         runs.append(HarnessRun(cfg, _need(r, "workload", where), r.get("label", r["workload"]),
                                tf, _need(r, "client", where), text, r.get("rate_req_s"),
-                               r.get("saturation_req_s"), r))
+                               r.get("saturation_req_s"), r, server_logs[cfg]))
     return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
                           [root])
 
 
 def merge_harness(parts: list[HarnessResults]) -> HarnessResults:
-    """Several harness folders (one per GPU call, each with its own configurations) as one:
-    configurations, runs and server logs joined; a configuration name may appear in one
-    folder only (its runs' log slices are byte offsets into that folder's server log)."""
+    """Several harness folders (one per GPU call) as one: configurations, runs and server
+    logs joined. A configuration name may appear in several folders when it is the same
+    launch (equal command and environment, e.g. one server re-run on other workloads) and its
+    run keys do not repeat; each run keeps its own folder's server log (``run.server_log``),
+    whose start-up lines give its server settings."""
     if not parts:
         raise SimulatorInputError("no harness results given")
     if len(parts) == 1:
@@ -162,14 +169,24 @@ def merge_harness(parts: list[HarnessResults]) -> HarnessResults:
     configs: dict[str, dict[str, Any]] = {}
     logs: dict[str, Path] = {}
     where: dict[str, Path] = {}
+    keys: set[str] = set()
     for h in parts:
         for name, cfg in h.configs.items():
             if name in configs:
-                raise SimulatorInputError(f"configuration {name!r} is in both {where[name]} and "
-                                          f"{h.root}: merged results need distinct names")
+                same = all(cfg.get(k) == configs[name].get(k) for k in ("command", "env"))
+                clash = {r.key for r in h.runs if r.config == name} & keys
+                if not same or clash:
+                    why = (f"runs {', '.join(sorted(clash))} repeat" if same
+                           else "different command or environment")
+                    raise SimulatorInputError(
+                        f"configuration {name!r} is in both {where[name]} and {h.root} "
+                        f"({why}): merged results need distinct names")
+                continue
             configs[name] = cfg
             where[name] = h.root
-        logs.update(h.server_logs)
+        keys |= {r.key for r in h.runs}
+        for name, p in h.server_logs.items():
+            logs.setdefault(name, p)
     roots = [p for h in parts for p in h.sources]
     common = Path(*Path(roots[0]).resolve().parts)
     for p in roots[1:]:
@@ -206,6 +223,21 @@ def _flag(v: str | None) -> bool:
     return v == "True"
 
 
+# sglang_diffkv.sglang.ops: KERNELS_ENV and REFERENCE_MODES (the torch reference path, which
+# the backend runs without CUDA graphs and without the overlap scheduler)
+_KERNELS_ENV = "SGLANG_DIFFKV_KERNELS"
+_REFERENCE_MODES = ("0", "false", "off", "reference")
+
+
+def _diffkv_reference(cfg: dict[str, Any]) -> bool:
+    """Whether a DiffKV configuration ran the torch reference path (env or command line)."""
+    mode = (cfg.get("env") or {}).get(_KERNELS_ENV)
+    if mode is None:
+        m = re.search(_KERNELS_ENV + r"=('[^']*'|\S+)", cfg.get("command", ""))
+        mode = m.group(1).strip("'") if m else "auto"
+    return str(mode).strip().lower() in _REFERENCE_MODES
+
+
 def server_settings(cfg: dict[str, Any], log: ServerLog) -> tuple[ServerSettings, str]:
     """The simulator's settings for one harness configuration, and the KV format name."""
     args = dict(_cli_args(cfg.get("command", "")))
@@ -219,7 +251,8 @@ def server_settings(cfg: dict[str, Any], log: ServerLog) -> tuple[ServerSettings
         chunked_prefill_size=-1 if diffkv else chunk,
         max_prefill_tokens=_opt_int(args.get("max_prefill_tokens")) or 16384,
         cuda_graph_max_bs=_opt_int(args.get("cuda_graph_max_bs")),
-        disable_cuda_graph=diffkv or _flag(args.get("disable_cuda_graph")),
+        disable_cuda_graph=(diffkv and _diffkv_reference(cfg))
+        or _flag(args.get("disable_cuda_graph")),
         enable_piecewise_cuda_graph=not (diffkv or _flag(args.get(
             "disable_piecewise_cuda_graph"))),
         enable_mixed_chunk=_flag(args.get("enable_mixed_chunk")),

@@ -72,3 +72,18 @@ def test_no_room_for_kv_is_a_clear_error():
     with pytest.raises(SimulatorInputError, match="leaves no KV memory"):
         scenario("llama-3-70b", "h100").server("bf16")
     assert scenario("llama-3-70b", "h100", tp=4).server("bf16").pool.capacity > 0
+
+
+def test_diffkv_cuda_graph_max_bs_defaults_to_512_and_user_value_wins():
+    from simulator.serving.settings import DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS
+
+    assert DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS == 512
+    dk = scenario(chunked_prefill_size=-1, disable_radix_cache=True).server("diffkv")
+    assert dk.cuda_graph_max_bs == 512 and dk.cost.graph_max == 512 and dk.cost.graphs_enabled
+    # SGLang sizes memory after the backend's default: the reserve counts 512 graphs
+    assert dk.mem_fraction_static == mem_fraction_static(81559, -1, 16384, 512, 1, True)
+    assert scenario().server("bf16").cuda_graph_max_bs == 256
+    user = scenario(cuda_graph_max_bs=160, chunked_prefill_size=-1).server("diffkv")
+    assert user.cuda_graph_max_bs == 160 and user.cost.graph_max == 160
+    off = scenario(disable_cuda_graph=True).server("diffkv")
+    assert not off.cost.graphs_enabled

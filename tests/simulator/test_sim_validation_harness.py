@@ -91,7 +91,7 @@ def make_results(root: Path) -> dict:
         cmd = ("python -m sglang.launch_server --model-path /tmp/m --mem-fraction-static 0.85 "
                "--disable-piecewise-cuda-graph --decode-log-interval 10"
                + (" --attention-backend diffkv" if diffkv else " --attention-backend triton"))
-        s = replace(settings, disable_cuda_graph=diffkv, disable_radix_cache=diffkv,
+        s = replace(settings, disable_radix_cache=diffkv,
                     chunked_prefill_size=-1 if diffkv else None,
                     enable_piecewise_cuda_graph=False)
         sc = replace(scenario(), calibration=truth, settings=s)
@@ -301,3 +301,63 @@ def test_constant_batch_fit_charges_the_per_step_cost():
     assert res["per_step_only"]
     assert res["step_overhead_s"] == pytest.approx(cal.step_overhead_s + 0.01, rel=1e-3)
     assert res["seq_overhead_s"] == cal.seq_overhead_s
+
+
+def _log_with_args(tmp_path: Path, args: str) -> object:
+    from simulator.validation.sglang_log import parse_server_log
+
+    p = tmp_path / "server.log"
+    p.write_text(f"[{T0:%Y-%m-%d %H:%M:%S}] server_args=ServerArgs({args})\n"
+                 "max_total_num_tokens=1000, max_running_requests=10\n")
+    return parse_server_log(p)
+
+
+def test_diffkv_graphs_follow_the_run_not_forced_eager(tmp_path):
+    from simulator.validation.harness import server_settings
+
+    cfg = {"command": "python -m sglang.launch_server --attention-backend diffkv",
+           "attention_backend": "diffkv"}
+    graphed = _log_with_args(tmp_path, "disable_cuda_graph=False, cuda_graph_max_bs=512, "
+                                       "disable_overlap_schedule=False")
+    s, fmt = server_settings(cfg, graphed)
+    assert fmt == "diffkv" and not s.disable_cuda_graph and s.cuda_graph_max_bs == 512
+    # still forced by the backend: no radix cache, no chunking, no piecewise prefill graphs
+    assert s.disable_radix_cache and s.chunked_prefill_size == -1
+    assert not s.enable_piecewise_cuda_graph
+    eager = _log_with_args(tmp_path, "disable_cuda_graph=True, cuda_graph_max_bs=256")
+    s, _ = server_settings(cfg, eager)
+    assert s.disable_cuda_graph
+    # no server args in the log: the command line; the torch reference path runs eagerly
+    bare = _log_with_args(tmp_path, "")
+    s, _ = server_settings(cfg, bare)
+    assert not s.disable_cuda_graph and s.cuda_graph_max_bs is None
+    ref = {**cfg, "env": {"SGLANG_DIFFKV_KERNELS": "0"}}
+    assert server_settings(ref, bare)[0].disable_cuda_graph
+    ref_cmd = {**cfg, "command": "SGLANG_DIFFKV_KERNELS=reference " + cfg["command"]}
+    assert server_settings(ref_cmd, bare)[0].disable_cuda_graph
+
+
+def test_same_configuration_in_two_folders_keeps_each_runs_log(results, tmp_path):
+    import shutil
+
+    from simulator.validation.harness import merge_harness
+
+    parts = []
+    for name, keep in (("a", {"longgen"}), ("b", {"sharegpt", "ladder"})):
+        d = tmp_path / name
+        shutil.copytree(results, d)
+        data = json.loads((results / "results.json").read_text())
+        data["runs"] = [r for r in data["runs"] if r["workload"] in keep]
+        (d / "results.json").write_text(json.dumps(data))
+        parts.append(d)
+    merged = merge_harness([load_harness(p) for p in parts])
+    assert sorted(r.key for r in merged.runs) == sorted(r.key for r in load_harness(results).runs)
+    logs = {r.key: r.server_log for r in merged.runs}
+    assert logs["bf16/longgen"].is_relative_to(parts[0])
+    assert logs["bf16/sharegpt"].is_relative_to(parts[1])
+    # a different launch under the same name is still refused
+    data = json.loads((parts[1] / "results.json").read_text())
+    data["configs"]["bf16"]["command"] += " --disable-cuda-graph"
+    (parts[1] / "results.json").write_text(json.dumps(data))
+    with pytest.raises(SimulatorInputError, match="different command"):
+        merge_harness([load_harness(p) for p in parts])
