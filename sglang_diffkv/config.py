@@ -18,6 +18,11 @@ ALLOWED_BITS = (1, 2, 4, 8)
 ENV_VAR = "SGLANG_DIFFKV_CONFIG"
 BENCH_MIX_TOLERANCE = 1e-6  # how far from 1 the three bench_mix fractions may sum
 PRESET_DIR = Path(__file__).parent / "presets"
+# --attention-backend diffkv's --cuda-graph-max-bs when the user leaves it (and
+# --cuda-graph-bs) unset: DiffKV holds several times the requests of a bf16 cache, and
+# SGLang's GPU-memory default (256 on an 80 GB GPU) would leave its large decode batches
+# eager. Read by the server-args fix-ups and by the simulator.
+DEFAULT_CUDA_GRAPH_MAX_BS = 512
 
 
 class ConfigError(ValueError):

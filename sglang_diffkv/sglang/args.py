@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from sglang_diffkv.config import ConfigError, DiffKVConfig
+from sglang_diffkv.config import DEFAULT_CUDA_GRAPH_MAX_BS, ConfigError, DiffKVConfig
 from sglang_diffkv.sglang.ops import KERNELS_ENV, REFERENCE_MODES
 
 logger = logging.getLogger("sglang_diffkv")
@@ -50,10 +50,6 @@ REFERENCE_FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
      "SGLANG_DIFFKV_KERNELS=0 runs the torch reference, which synchronises inside the "
      "forward"),
 )
-
-# DiffKV holds several times the requests of a bf16 cache in the same memory; SGLang's
-# default graph limit on an 80 GB GPU (256) would leave its large batches eager.
-DEFAULT_CUDA_GRAPH_MAX_BS = 512
 
 
 def forced_settings(environ: dict[str, str] | None = None

@@ -8,6 +8,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sglang_diffkv.config import DEFAULT_CUDA_GRAPH_MAX_BS
 from simulator.errors import SimulatorInputError
 
 # srt/environ.py and schedule_policy.py constants
@@ -17,12 +18,9 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600     # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20             # SGLANG_RETRACT_DECODE_STEPS
 CLIP_MAX_NEW_TOKENS = 4096            # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 
-# --attention-backend diffkv's --cuda-graph-max-bs when the user leaves it (and --cuda-graph-bs)
-# unset: it holds several times the requests of a bf16 cache, and SGLang's GPU-memory default
-# (256 on an 80 GB GPU) would leave its large decode batches eager. The one source of truth
-# for sglang_diffkv.sglang.args.DEFAULT_CUDA_GRAPH_MAX_BS (a pure module: the simulator never
-# imports sglang).
-DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS = 512
+# --attention-backend diffkv's --cuda-graph-max-bs when the user leaves it unset (the one
+# number the server-args fix-ups also use)
+DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS = DEFAULT_CUDA_GRAPH_MAX_BS
 
 
 @dataclass(frozen=True)
