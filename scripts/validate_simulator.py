@@ -417,6 +417,19 @@ def _rel(p: Path) -> str:
         return str(p)
 
 
+FINDINGS_HEADING = "## Findings (hand-written"
+
+
+def kept_findings(doc: Path) -> str:
+    """The doc's hand-written findings section (from its heading to the end), which a
+    regenerated report keeps; empty if there is none."""
+    if not doc.exists():
+        return ""
+    text = doc.read_text()
+    at = text.find(FINDINGS_HEADING)
+    return "" if at < 0 else "\n" + text[at:].rstrip() + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="scripts/bench_e2e.py --out directories "
@@ -476,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     paths = plots(sims, h, plot_dir)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(report(rows, h, calib, fitinfos, paths, doc, args_used))
+    doc.write_text(report(rows, h, calib, fitinfos, paths, doc, args_used)
+                   + kept_findings(doc))
     print(f"wrote {doc} and {len(paths)} plot(s) in {plot_dir}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "fit": fitinfos[0] if fitinfos

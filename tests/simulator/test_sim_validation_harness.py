@@ -361,3 +361,13 @@ def test_same_configuration_in_two_folders_keeps_each_runs_log(results, tmp_path
     (parts[1] / "results.json").write_text(json.dumps(data))
     with pytest.raises(SimulatorInputError, match="different command"):
         merge_harness([load_harness(p) for p in parts])
+
+
+def test_a_regenerated_report_keeps_the_hand_written_findings(tmp_path):
+    mod = _script()
+    doc = tmp_path / "v.md"
+    assert mod.kept_findings(doc) == ""  # no doc yet
+    doc.write_text("# old report\n| row |\n\n## Findings (hand-written, today)\n\nWhy X.\n")
+    assert mod.kept_findings(doc) == "\n## Findings (hand-written, today)\n\nWhy X.\n"
+    doc.write_text("# a report without findings\n")
+    assert mod.kept_findings(doc) == ""
