@@ -10,6 +10,8 @@
 #   default  diffkv, default preset: logprobs, per-request thresholds, a long-generation batch,
 #            then idle (SGLang's strict idle leak check runs), health, log audit
 #   small    diffkv, default preset, a SmolLM2-135M-shaped dummy model (head_dim 64, GQA 3)
+#   flashinfer  stock flashinfer server against triton: the same logprob KL, as a control of
+#            how much two correct backends differ on the model
 #   rtriton rnocomp rdefault   the same three on a SmolLM2-135M-shaped model with random
 #            weights scaled for sharp logits and peaked attention
 #            (scripts/sglang_backend_random_model.py): dummy weights give near-uniform
@@ -94,9 +96,15 @@ audit() {  # what the diffkv log says: start-up report, forced settings, metrics
 }
 
 run_step() {
-  local step=$1 P= M=$MODEL LOAD=(--load-format dummy)
+  local step=$1 P= M=$MODEL LOAD=(--load-format dummy) X=() S=
   case $step in r*) P=r; M=$RMODEL; LOAD=(--load-format safetensors); step=${step#r} ;; esac
-  say "== $P$step ($(left) s left)"
+  # nocomp-nooverlap / nocomp-nograph: the same step with the overlap scheduler or the decode
+  # CUDA graphs off (to bisect a difference against triton)
+  case $step in
+    *-nooverlap) X=(--disable-overlap-schedule); S=-nooverlap; step=${step%-nooverlap} ;;
+    *-nograph) X=(--disable-cuda-graph); S=-nograph; step=${step%-nograph} ;;
+  esac
+  say "== $P$step$S ($(left) s left)"
   case $step in
     triton)
       [ "$(left)" -gt 150 ] || { say "skipped: no time"; return; }
@@ -106,15 +114,22 @@ run_step() {
       timeout 120 $CLIENT support $PORT "$RES/${P}support.json" | tee -a "$SUMMARY"
       timeout 120 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}triton.json" | tee -a "$SUMMARY"
       stop_server ;;
+    flashinfer)  # control: a second stock backend against triton (the model's sensitivity)
+      [ "$(left)" -gt 120 ] || { say "skipped: no time"; return; }
+      start_server ${P}flashinfer 200 "$M" "${LOAD[@]}" --attention-backend flashinfer \
+        --disable-cuda-graph --disable-piecewise-cuda-graph || return
+      timeout 120 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}flashinfer.json" | tee -a "$SUMMARY"
+      $CLIENT compare "$RES/${P}triton.json" "$RES/${P}flashinfer.json" | tee -a "$SUMMARY"
+      stop_server ;;
     nocomp)
       [ "$(left)" -gt 120 ] || { say "skipped: no time"; return; }
-      SGLANG_DIFFKV_CONFIG=no-compression start_server ${P}nocomp 200 "$M" "${LOAD[@]}" \
-        --attention-backend diffkv || return
-      timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}nocomp.json" | tee -a "$SUMMARY"
-      $CLIENT compare "$RES/${P}triton.json" "$RES/${P}nocomp.json" | tee -a "$SUMMARY"
-      audit ${P}nocomp
+      SGLANG_DIFFKV_CONFIG=no-compression start_server ${P}nocomp$S 200 "$M" "${LOAD[@]}" \
+        --attention-backend diffkv "${X[@]}" || return
+      timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}nocomp$S.json" | tee -a "$SUMMARY"
+      $CLIENT compare "$RES/${P}triton.json" "$RES/${P}nocomp$S.json" | tee -a "$SUMMARY"
+      audit ${P}nocomp$S
       stop_server
-      if [ ! -s "$RES/${P}nocomp.json" ] && [ -z "${SGLANG_DIFFKV_KERNELS:-}" ]; then
+      if [ ! -s "$RES/${P}nocomp$S.json" ] && [ -z "${SGLANG_DIFFKV_KERNELS:-}" ]; then
         export SGLANG_DIFFKV_KERNELS=0
         say "nocomp failed with the kernels: the next steps use the torch reference path"
       fi ;;
