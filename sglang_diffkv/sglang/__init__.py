@@ -8,6 +8,9 @@ Modules:
     _bootstrap  post-import hook on sglang's modules (installed by the ``.pth`` file)
     plugin      the patches the hook applies; ``register()`` is also the entry point
     args        ``ServerArgs`` fix-ups: forced settings and refusals
+    runner      builds the pools on SGLang's model runner (capacity report)
     pool        request-to-token pool, logical-slot allocator, the paged DiffKV pool
-    backend     ``DiffKVAttnBackend`` (extend / decode)
+    ops         the one seam to the compute: torch reference or Triton kernels
+    graphs      static inputs of the CUDA-graph decode
+    backend     ``DiffKVAttnBackend`` (extend / decode, CUDA-graph capture and replay)
 """
