@@ -279,18 +279,22 @@ def variant_table(decode: list[dict], variants: list[str]) -> str:
 
 # (pages per iteration, warps, pipeline stages, target programs per SM, register cap)
 SWEEP = [(1, 4, 2, 8, 0), (1, 4, 3, 8, 0), (1, 4, 2, 16, 0), (1, 2, 2, 16, 0), (2, 4, 2, 8, 0),
-         (1, 4, 2, 8, 96), (1, 4, 2, 16, 80)]
+         (1, 4, 2, 8, 96), (1, 4, 2, 16, 80), (1, 4, 2, 8, 128), (1, 4, 3, 8, 96),
+         (2, 4, 2, 8, 96), (1, 8, 2, 8, 0)]
+# (mix, batch, context) of the sweep: two long-row cases by default; --sweep-case adds or
+# replaces them (e.g. the end-to-end run's 30/50/20 x 384 x 2048: many short rows)
+SWEEP_CASES = [("K8V4", 32, 16384), ("K4V2", 32, 16384)]
 TUNED: dict[str, int] = {}
 
 
-def sweep(copy_bw: float) -> list[dict]:
-    """Launch configurations of the decode kernel on two large cases; each launch timed
-    alone too (partition = the split-K pass, merge = LSE merge + output + scores)."""
+def sweep(copy_bw: float, cases: list[tuple[str, int, int]] = SWEEP_CASES) -> list[dict]:
+    """Launch configurations of the decode kernel on each (mix, batch, context) case; each
+    launch timed alone too (partition = the split-K pass, merge = LSE merge + output +
+    scores)."""
     geo = PageGeometry.build(D, K8V4, K4V2)
     rows = []
-    for mix in ("K8V4", "K4V2"):
+    for mix, b, ctx in cases:
         fh, fl = MIXES[mix]
-        b, ctx = 32, 16384
         case = random_decode_case(geo, [ctx] * b, HKV, high_frac=fh, low_frac=fl, device=DEV,
                                   seed=7)
         q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
@@ -312,7 +316,8 @@ def sweep(copy_bw: float) -> list[dict]:
                 print(f"sweep {mix} ppi{ppi} w{warps} s{stages}: FAILED {e}")
                 continue
             bw = stored / (t * 1e-3)
-            rows.append(dict(mix=mix, ppi=ppi, warps=warps, stages=stages,
+            rows.append(dict(mix=mix, batch=b, context=ctx, ppi=ppi, warps=warps,
+                             stages=stages,
                              per_sm=per_sm, regs=regs, ms=t, partition_ms=tp, merge_ms=tm,
                              bw_frac=bw / copy_bw))
             print(f"sweep {mix} B{b} ctx{ctx} ppi{ppi} w{warps} s{stages} "
@@ -568,10 +573,26 @@ def md_tables(meta, decode, base_label, prefill, compaction) -> str:
     return "\n".join(lines)
 
 
+def parse_sweep_case(text: str) -> tuple[str, int, int]:
+    """MIX:BATCHxCONTEXT, e.g. 30/50/20:384x2048."""
+    try:
+        mix, shape = text.split(":")
+        b, ctx = (int(v) for v in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--sweep-case {text!r}: use MIX:BATCHxCONTEXT, "
+                         f"MIX one of {sorted(MIXES)}") from None
+    if mix not in MIXES or b < 1 or ctx < 1:
+        raise SystemExit(f"--sweep-case {text!r}: MIX one of {sorted(MIXES)}, positive sizes")
+    return mix, b, ctx
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/bench_kernels")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep-case", action="append", default=[],
+                    help="sweep case MIX:BATCHxCONTEXT (repeatable; replaces the default "
+                         "K8V4 and K4V2 at 32x16384), e.g. 30/50/20:384x2048")
     ap.add_argument("--only", default="sweep,decode,prefill,compaction",
                     help="sections: sweep, decode, stages, prefill, compaction, policy")
     ap.add_argument("--variants", default="base",
@@ -591,7 +612,8 @@ def main() -> int:
     meta["copy_tbs"] = copy_bandwidth() / 1e12
     print(f"copy bandwidth {meta['copy_tbs']:.2f} TB/s", flush=True)
     only = set(args.only.split(","))
-    sweep_rows = sweep(meta["copy_tbs"] * 1e12) if "sweep" in only else []
+    cases = [parse_sweep_case(c) for c in args.sweep_case] or SWEEP_CASES
+    sweep_rows = sweep(meta["copy_tbs"] * 1e12, cases) if "sweep" in only else []
     if sweep_rows:
         # the decode table runs with the configuration fastest over both sweep cases
         def key(r: dict) -> tuple:
@@ -599,7 +621,7 @@ def main() -> int:
 
         total = {k: sum(r["ms"] for r in sweep_rows if key(r) == k)
                  for k in {key(r) for r in sweep_rows}
-                 if sum(key(r) == k for r in sweep_rows) == 2}
+                 if sum(key(r) == k for r in sweep_rows) == len(cases)}
         ppi, warps, stages, per_sm, regs = min(total, key=total.get)
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
         TUNED.update(pages_per_iter=ppi, num_warps=warps, num_stages=stages,
