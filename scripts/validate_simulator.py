@@ -56,6 +56,8 @@ from simulator.validation.fit import (  # noqa: E402
     calibration_file,
     decode_samples,
     fit_fixed_costs,
+    fit_prefill_costs,
+    prefill_samples,
     write_calibration,
 )
 from simulator.validation.harness import (  # noqa: E402
@@ -110,14 +112,30 @@ def scenario(model: str, gpu: str, calib: Calibration, settings: Any,
 
 
 def fit(h: HarnessResults, key: str, model: str, gpu: str, calib: Calibration,
-        out_dir: Path) -> tuple[str, Calibration, dict[str, Any]]:
-    """Fixed costs from one fitting run: (backend, fitted calibration, fit info)."""
+        out_dir: Path, prefill: bool = False,
+        prefill_source: str = "") -> tuple[str, Calibration, dict[str, Any]]:
+    """Fixed costs from one fitting run: (backend, fitted calibration, fit info). With
+    ``prefill``, also the prefill-only costs from the run's back-to-back Prefill lines, as the
+    residual over the model with the decode-fitted fixed costs; if the log cannot support
+    that fit, the reason is printed and the calibration's prefill costs are kept."""
     run = h.run(key)
     log = slice_log(run, run.server_log or h.server_logs[run.config])
     settings, fmt = server_settings(h.configs[run.config], log)
     srv = scenario(model, gpu, calib, settings, h, run.config).server(fmt)
     res = fit_fixed_costs(srv, decode_samples(log, not settings.disable_cuda_graph))
     res["fixed_only"] = True
+    if prefill:
+        fixed = replace(calib, step_overhead_s=res["step_overhead_s"],
+                        seq_overhead_s=res["seq_overhead_s"])
+        try:
+            pf = fit_prefill_costs(scenario(model, gpu, fixed, settings, h, run.config)
+                                   .server(fmt), prefill_samples(log))
+            pf["kept_source"] = prefill_source
+            res["prefill"] = pf
+        except SimulatorInputError as e:
+            res["prefill_skipped"] = str(e)
+            print(f"validate_simulator: {key}: prefill costs not fitted ({e}); the "
+                  "calibration's are kept", file=sys.stderr)
     data = calibration_file(srv, res, f"{run.config} server log ({run.key})")
     path = write_calibration(out_dir / f"calibration-fitted-{backend(fmt)}.json", data)
     return backend(fmt), load_calibration(load_gpu(gpu).key, path), {
@@ -403,6 +421,20 @@ def report(all_rows: list[dict], h: HarnessResults, calib: Calibration,
                      + (f"; prefill step overhead {1e3 * fi['prefill_step_overhead_s']:.1f} ms"
                         f" ({fi['prefill_source']})" if fi.get("prefill_step_overhead_s")
                         else ""))
+        if pf := fi.get("prefill"):
+            lines.append(
+                f"- {fi['backend']} prefill costs fitted from {fi['run']}'s back-to-back "
+                f"Prefill lines ({pf['samples']} steps; dropped as overlap/start-up "
+                f"artefacts: {'; '.join(pf['dropped']) or 'none'}): per step "
+                f"{1e3 * pf['prefill_step_overhead_s']:.1f} ms, per request "
+                f"{1e3 * pf['prefill_seq_overhead_s']:.3f} ms, per prompt token "
+                f"{1e6 * pf['prefill_token_overhead_s']:.2f} us (fitted: "
+                f"{', '.join(pf['fitted'])}); measured {1e6 * pf['measured_s_per_token']:.1f} "
+                f"us/token vs the model's {1e6 * pf['modelled_s_per_token']:.1f} (kernels "
+                f"{100 * pf['kernel_share']:.0f}% of a step); MAPE "
+                f"{100 * pf['mape_before']:.1f}% -> {100 * pf['mape']:.1f}%")
+        elif fi.get("prefill_skipped"):
+            lines.append(f"- {fi['backend']} prefill costs not fitted: {fi['prefill_skipped']}")
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.relative_to(doc.parent)})" for p in plot_paths]
     lines += ["", "## Command", "", "```", "python scripts/validate_simulator.py "
@@ -446,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
                          "(its extend path's scoring/compression launches), from the backend "
                          "profile (scripts/profile_backend_ops.py), not from an e2e run "
                          "(default: 0)")
+    ap.add_argument("--prefill-fit", choices=("diffkv", "none"), default="diffkv",
+                    help="fit the prefill-only costs (per step / request / prompt token) of "
+                         "this backend's fitting run from its back-to-back Prefill lines, over "
+                         "the model's own prefill step (default: %(default)s)")
     ap.add_argument("--scratch", default=str(ROOT / "results" / "validation-logs"),
                     help="where packed logs (logs.tar.gz) are unpacked (default: %(default)s)")
     ap.add_argument("--model", default="llama-3-8b")
@@ -469,10 +505,15 @@ def main(argv: list[str] | None = None) -> int:
         fit_runs = a.fit_run or ["bf16/longgen"]
         for key in [k for k in fit_runs if k.lower() != "none"]:
             be, base = key, calib
-            if a.diffkv_prefill_step_ms and h.configs.get(h.run(key).config, {}).get(
-                    "attention_backend") == "diffkv":
+            is_diffkv = h.configs.get(h.run(key).config, {}).get(
+                "attention_backend") == "diffkv"
+            if a.diffkv_prefill_step_ms and is_diffkv:
                 base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
-            be, fitted_cal, info = fit(h, key, a.model, a.gpu, base, plot_dir)
+            be, fitted_cal, info = fit(
+                h, key, a.model, a.gpu, base, plot_dir,
+                prefill=is_diffkv and a.prefill_fit == "diffkv",
+                prefill_source="--diffkv-prefill-step-ms, from the backend profile"
+                if base.prefill_step_overhead_s else "")
             if be in calibs:
                 raise SimulatorInputError(f"two fitting runs for the {be} backend: "
                                           f"{', '.join(fit_runs)}")

@@ -182,5 +182,6 @@ class CostModel:
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self.lm_head_time(sampled)
         if s.prefill_tokens:
-            t += c.prefill_step_overhead_s
+            t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
+                  + c.prefill_token_overhead_s * s.prefill_tokens)
         return t + c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)

@@ -39,9 +39,11 @@ ETA_FIELDS = ("eta_mem_gemm", "eta_comp_gemm", "eta_comp_prefill_attention",
 SECONDS_FIELDS = ("allreduce_latency_s", "layer_overhead_s", "eager_layer_overhead_s",
                   "step_overhead_s", "seq_overhead_s")
 GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
-# optional seconds (0 when absent, so older files load unchanged): a fixed cost per step that
-# computes prompt tokens, e.g. the DiffKV extend path's scoring and compression launches
-OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s",)
+# optional seconds (0 when absent, so older files load unchanged): costs of a step that
+# computes prompt tokens beyond its modelled kernels, e.g. the DiffKV extend path's scoring
+# and compression (per prefill step, per prompt chunk in it, per prompt token in it)
+OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
+                           "prefill_token_overhead_s")
 # a measured efficiency may exceed 1 where the datasheet peak understates this GPU (boost
 # clocks, an HBM part above spec); more than this is a units error in the calibration file
 ETA_GRID_MAX = 1.5
@@ -233,6 +235,8 @@ class Calibration:
     provenance: dict[str, Any]
     source_file: str
     prefill_step_overhead_s: float = 0.0
+    prefill_seq_overhead_s: float = 0.0
+    prefill_token_overhead_s: float = 0.0
     measured: MeasuredGrids = field(default_factory=MeasuredGrids)
     # the "measured" object as read (raw times, masks, provenance): written back unchanged
     measured_raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

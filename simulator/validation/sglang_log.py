@@ -16,6 +16,9 @@ running batch; their mean is compared with the simulator's decode-step mean.
 by the wall time of that interval, which includes any prefill forwards (and idle time) in it.
 ``decode_clean[i]`` is True when line i had a Decode line before it and no Prefill line in
 between: only such intervals measure decode steps alone (see ``fit.decode_intervals``).
+For Prefill lines the new sequences, SGLang's ``input throughput`` (the previous Prefill line's
+new tokens over the time between the two lines) and whether the previous scheduler line was a
+Prefill line are kept, so back-to-back prefill steps can be timed (``fit.prefill_samples``).
 Line numbers (1-based) are kept so a fit can name the lines it used.
 """
 
@@ -37,6 +40,7 @@ _QUEUE = re.compile(r"#queue-req: (\d+)")
 _PREFILL = re.compile(
     r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+), "
     r"(?:full )?token usage: " + _NUM + r".*?#running-req: (\d+)")
+_INPUT = re.compile(r"input throughput \(token/s\): " + _NUM)
 _GRAPH = re.compile(r"cuda graph: (True|False)")
 _SERVER_ARGS = re.compile(r"server_args=ServerArgs\((.*)\)\s*$")
 _ARG = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\[[^\]]*\]|\{[^}]*\}|"
@@ -60,6 +64,13 @@ class ServerLog:
     server_args: dict[str, str] = field(default_factory=dict)
     prefill_new_tokens: list[int] = field(default_factory=list)
     prefill_cached_tokens: list[int] = field(default_factory=list)
+    prefill_new_seqs: list[int] = field(default_factory=list)
+    # SGLang's "input throughput" on Prefill line i: the new tokens of Prefill line i-1 over
+    # the wall time between the two lines (nan when the line has none)
+    prefill_input_throughput: list[float] = field(default_factory=list)
+    # the previous scheduler line (Prefill or Decode) was a Prefill line
+    prefill_after_prefill: list[bool] = field(default_factory=list)
+    prefill_line_no: list[int] = field(default_factory=list)
     retractions: int = 0
 
     @property
@@ -76,6 +87,7 @@ def parse_server_log(path: str | Path) -> ServerLog:
         raise SimulatorInputError(f"cannot read SGLang log {str(p)!r}: {e.strerror}") from e
     log = ServerLog(str(p))
     after_decode = False     # the last scheduler line was a Decode line
+    after_prefill = False    # the last scheduler line was a Prefill line
     for no, line in enumerate(text.splitlines(), start=1):
         if not log.server_args and (sa := _SERVER_ARGS.search(line)):
             log.server_args = parse_server_args(sa.group(1))
@@ -96,11 +108,18 @@ def parse_server_log(path: str | Path) -> ServerLog:
             cg = _GRAPH.search(line)
             log.decode_cuda_graph.append(None if cg is None else cg.group(1) == "True")
             after_decode = True
+            after_prefill = False
             continue
         if m := _PREFILL.search(line):
             after_decode = False
+            log.prefill_new_seqs.append(int(m.group(1)))
             log.prefill_new_tokens.append(int(m.group(2)))
             log.prefill_cached_tokens.append(int(m.group(3)))
+            it = _INPUT.search(line)
+            log.prefill_input_throughput.append(float(it.group(1)) if it else float("nan"))
+            log.prefill_after_prefill.append(after_prefill)
+            log.prefill_line_no.append(no)
+            after_prefill = True
             continue
         if m := _RETRACT.search(line):
             log.retractions += int(next(g for g in m.groups() if g is not None))

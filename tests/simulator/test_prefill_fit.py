@@ -1,0 +1,119 @@
+"""Fitting the prefill-only costs from back-to-back SGLang Prefill lines recovers a known
+per-step / per-request / per-token cost over the model's own prefill step; too few or
+artefact samples give a clear error."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from sim_helpers import scenario
+
+from simulator.errors import SimulatorInputError
+from simulator.specs.calibration import load_calibration
+from simulator.validation.fit import (
+    calibration_file,
+    fit_prefill_costs,
+    prefill_samples,
+    prefill_shape,
+)
+from simulator.validation.sglang_log import parse_server_log
+
+TRUE = {"prefill_step_overhead_s": 0.02, "prefill_seq_overhead_s": 5e-4,
+        "prefill_token_overhead_s": 3e-6}
+
+
+def _server(**prefill):
+    cal = replace(load_calibration("h100"), **prefill)
+    return replace(scenario(), calibration=cal).server("bf16")
+
+
+def _log(tmp_path, shapes, artefact_after=None, decode_between=False):
+    """Prefill lines as SGLang writes them: line i's input throughput is line i-1's new tokens
+    over line i-1's step time (true costs added to the model's step)."""
+    srv = _server()
+    lines = ["max_total_num_tokens=400000, chunked_prefill_size=-1"]
+    prev = None
+    for i, (n, t) in enumerate(shapes):
+        thr = 0.0
+        if prev is not None:
+            pn, pt = prev
+            dur = (srv.cost.step_time(prefill_shape(srv, pn, pt, 0))
+                   + TRUE["prefill_step_overhead_s"] + TRUE["prefill_seq_overhead_s"] * pn
+                   + TRUE["prefill_token_overhead_s"] * pt)
+            thr = pt / dur
+            if artefact_after is not None and i - 1 == artefact_after:
+                thr *= 30          # an overlap-pipeline gap: far too short for the step
+        lines.append(f"[2026-11-22 12:00:{i:02d}] Prefill batch, #new-seq: {n}, #new-token: "
+                     f"{t}, #cached-token: 0, token usage: 0.01, #running-req: {8 * i}, "
+                     f"#queue-req: 100, cuda graph: False, input throughput (token/s): "
+                     f"{thr:.2f}")
+        if decode_between:
+            lines.append(f"[2026-11-22 12:00:{i:02d}] Decode batch, #running-req: 8, #token: "
+                         "4000, token usage: 0.01, cuda graph: True, gen throughput "
+                         "(token/s): 900.00, #queue-req: 0")
+        prev = (n, t)
+    p = tmp_path / "server.log"
+    p.write_text("\n".join(lines) + "\n")
+    return parse_server_log(p)
+
+
+def _varied():
+    rng = np.random.default_rng(0)
+    return [(int(rng.integers(1, 48)), int(rng.integers(500, 16000))) for _ in range(14)]
+
+
+def test_parser_keeps_prefill_timing(tmp_path):
+    log = _log(tmp_path, [(2, 1000), (4, 3000), (1, 500)])
+    assert log.prefill_new_seqs == [2, 4, 1]
+    assert log.prefill_after_prefill == [False, True, True]
+    assert np.isnan(log.prefill_input_throughput).sum() == 0
+    s = prefill_samples(log)
+    assert s.shape == (2, 5) and list(s[:, 0]) == [2, 4] and list(s[:, 1]) == [1000, 3000]
+
+
+def test_fit_recovers_known_costs(tmp_path):
+    shapes = _varied()
+    samples = prefill_samples(_log(tmp_path, shapes, artefact_after=5))
+    fit = fit_prefill_costs(_server(), samples)
+    assert len(fit["dropped"]) == 1 and fit["samples"] == len(shapes) - 2
+    for k, v in TRUE.items():
+        assert fit[k] == pytest.approx(v, rel=1e-3), k
+    assert fit["mape"] < 1e-4 < fit["mape_before"]
+    assert set(fit["fitted"]) == set(TRUE)
+
+
+def test_fit_residual_is_over_existing_costs(tmp_path):
+    """Costs already in the calibration are not charged twice: the fit starts from the model's
+    step without them, and a calibration that already holds the truth fits it again."""
+    samples = prefill_samples(_log(tmp_path, _varied()))
+    fit = fit_prefill_costs(_server(**TRUE), samples)
+    assert fit["mape_before"] < 1e-4
+    for k, v in TRUE.items():
+        assert fit[k] == pytest.approx(v, rel=1e-3), k
+
+
+def test_one_shape_charges_the_residual_per_token_and_keeps_the_step_cost(tmp_path):
+    samples = prefill_samples(_log(tmp_path, [(32, 16400)] * 10))
+    given = {"prefill_step_overhead_s": TRUE["prefill_step_overhead_s"]}
+    fit = fit_prefill_costs(_server(**given), samples)
+    assert fit["fitted"] == ["prefill_token_overhead_s"]
+    assert fit["prefill_step_overhead_s"] == TRUE["prefill_step_overhead_s"]
+    per_token = TRUE["prefill_token_overhead_s"] + TRUE["prefill_seq_overhead_s"] * 32 / 16400
+    assert fit["prefill_token_overhead_s"] == pytest.approx(per_token, rel=1e-3)
+    srv = _server(**given)
+    data = calibration_file(srv, {"step_overhead_s": 2e-4, "seq_overhead_s": 2e-6,
+                                  "prefill": {**fit, "kept_source": "a profile"}}, "x.log")
+    entry = data["gpus"][srv.deployment.gpu.key]
+    assert entry["prefill_token_overhead_s"] == fit["prefill_token_overhead_s"]
+    assert "prefill_token_overhead_s fitted" in entry["provenance"]["prefill_costs"]
+    assert "a profile" in entry["provenance"]["prefill_costs"]
+
+
+def test_too_few_or_untimed_samples_raise(tmp_path):
+    with pytest.raises(SimulatorInputError, match="no timed prefill steps"):
+        fit_prefill_costs(_server(), prefill_samples(
+            _log(tmp_path, _varied(), decode_between=True)))
+    with pytest.raises(SimulatorInputError, match="need at least 5 timed prefill steps"):
+        fit_prefill_costs(_server(), prefill_samples(_log(tmp_path, _varied()[:4])))
