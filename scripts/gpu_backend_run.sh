@@ -21,7 +21,6 @@
 # BUDGET_S (default 540) bounds the run; each step is skipped when too little is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
 RES=${OUT:-/tmp/diffkv_gpu}; LOGS=$RES/logs; mkdir -p "$LOGS"
 SUMMARY=$RES/summary.txt; : > "$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -29,16 +28,9 @@ T0=$(date +%s); BUDGET_S=${BUDGET_S:-540}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 export PYTHONUNBUFFERED=1
 
-source .device/install_on_device.sh >> "$LOGS/install.log" 2>&1 || { say "install failed"; cat "$LOGS/install.log"; exit 1; }
-tail -2 "$LOGS/install.log" | tee -a "$SUMMARY"
-# Install our package the way a user does; its sglang_diffkv.pth lands in site-packages.
-if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$LOGS/install.log" 2>&1; then
-  site=$(python3 -c "import site; print(site.getsitepackages()[0])")
-  printf '%s\nimport sglang_diffkv.sglang._bootstrap\n' "$ROOT" > "$site/sglang_diffkv.pth"
-  say "pip install -e . failed (see install.log); wrote $site/sglang_diffkv.pth by hand"
-fi
-python3 -c "import sys; assert any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path)" \
-  && say "import hook active at interpreter start" || { say "import hook NOT active"; exit 1; }
+source scripts/device_install.sh "$LOGS/install.log" > "$RES/install.txt" 2>&1
+rc=$?; cat "$RES/install.txt" >> "$SUMMARY"; cat "$RES/install.txt"; rm -f "$RES/install.txt"
+[ "$rc" -eq 0 ] || { say "install failed"; exit 1; }
 
 MODEL=/tmp/dummy-llama3-8b
 python3 .device/dummy_model.py "$MODEL" >/dev/null || exit 1
@@ -162,7 +154,7 @@ c.update(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key
          head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
 json.dump(c, open(p, "w"))
 PYEOF
-      start_server small 150 "$small" --attention-backend diffkv || return
+      start_server small 240 "$small" --attention-backend diffkv || return
       timeout 60 $CLIENT thresholds $PORT | tee -a "$SUMMARY"
       timeout 90 $CLIENT long $PORT 8 512 128 "$RES/small_long.json" | tee -a "$SUMMARY"
       audit small

@@ -13,7 +13,6 @@
 # install included; keep it below the call's timeout_s (at most 600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
 RES=${OUT:-/tmp/diffkv_e2e}; LOGS=$RES/logs; mkdir -p "$LOGS"
 T0=$(date +%s); BUDGET_S=${BUDGET_S:-560}
 export PYTHONUNBUFFERED=1
@@ -26,14 +25,7 @@ finish() {  # keep only the four result files: the tool brings back at most eigh
 }
 trap finish EXIT
 
-source .device/install_on_device.sh >> "$LOGS/install.log" 2>&1 \
-  || { echo "install failed"; tail -20 "$LOGS/install.log"; exit 1; }
-tail -2 "$LOGS/install.log"
-if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$LOGS/install.log" 2>&1; then
-  site=$(python3 -c "import site; print(site.getsitepackages()[0])")
-  printf '%s\nimport sglang_diffkv.sglang._bootstrap\n' "$ROOT" > "$site/sglang_diffkv.pth"
-  echo "pip install -e . failed (see install.log); wrote $site/sglang_diffkv.pth by hand"
-fi
+source scripts/device_install.sh "$LOGS/install.log" || { echo "install failed"; exit 1; }
 python3 -c "import aiohttp, numpy" || { echo "aiohttp/numpy missing"; exit 1; }
 python3 .device/dummy_model.py /tmp/dummy-llama3-8b > /dev/null || exit 1
 LEFT=$(( BUDGET_S - ($(date +%s) - T0) ))
