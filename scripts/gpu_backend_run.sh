@@ -143,7 +143,7 @@ run_step() {
       audit ${P}default
       stop_server ;;
     small)
-      [ "$(left)" -gt 100 ] || { say "skipped: no time"; return; }
+      [ "$(left)" -gt 300 ] || { say "skipped: no time"; return; }
       local small=/tmp/dummy-smollm2
       python3 .device/dummy_model.py "$small" --layers 30 >/dev/null
       python3 - "$small" <<'PYEOF'
