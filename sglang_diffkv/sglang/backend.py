@@ -277,11 +277,15 @@ class DiffKVAttnBackend(AttentionBackend):
         # (real decode rows hold at least one token)
         return 0
 
-    def _graph_metadata(self, bs: int, req: torch.Tensor, seq: torch.Tensor
-                        ) -> DiffKVForwardMetadata:
-        g = self.graphs
-        if g is None:
+    def _graph_state(self) -> DecodeGraphState:
+        if self.graphs is None:
             raise RuntimeError("diffkv: CUDA-graph metadata before init_cuda_graph_state")
+        return self.graphs
+
+    def _graph_metadata(self, bs: int, seq: torch.Tensor) -> DiffKVForwardMetadata:
+        """The captured batch size's metadata: its static buffers (rows past ``seq``'s real
+        requests are padding)."""
+        g = self._graph_state()
         return DiffKVForwardMetadata(True, None, g.req[:bs], seq, positions=g.positions[:bs],
                                      step=g.step(bs), graph_bs=bs)
 
@@ -295,8 +299,9 @@ class DiffKVAttnBackend(AttentionBackend):
             )
         self._close_graph_step()
         # capture runs with every row padding: the kernels are recorded, nothing is stored
-        self.graphs.load(bs, self.graphs.req[:0], self.graphs.positions[:0])
-        self.forward_metadata = self._graph_metadata(bs, self.graphs.req[:0], seq_lens[:0])
+        g = self._graph_state()
+        g.load(bs, g.req[:0], g.positions[:0])
+        self.forward_metadata = self._graph_metadata(bs, seq_lens[:0])
 
     def init_forward_metadata_replay_cuda_graph(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -316,8 +321,8 @@ class DiffKVAttnBackend(AttentionBackend):
         req = req_pool_indices[:n].long()
         self._allocate_decode(req, seq_host[:n])
         seq = seq_lens[:n].long()
-        self.graphs.load(bs, req, seq - 1)
-        md = self._graph_metadata(bs, req, seq)
+        self._graph_state().load(bs, req, seq - 1)
+        md = self._graph_metadata(bs, seq)
         self.forward_metadata = md
         self._graph_step_open = md
 
