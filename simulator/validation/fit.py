@@ -191,6 +191,14 @@ def _fit_prefill_terms(feats: np.ndarray, base: np.ndarray, y: np.ndarray,
     return theta, free, spread
 
 
+def _require_prefill_samples(keep: np.ndarray) -> None:
+    if keep.sum() < MIN_PREFILL_SAMPLES:
+        raise SimulatorInputError(
+            f"need at least {MIN_PREFILL_SAMPLES} timed prefill steps within a factor "
+            f"{PREFILL_OUTLIER_FACTOR:g} of the model; the log has {int(keep.sum())} of "
+            f"{len(keep)}")
+
+
 def fit_prefill_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
     """Prefill-only costs (per step, per chunk, per prompt token) over the model's own
     prediction of each timed prefill step (see the module docstring). Raises
@@ -216,22 +224,14 @@ def fit_prefill_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, 
     ratio = y_all / (base_arr + feats_all @ given)
     keep = np.abs(np.log(ratio / np.median(ratio))) <= np.log(PREFILL_OUTLIER_FACTOR)
     for _ in range(2):
-        if keep.sum() < MIN_PREFILL_SAMPLES:
-            raise SimulatorInputError(
-                f"need at least {MIN_PREFILL_SAMPLES} timed prefill steps within a factor "
-                f"{PREFILL_OUTLIER_FACTOR:g} of the model; the log has {int(keep.sum())} of "
-                f"{len(y_all)}")
+        _require_prefill_samples(keep)
         theta, free, spread = _fit_prefill_terms(feats_all[keep], base_arr[keep],
                                                  y_all[keep], given)
         fitted = base_arr + feats_all @ theta
         keep = np.abs(np.log(y_all / fitted)) <= np.log(PREFILL_OUTLIER_FACTOR)
     dropped = [f"line {int(no)}: {1e3 * s:.1f} ms measured vs {1e3 * f:.1f} ms modelled"
                for (_, _, _, s, no), f in zip(samples[~keep], fitted[~keep], strict=True)]
-    if keep.sum() < MIN_PREFILL_SAMPLES:
-        raise SimulatorInputError(
-            f"need at least {MIN_PREFILL_SAMPLES} timed prefill steps within a factor "
-            f"{PREFILL_OUTLIER_FACTOR:g} of the model; the log has {int(keep.sum())} of "
-            f"{len(y_all)}")
+    _require_prefill_samples(keep)
     theta, free, spread = _fit_prefill_terms(feats_all[keep], base_arr[keep], y_all[keep],
                                              given)
     s, b, y, feats = samples[keep], base_arr[keep], y_all[keep], feats_all[keep]
