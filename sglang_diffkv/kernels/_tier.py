@@ -1,4 +1,5 @@
-"""Tier layouts as the constexpr keyword arguments the Triton kernels take.
+"""Tier layouts as the constexpr keyword arguments the Triton kernels take, and what every
+paged kernel reads first: its (request, KV head) row of the page table and counters.
 
 Kernels never hard-code a byte offset: every size comes from ``layout.TierLayout`` through
 :func:`tier_constexprs`, under a prefix (``H_`` high tier, ``L_`` low tier, ``T_`` the one
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 import triton
+import triton.language as tl
 
 from sglang_diffkv.layout import TierLayout
 
@@ -53,3 +55,11 @@ def page_views(pages):
 
     return (pages, pages.view(torch.float16), pages.view(torch.float32),
             pages.view(torch.int32))
+
+
+@triton.jit
+def row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h):
+    """Program (b, h)'s page-table row and token counters (n_high at +0, n_low at +1) in a
+    layer's [max_reqs, Hkv, ...] table / counts; the request is req[b], widened to int64."""
+    r = tl.load(req + b).to(tl.int64)
+    return table + r * t_sr + h * t_sh, counts + r * c_sr + h * c_sh

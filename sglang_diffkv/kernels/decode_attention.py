@@ -38,7 +38,7 @@ import triton.language as tl
 
 from sglang_diffkv.attention import paged_decode_attention
 from sglang_diffkv.kernels._codes import unpack_codes_asm
-from sglang_diffkv.kernels._tier import INTERPRET, page_views, tier_constexprs
+from sglang_diffkv.kernels._tier import INTERPRET, page_views, row_pointers, tier_constexprs
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.pages import add_scores, token_locations
 
@@ -263,9 +263,7 @@ def _partition_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    r = tl.load(req + b).to(tl.int64)
-    row = table + r * t_sr + h * t_sh
-    cnt = counts + r * c_sr + h * c_sh
+    row, cnt = row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h)
     if s < MAXP_HI:
         n_hi = tl.load(cnt)
         if s * ppp_hi < tl.cdiv(n_hi, H_N):
@@ -336,9 +334,7 @@ def _merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    r = tl.load(req + b).to(tl.int64)
-    row = table + r * t_sr + h * t_sh
-    cnt = counts + r * c_sr + h * c_sh
+    row, cnt = row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h)
     n_hi = tl.load(cnt)
     n_lo = tl.load(cnt + 1)
     parts_hi = tl.cdiv(tl.cdiv(n_hi, H_N), ppp_hi)

@@ -37,7 +37,7 @@ import triton.language as tl
 from sglang_diffkv import bench_mix
 from sglang_diffkv.cache import apply_decode_step
 from sglang_diffkv.kernels._quant import load_dequant, quantize_store, store_score_pos
-from sglang_diffkv.kernels._tier import page_views, tier_constexprs
+from sglang_diffkv.kernels._tier import page_views, row_pointers, tier_constexprs
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.policy import DecodeDecision
 
@@ -118,9 +118,7 @@ def _argmin_kernel(
     h = tl.program_id(1)
     s = tl.program_id(2)
     n_split = tl.num_programs(2)
-    r = tl.load(req + b).to(tl.int64)
-    row = table + r * t_sr + h * t_sh
-    cnt = counts + r * c_sr + h * c_sh
+    row, cnt = row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h)
     n_hi = tl.load(cnt)
     n_lo = tl.load(cnt + 1)
     p = tl.load(positions + b).to(tl.int64)
@@ -218,9 +216,7 @@ def _policy_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    r = tl.load(req + b).to(tl.int64)
-    row = table + r * t_sr + h * t_sh
-    cnt = counts + r * c_sr + h * c_sh
+    row, cnt = row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h)
     n_hi = tl.load(cnt)
     n_lo = tl.load(cnt + 1)
     p = tl.load(positions + b).to(tl.int64)
