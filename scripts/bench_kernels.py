@@ -167,15 +167,28 @@ def decode_rows(copy_bw: float, quick: bool, variants: list[str],
 
 
 def variant_plan(spec: str) -> dict:
-    """Plan keywords of a variant spec: NAME (a key of decode_attention.VARIANTS) with an
+    """Plan keywords of a variant spec: NAME (one of decode_attention.VARIANTS) with an
     optional ``@REGS`` register cap per thread (e.g. ``asm@112``: the asm loop spills at the
-    default cap of 96, not at 112, but fits 4 instead of 5 programs per SM)."""
-    name, _, regs = spec.partition("@")
+    default cap of 96, not at 112, but fits 4 instead of 5 programs per SM), an optional
+    ``:sS`` pipeline depth (``cuda:s4``: four pages in flight per program; ``cuda:s0``:
+    register prefetch) and ``:pP`` programs per SM the split targets (``cuda:s4:p12``)."""
+    head, *opts = spec.split(":")
+    name, _, regs = head.partition("@")
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r} in {spec!r}; known: {sorted(VARIANTS)}")
     kw = {**TUNED, "variant": name}
     if regs:
         kw["maxnreg"] = int(regs) or None  # @0: no cap
+    for opt in opts:
+        if opt[:1] == "s" and opt[1:].isdigit():
+            kw["num_stages"] = int(opt[1:])
+        elif opt[:1] == "p" and opt[1:].isdigit():
+            kw["target_programs"] = int(opt[1:]) * torch.cuda.get_device_properties(
+                DEV).multi_processor_count
+        else:
+            raise ValueError(f"variant option {opt!r} in {spec!r}: expected sN or pN")
+    if name == "cuda":
+        kw.pop("maxnreg", None)  # (a Triton knob)
     return kw
 
 

@@ -16,7 +16,7 @@ import triton
 
 from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED
 from sglang_diffkv.kernels._tier import tier_constexprs
-from sglang_diffkv.kernels.decode_attention import VARIANTS
+from sglang_diffkv.kernels.decode_attention import TRITON_ASM
 from sglang_diffkv.kernels.decode_policy import hash_constexprs
 from sglang_diffkv.layout import PageGeometry
 
@@ -41,13 +41,13 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
-    # every split-K variant (decode_attention.VARIANTS; ASM = inline PTX, which the CPU
+    # every split-K variant (decode_attention.TRITON_ASM; ASM = inline PTX, which the CPU
     # tests cannot run, so this is where it is first compiled)
     *[("decode_attention", "_partition_kernel", {**ATTN, **HI, **LO, "ASM": asm})
-      for asm in VARIANTS.values()],
+      for asm in TRITON_ASM.values()],
     *[("decode_attention", "_partition_kernel",
        {**ATTN, "PAGE_BYTES": GEO1.page_bytes, **HI1, **LO1, "ASM": asm})
-      for asm in VARIANTS.values() if asm],
+      for asm in TRITON_ASM.values() if asm],
     ("decode_attention", "_merge_kernel",
      {**ATTN, "BLOCK_P": 16, "CH": 4, **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF")},
       **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF")}}),

@@ -11,86 +11,43 @@ instead (:func:`compaction_backend` says which).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 
+from sglang_diffkv.kernels._nvcc import CudaLibrary, nvcc_path
 from sglang_diffkv.memory import AllocResult, PageManager, PageTableRowFull
 from sglang_diffkv.memory.inputs import Phase, check_shape
 
-SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "compaction.cu"
-ARCH_FLAGS = ("-gencode=arch=compute_90,code=sm_90",)
-# The multi-block cooperative kernel is opt-in until it has been checked on a GPU; the
-# single-block kernel (checked, docs/benchmarks.md) is the default.
 # The cooperative grid kernel: 10 us of GPU time vs 118 us single-block at 128 x 32 x 8 on the
 # H100 (docs/benchmarks.md); the launcher falls back to one block if a cooperative launch is
 # refused. SGLANG_DIFFKV_COOP_COMPACTION=0 forces the single-block kernel.
 COOPERATIVE_DEFAULT = "1"
 SCRATCH = 2 * 8 * 1024  # int64 slots: (total, room) per warp of up to 1024 blocks of 8 warps
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+LIBRARY = CudaLibrary("compaction.cu")
+__all__ = ["build_library", "compaction_backend", "decode_compaction",
+           "decode_compaction_reference", "nvcc_path"]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SGLANG_DIFFKV_CACHE", Path.home() / ".cache" / "sglang_diffkv"))
-
-
-def nvcc_path() -> str | None:
-    home = os.environ.get("CUDA_HOME")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def build_library(out_dir: Path | None = None) -> Path:
+def build_library(out_dir=None):
     """Compile cuda/compaction.cu into a shared library (cached by source hash)."""
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    if not SOURCE.exists():
-        raise RuntimeError(f"{SOURCE} is missing (not an editable checkout?)")
-    src = SOURCE.read_bytes()
-    digest = hashlib.sha256(src + " ".join(ARCH_FLAGS).encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"libdiffkv_compaction_{digest}.so"
-    if lib.exists():
-        return lib
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", *ARCH_FLAGS, str(SOURCE), "-o",
-           str(tmp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
-    tmp.replace(lib)  # atomic: concurrent builders never load a half-written file
-    return lib
+    return LIBRARY.build(out_dir)
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    try:
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
-        lib = ctypes.CDLL(str(build_library()))
+    lib = LIBRARY.get()
+    if lib is not None and not getattr(lib, "_diffkv_typed", False):
         fn = lib.diffkv_decode_room_launch
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int32] * 2 + [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
-        _lib = lib
-    except (RuntimeError, OSError) as e:
-        _error = str(e)
-    return _lib
+        lib._diffkv_typed = True
+    return lib
 
 
 def compaction_backend() -> str:
     """'cuda' when the one-launch kernel is in use, else 'torch (<why>)'."""
-    return "cuda" if _load() is not None else f"torch ({_error})"
+    return "cuda" if _load() is not None else f"torch ({LIBRARY.error})"
 
 
 def decode_compaction(

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from sglang_diffkv.attention import paged_decode_attention
+from sglang_diffkv.kernels import decode_split_cuda as split_cuda
 from sglang_diffkv.kernels._codes import unpack_codes_asm
 from sglang_diffkv.kernels._tier import INTERPRET, page_views, row_pointers, tier_constexprs
 from sglang_diffkv.layout import PageGeometry
@@ -285,10 +286,11 @@ def _tier_scores(
     f32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp,
     PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
-    N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, CH: tl.constexpr,
+    N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, CH: tl.constexpr, MW: tl.constexpr,
 ):
     """score += max over the group of p * exp2(m_iter - lse) for one partition's tokens,
-    CH partition iterations per loop step (independent loads in flight, few steps)."""
+    CH partition iterations per loop step (independent loads in flight, few steps). The
+    split-K pass kept MW running maxima per iteration, one per BN / MW slots of a page."""
     R: tl.constexpr = PPI * BN
     MR: tl.constexpr = CH * RS
     n_pages = tl.cdiv(n_tok, N)
@@ -313,7 +315,8 @@ def _tier_scores(
         ok = gmask[:, None] & valid[None, :]
         p16 = tl.load(p_ptr + (rows[None, :] + gi[:, None]) * RS + rr[None, :], mask=ok,
                       other=0.0)
-        mit = tl.load(mit_ptr + rows[None, :] + gi[:, None], mask=ok, other=0.0)
+        mrows = ((buf * ITERS_MAX + it) * MW + slot // (BN // MW)) * G
+        mit = tl.load(mit_ptr + mrows[None, :] + gi[:, None], mask=ok, other=0.0)
         prob = p16.to(tl.float32) * tl.exp2(mit - lse2[:, None])
         prob = tl.max(tl.where(ok, prob, 0.0), axis=0)
         sptr = f32 + (page.to(tl.int64) * PAGE_BYTES + SOFF) // 4 + slot
@@ -330,6 +333,7 @@ def _merge_kernel(
     MAXP_HI, MAXP, RS: tl.constexpr, BLOCK_P: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr,
     L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr, CH: tl.constexpr,
+    MW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -373,29 +377,46 @@ def _merge_kernel(
         if s < parts_hi:
             _tier_scores(f32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr, ppp_hi,
                          PAGE_BYTES, ROW_LEN, False, G, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN,
-                         H_SOFF, CH)
+                         H_SOFF, CH, MW)
     else:
         if s - MAXP_HI < parts_lo:
             _tier_scores(f32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr, mit_ptr,
                          ppp_lo, PAGE_BYTES, ROW_LEN, True, G, BLOCK_G, PPI, ITERS_MAX, RS, L_N,
-                         L_BN, L_SOFF, CH)
+                         L_BN, L_SOFF, CH, MW)
 
 
-# Split-K pass variants (a constexpr switch; the merge pass is shared):
-#   base: codes converted per field with Triton ops (shift, mask, OR 0x6400, half subtract)
-#   asm:  4 code bytes per inline-PTX call (prmt + lop3 + fma.f16x2, see _codes.py): in the
-#         sm_90 SASS of the K8V4/K4V2 loop, 566 -> 514 instructions per thread per high page
-#         and 986 -> 780 per low page (the conversion's PRMT/SHF/LOP3/HADD2 share)
-# asm is the default: on the H100 it was as fast or faster than base in 17 of 18 grid cases
-# (K4V2 B32 x 16k: 535 vs 594 us; docs/benchmarks.md, 2026-11-22 session 2).
-VARIANTS = {"base": False, "asm": True}
+# Split-K pass variants (the merge pass is shared):
+#   base: Triton, codes converted per field with Triton ops (shift, mask, OR 0x6400, subtract)
+#   asm:  Triton, 4 code bytes per inline-PTX call (prmt + lop3 + fma.f16x2, see _codes.py):
+#         in the sm_90 SASS of the K8V4/K4V2 loop, 566 -> 514 instructions per thread per high
+#         page and 986 -> 780 per low page
+#   cuda: cuda/decode_attention.cu, tensor-core fragments loaded straight from the pages
+#         (decode_split_cuda.py); K8V4 / K4V2 with one metadata group, head_dim 128 only
+# "auto" (the default) picks cuda where it can run and asm elsewhere.
+TRITON_ASM = {"base": False, "asm": True}
+VARIANTS = (*TRITON_ASM, "cuda")
 
 
 def variant_constexprs(variant: str) -> dict[str, bool]:
-    """The ASM constexpr of a variant. The Triton interpreter cannot run inline asm, so under
-    TRITON_INTERPRET=1 the asm conversion falls back to the plain one (the asm itself is
-    checked byte by byte against ``_codes.emulate`` on the CPU, and on the GPU)."""
-    return {"ASM": VARIANTS[variant] and not INTERPRET}
+    """The ASM constexpr of a Triton variant. The Triton interpreter cannot run inline asm,
+    so under TRITON_INTERPRET=1 the asm conversion falls back to the plain one (the asm
+    itself is checked byte by byte against ``_codes.emulate`` on the CPU, and on the GPU)."""
+    return {"ASM": TRITON_ASM.get(variant, True) and not INTERPRET}
+
+
+def resolve_variant(variant: str, geometry: PageGeometry, group: int, pages_per_iter: int,
+                    device: torch.device) -> str:
+    """``variant`` itself, or for "auto" the fastest one this plan can run."""
+    if variant == "auto":
+        why = split_cuda.unsupported_reason(geometry, group, pages_per_iter, device)
+        return "cuda" if why is None else "asm"
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}; known: auto, {', '.join(VARIANTS)}")
+    if variant == "cuda":
+        why = split_cuda.unsupported_reason(geometry, group, pages_per_iter, device)
+        if why is not None:
+            raise ValueError(f"variant='cuda' cannot run this plan: {why}")
+    return variant
 
 
 class ScratchArena:
@@ -448,7 +469,7 @@ class DecodeAttentionPlan:
     num_warps: int
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
-    variant: str = "asm"  # a key of VARIANTS: how the split-K pass converts codes
+    variant: str = "asm"  # one of VARIANTS: which split-K pass runs (resolved, never "auto")
     # where the split-K scratch comes from (None: the plan allocates its own)
     arena: ScratchArena | None = None
 
@@ -466,9 +487,9 @@ class DecodeAttentionPlan:
         pages_per_iter: int = 1,
         target_programs: int | None = None,
         num_warps: int = 4,
-        num_stages: int = 2,
+        num_stages: int | None = None,
         maxnreg: int | None = 96,
-        variant: str = "asm",
+        variant: str = "auto",
         arena: ScratchArena | None = None,
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
@@ -476,9 +497,11 @@ class DecodeAttentionPlan:
                              f"num_kv_heads={num_kv_heads}")
         if pages_per_iter < 1 or pages_per_iter & (pages_per_iter - 1):
             raise ValueError(f"pages_per_iter={pages_per_iter} must be a power of two")
-        if variant not in VARIANTS:
-            raise ValueError(f"variant={variant!r}; known: {sorted(VARIANTS)}")
         device = torch.device(device)
+        variant = resolve_variant(variant, geometry, num_q_heads // num_kv_heads,
+                                  pages_per_iter, device)
+        if num_stages is None:  # Triton's software pipelining / the CUDA pass's copy depth
+            num_stages = split_cuda.DEFAULT_STAGES if variant == "cuda" else 2
         for t in geometry.tiers:
             tier_constexprs(t, "")  # raises on unsupported bit widths
         if target_programs is None:
@@ -506,6 +529,8 @@ class DecodeAttentionPlan:
         maxp = self.maxp_hi + self.maxp_lo
         bn = max(triton.next_power_of_2(t.tokens_per_page) for t in self.geometry.tiers)
         self.row_stride = self.pages_per_iter * bn
+        # running maxima per split-K iteration: one per warp in the CUDA pass
+        self.mit_per_iter = split_cuda.WARPS if self.variant == "cuda" else 1
         need = self.scratch_layout()
         if self.arena is None:
             self.acc, self.ml, self.pbuf, self.mit = (
@@ -522,8 +547,10 @@ class DecodeAttentionPlan:
         self._merge_c: dict[str, int] = dict(
             BLOCK_P=triton.next_power_of_2(maxp), CH=max(1, 256 // self.row_stride),
             H_N=hi["H_N"], H_BN=hi["H_BN"], H_SOFF=hi["H_SOFF"], L_N=lo["L_N"],
-            L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"],
+            L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"], MW=self.mit_per_iter,
         )
+        self._cuda_args = (split_cuda.make_args(self, geo) if self.variant == "cuda"
+                           else None)
         # ``common`` per table row length (ROW_LEN is the only call-dependent entry)
         self._common: dict[int, dict[str, int]] = {}
 
@@ -546,7 +573,7 @@ class DecodeAttentionPlan:
         g, bg, d = self.group, self.block_g, self.geometry.head_dim
         sizes = ((rows * bg * d, torch.float32), (rows * 2 * bg, torch.float32),
                  (rows * self.iters_max * g * self.row_stride, torch.float16),
-                 (rows * self.iters_max * g, torch.float32))
+                 (rows * self.iters_max * self.mit_per_iter * g, torch.float32))
         out, off = [], 0
         for n, dt in sizes:
             out.append((n, dt, off))
@@ -619,6 +646,10 @@ class DecodeAttentionPlan:
         return out, lse
 
     def _partition(self, grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common):
+        if self._cuda_args is not None:
+            split_cuda.launch(self._cuda_args, q, u8, tab, cnt, req_idx, sm_scale * LOG2E,
+                              self.num_kv_heads)
+            return
         _partition_kernel[grid](
             q, q.stride(0), q.stride(1), u8, f16, tab, tab.stride(0), tab.stride(1),
             cnt, cnt.stride(0), cnt.stride(1), req_idx, self.acc, self.ml, self.pbuf,
