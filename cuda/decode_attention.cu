@@ -90,6 +90,13 @@ __device__ __forceinline__ void mma_k8(float (&c)[4], uint32_t a0, uint32_t a1, 
       : "r"(a0), "r"(a1), "r"(b0));
 }
 
+// 2^x on the SFU without exp2f's subnormal-range fix-up (an underflow to 0 is what we want)
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -248,6 +255,9 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
     qsum += __shfl_xor_sync(kFull, qsum, 1);
     qsum += __shfl_xor_sync(kFull, qsum, 2);
   }
+  // MMA rows 8..15 (no query head): a zero ptxas cannot see through, so it keeps the
+  // fragment quads allocated instead of re-zeroing their padding registers every page
+  const uint32_t pad = static_cast<uint32_t>(a.group) >> 31;
   const float qsum2 = qsum * a.qk_scale;
   const float key_unit = kTwo24 * a.qk_scale;
 
@@ -264,6 +274,13 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
   const int first = part * t.pages_per_part;
   const int last = min(first + t.pages_per_part, n_pages);
   const int64_t buf = ((int64_t)b * gridDim.y + h) * a.maxp_total + slot_base + part;
+
+  // this thread's probabilities (head gq, tokens 2c, 2c + 1 of each n-tile) and its warp's
+  // running max, at iteration 0; iteration it is it * stride further
+  // (loop-carried pointers: ptxas would otherwise recompute the 64-bit products per page)
+  __half* p_row = a.p + ((buf * a.iters_max) * G + gq) * a.row_stride + warp * TPW + 2 * c;
+  const int p_iter_stride = G * a.row_stride;
+  float* mit_row = a.mit + ((buf * a.iters_max) * kWarps + warp) * G + gq;
 
   float acc[MT][4];
 #pragma unroll
@@ -300,6 +317,7 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
   };
 
   auto process = [&](const Page& cur, int pl) {
+    const int live = min(N, n_tok - pl * N);  // valid slots of this page
     // ---- logits: S = q K^T, columns = this warp's tokens ----
     float s[NT][2];
 #pragma unroll
@@ -307,14 +325,13 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
       float cc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
-        mma_k16(cc, qa[j][0], 0u, qa[j][1], 0u, key_frag<KB>(cur.k[nt].w, 2 * j),
+        mma_k16(cc, qa[j][0], pad, qa[j][1], pad, key_frag<KB>(cur.k[nt].w, 2 * j),
                 key_frag<KB>(cur.k[nt].w, 2 * j + 1));
       }
       const __half2* km = reinterpret_cast<const __half2*>(&cur.km[nt]);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int slot = warp * TPW + nt * 8 + 2 * c + e;
-        const bool ok = slot < N && pl * N + slot < n_tok;
+        const bool ok = warp * TPW + nt * 8 + 2 * c + e < live;
         const float2 sz = __half22float2(km[e]);  // (scale, zero)
         const float logit = cc[e] * sz.x * key_unit + sz.y * qsum2;
         s[nt][e] = ok ? logit : -INFINITY;
@@ -329,7 +346,7 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
     mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
     if (__any_sync(kFull, mx > m_ref + kLazyRescale)) {
       const float m_new = fmaxf(m_ref, mx);
-      const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_ref - m_new);
+      const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m_ref - m_new);
       m_ref = m_new;
       l_part *= alpha;
       z_part *= alpha;
@@ -341,25 +358,24 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
       }
     }
     uint32_t wb[NT];
-    const int it = pl - first;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const __half2* vm = reinterpret_cast<const __half2*>(&cur.vm[nt]);
       const float2 v0 = __half22float2(vm[0]), v1 = __half22float2(vm[1]);
       // a masked token's metadata may be stale bytes (NaN): select, never multiply by 0
       const bool ok0 = s[nt][0] != -INFINITY, ok1 = s[nt][1] != -INFINITY;
-      const float p0 = ok0 ? exp2f(s[nt][0] - m_ref) : 0.f;
-      const float p1 = ok1 ? exp2f(s[nt][1] - m_ref) : 0.f;
+      const float p0 = ok0 ? fast_exp2(s[nt][0] - m_ref) : 0.f;
+      const float p1 = ok1 ? fast_exp2(s[nt][1] - m_ref) : 0.f;
       l_part += p0 + p1;
       z_part += (ok0 ? p0 * v0.y : 0.f) + (ok1 ? p1 * v1.y : 0.f);
       wb[nt] = pack_h2(ok0 ? p0 * v0.x : 0.f, ok1 ? p1 * v1.x : 0.f);
       if (gq < G) {
-        const int slot = warp * TPW + nt * 8 + 2 * c;
-        *reinterpret_cast<__half2*>(a.p + ((buf * a.iters_max + it) * G + gq) * a.row_stride +
-                                    slot) = __floats2half2_rn(p0, p1);
+        *reinterpret_cast<__half2*>(p_row + nt * 8) = __floats2half2_rn(p0, p1);
       }
     }
-    if (c == 0 && gq < G) a.mit[((buf * a.iters_max + it) * kWarps + warp) * G + gq] = m_ref;
+    if (c == 0 && gq < G) *mit_row = m_ref;
+    p_row += p_iter_stride;
+    mit_row += kWarps * G;
 
     // ---- O^T += V^T P^T: rows = this thread group's dims, k = tokens, columns = heads ----
 #pragma unroll
@@ -444,7 +460,7 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
 #pragma unroll
     for (int i = 0; i < kWarps; ++i) mm = fmaxf(mm, sm_m[i * kMaxGroup + head]);
     const float mw = sm_m[w * kMaxGroup + head];
-    return mw == -INFINITY ? 0.f : exp2f(mw - mm);
+    return mw == -INFINITY ? 0.f : fast_exp2(mw - mm);
   };
   {
     const float w0 = warp_weight(warp, 2 * c), w1 = warp_weight(warp, 2 * c + 1);

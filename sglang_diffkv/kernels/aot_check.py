@@ -49,7 +49,8 @@ KERNELS = [
        {**ATTN, "PAGE_BYTES": GEO1.page_bytes, **HI1, **LO1, "ASM": asm})
       for asm in TRITON_ASM.values() if asm],
     ("decode_attention", "_merge_kernel",
-     {**ATTN, "BLOCK_P": 16, "CH": 4, **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF")},
+     {**ATTN, "BLOCK_P": 16, "CH": 16, "MW": 4, "MG": 4,
+      **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF")},
       **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF")}}),
     ("store", "_store_tokens_kernel", {"PAGE_BYTES": GEO.page_bytes, "D": 128, "BLOCK_T": 16,
                                        **T}),

@@ -285,7 +285,7 @@ def _partition_kernel(
 def _tier_scores(
     f32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp,
     PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr, G: tl.constexpr,
-    BLOCK_G: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
+    MG: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, CH: tl.constexpr, MW: tl.constexpr,
 ):
     """score += max over the group of p * exp2(m_iter - lse) for one partition's tokens,
@@ -297,7 +297,7 @@ def _tier_scores(
     first = part * ppp
     last = tl.minimum(first + ppp, n_pages)
     n_iters = tl.cdiv(last - first, PPI)
-    gi = tl.arange(0, BLOCK_G)
+    gi = tl.arange(0, MG)
     t = tl.arange(0, MR)
     for c in range(0, tl.cdiv(n_iters, CH)):
         it = c * CH + t // RS
@@ -333,8 +333,10 @@ def _merge_kernel(
     MAXP_HI, MAXP, RS: tl.constexpr, BLOCK_P: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr,
     L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr, CH: tl.constexpr,
-    MW: tl.constexpr,
+    MW: tl.constexpr, MG: tl.constexpr,
 ):
+    # Tiles here are MG = next_pow2(G) heads (the split-K scratch rows are BLOCK_G apart:
+    # the Triton pass pads the group to 16 MMA rows, which the merge need not carry).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -345,7 +347,7 @@ def _merge_kernel(
     parts_lo = tl.cdiv(tl.cdiv(n_lo, L_N), ppp_lo)
     head_buf = ((b * tl.num_programs(1) + h) * MAXP).to(tl.int64)
 
-    gi = tl.arange(0, BLOCK_G)
+    gi = tl.arange(0, MG)
     gmask = gi < G
     pi = tl.arange(0, BLOCK_P)
     pvalid = (pi < parts_hi) | ((pi >= MAXP_HI) & (pi - MAXP_HI < parts_lo) & (pi < MAXP))
@@ -359,7 +361,7 @@ def _merge_kernel(
 
     if s == 0:
         d = tl.arange(0, D)
-        o = tl.zeros([BLOCK_G, D], tl.float32)
+        o = tl.zeros([MG, D], tl.float32)
         for k in range(0, parts_hi + parts_lo):
             p_idx = tl.where(k < parts_hi, k, MAXP_HI + k - parts_hi)
             mk = tl.load(ml_ptr + ((head_buf + p_idx) * 2) * BLOCK_G + gi)
@@ -376,12 +378,12 @@ def _merge_kernel(
     if s < MAXP_HI:
         if s < parts_hi:
             _tier_scores(f32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr, ppp_hi,
-                         PAGE_BYTES, ROW_LEN, False, G, BLOCK_G, PPI, ITERS_MAX, RS, H_N, H_BN,
+                         PAGE_BYTES, ROW_LEN, False, G, MG, PPI, ITERS_MAX, RS, H_N, H_BN,
                          H_SOFF, CH, MW)
     else:
         if s - MAXP_HI < parts_lo:
             _tier_scores(f32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr, mit_ptr,
-                         ppp_lo, PAGE_BYTES, ROW_LEN, True, G, BLOCK_G, PPI, ITERS_MAX, RS, L_N,
+                         ppp_lo, PAGE_BYTES, ROW_LEN, True, G, MG, PPI, ITERS_MAX, RS, L_N,
                          L_BN, L_SOFF, CH, MW)
 
 
@@ -544,8 +546,12 @@ class DecodeAttentionPlan:
         geo = self.geometry
         hi, lo = tier_constexprs(geo.high, "H_"), tier_constexprs(geo.low, "L_")
         self._part_c: dict[str, int | bool] = {**hi, **lo, **variant_constexprs(self.variant)}
+        # score tiles of ~4k elements: MG heads x CH iterations x row_stride slots (enough
+        # independent loads in flight that a partition takes a few steps, not dozens)
+        mg = max(2, triton.next_power_of_2(g))
         self._merge_c: dict[str, int] = dict(
-            BLOCK_P=triton.next_power_of_2(maxp), CH=max(1, 256 // self.row_stride),
+            BLOCK_P=triton.next_power_of_2(maxp), MG=mg,
+            CH=max(1, 4096 // (mg * self.row_stride)),
             H_N=hi["H_N"], H_BN=hi["H_BN"], H_SOFF=hi["H_SOFF"], L_N=lo["L_N"],
             L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"], MW=self.mit_per_iter,
         )
