@@ -124,8 +124,8 @@ class DiffKVAttnBackend(AttentionBackend):
         rows = torch.nonzero(fb.out_cache_loc != 0).squeeze(1)
         req = fb.req_pool_indices[rows].long()
         seq = fb.seq_lens[rows].long()
-        seq_list = seq.tolist()
-        self._allocate_decode(req, seq_list)
+        seq_list = seq.tolist()  # (the eager path syncs anyway: nonzero above)
+        self._allocate_decode(req, seq)
         positions = seq - 1
         max_seq_len = max(seq_list, default=0)
         return DiffKVForwardMetadata(
@@ -133,20 +133,14 @@ class DiffKVAttnBackend(AttentionBackend):
             step=self.ops.begin_decode_step(req, positions, max_seq_len),
         )
 
-    def _allocate_decode(self, req: torch.Tensor, seq_list: list[int]) -> None:
+    def _allocate_decode(self, req: torch.Tensor, seq: torch.Tensor) -> None:
         """This step's page room for every request (the policy step then never fails), and
-        the pool's per-request token counts."""
+        the pool's per-request token counts. No host sync: the room's success flag is
+        checked a step later (``pool.check_last_decode``)."""
         self.pool.flush_frees()  # (timed as "free" by the pool itself)
         with span(self.prof, "alloc"):
-            res = self.cache.begin_decode(req)
-            ok = bool(res.ok)
-        if not ok:
-            raise DiffKVPoolError(
-                f"DiffKV decode step for {req.numel()} requests needed {int(res.needed)} pages "
-                f"but only {int(res.free)} are free; check_decode_mem should have retracted"
-            )
-        for r, n in zip(req.tolist(), seq_list, strict=True):
-            self.pool.seq_len[r] = n
+            self.pool.begin_decode(req)
+        self.pool.seq_lens_dev[req] = seq
 
     def _extend_metadata(self, fb: Any) -> DiffKVForwardMetadata:
         prefix = list(fb.extend_prefix_lens_cpu)
@@ -319,8 +313,8 @@ class DiffKVAttnBackend(AttentionBackend):
         if self.prof is not None:
             self.prof.begin_step()
         req = req_pool_indices[:n].long()
-        self._allocate_decode(req, seq_host[:n])
         seq = seq_lens[:n].long()
+        self._allocate_decode(req, seq)
         self._graph_state().load(bs, req, seq - 1)
         md = self._graph_metadata(bs, seq)
         self.forward_metadata = md

@@ -42,6 +42,8 @@ from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import ConfigError, DiffKVConfig
 from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
+from sglang_diffkv.memory import AllocResult
+from sglang_diffkv.memory.free_bound import FreePagesBound
 from sglang_diffkv.step_profile import StepProfiler, span
 
 logger = logging.getLogger("sglang_diffkv")
@@ -210,11 +212,20 @@ class DiffKVTokenToKVPool(KVCache):
         self._pending_free: list[int] = []
         # Per-request thresholds set at ReqToTokenPool.alloc, consumed at begin_prefill.
         self.req_alpha: dict[int, tuple[float, float]] = {}
-        # Tokens each active request holds (prompt + decoded), for the per-request metrics.
-        self.seq_len: dict[int, int] = {}
+        # Tokens each request slot holds (prompt + decoded), for the metrics; on the device
+        # so that decode steps set it without a sync.
+        self.seq_lens_dev = torch.zeros(cache.spec.max_reqs, dtype=torch.int64,
+                                        device=cache.device)
         self.stats = PoolStats(device)
         # the stream the backend's last forward ran on (CUDA only; see the module docstring)
         self._forward_stream: torch.cuda.Stream | None = None
+        # Free pages as the scheduler sees them: a sync-free lower bound, exact near a full
+        # pool (below 1/16 of the pages).
+        self.free_bound = FreePagesBound(cache.manager.num_free_pages, cache.device,
+                                         exact_below=self.num_pages // 16)
+        # the last decode allocation's success flag, read one step later (no sync)
+        self._decode_ok: tuple[torch.Tensor, torch.cuda.Event | None, AllocResult,
+                               int] | None = None
         self._finalize_allocation_log(size)
 
     @property
@@ -242,10 +253,44 @@ class DiffKVTokenToKVPool(KVCache):
     # -- physical accounting (host) --------------------------------------------------------
 
     def free_pages(self) -> int:
-        # Exact: a sync on CUDA that includes the forward in flight (after_forward).
+        """A lower bound, exact when idle or near full (``FreePagesBound``): reading the
+        exact count on the GPU would wait for the forward in flight every scheduler step."""
         self.flush_frees()
         self.after_forward()
-        return int(self.cache.manager.num_free_pages())
+        return self.free_bound.read()
+
+    def begin_decode(self, req: torch.Tensor) -> None:
+        """This step's decode room for ``req`` (one launch, no sync). Its success flag is
+        checked at the next call (``check_last_decode``), by then long complete."""
+        self.check_last_decode()
+        res = self.cache.begin_decode(req)
+        self.free_bound.taken(self.decode_reserve_pages(req.numel()))
+        if self.cache.device.type == "cuda":
+            flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
+            flag.copy_(res.ok.view(1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.cache.device))
+            self._decode_ok = (flag, event, res, req.numel())
+        else:
+            self._decode_ok = (res.ok.view(1), None, res, req.numel())
+        if self.cache.device.type != "cuda":
+            self.check_last_decode()  # (exact and free off the GPU: fail at once)
+
+    def check_last_decode(self) -> None:
+        """Raise if the previous decode allocation did not fit. The scheduler's memory check
+        (``available_size``, a lower bound) guarantees it does, so this is a bug, not a
+        load condition: say exactly what did not fit."""
+        pending, self._decode_ok = self._decode_ok, None
+        if pending is None:
+            return
+        flag, event, res, n = pending
+        if event is not None:
+            event.synchronize()
+        if not bool(flag[0]):
+            raise DiffKVPoolError(
+                f"DiffKV decode step for {n} requests needed {int(res.needed)} pages but only "
+                f"{int(res.free)} were free; check_decode_mem should have retracted"
+            )
 
     def decode_reserve_pages(self, num_reqs: int) -> int:
         return self.cache.spec.pages_needed_for_decode(num_reqs)
@@ -290,6 +335,7 @@ class DiffKVTokenToKVPool(KVCache):
         res = self.cache.begin_prefill(
             req_idx, lengths, [a[0] for a in alphas], [a[1] for a in alphas]
         )
+        self.free_bound.taken(self.cache.spec.pages_needed_for_prefill(lengths))
         if not bool(res.ok):
             # Admission (PrefillAdder hook) guarantees room, so this is a bug, not a load
             # condition: say exactly what did not fit.
@@ -299,14 +345,15 @@ class DiffKVTokenToKVPool(KVCache):
                 f"(active requests {len(self.active)})"
             )
         self.active.update(req_idx)
-        self.seq_len.update(zip(req_idx, lengths, strict=True))
+        self.seq_lens_dev[torch.as_tensor(req_idx, device=self.cache.device)] = torch.as_tensor(
+            lengths, dtype=torch.int64, device=self.cache.device)
 
     def release(self, req_idx: int) -> None:
         self.req_alpha.pop(req_idx, None)
         if req_idx not in self.active:
             return  # freed before its prefill ran (e.g. aborted while waiting)
         self.after_forward()  # its counters as the last forward left them
-        self.stats.record_finished(self.cache, req_idx, self.seq_len.pop(req_idx, 0))
+        self.stats.record_finished(self.cache, req_idx, self.seq_lens_dev[req_idx])
         self.active.discard(req_idx)
         # SGLang frees finished requests one by one; one batched free_requests per step
         # costs the same ~10 launches for any count (sharegpt: 1.7-3.5 ms/step of single
@@ -330,7 +377,6 @@ class DiffKVTokenToKVPool(KVCache):
             self._free(sorted(self.active))  # one batched free, as flush_frees does
         self.active.clear()
         self.req_alpha.clear()
-        self.seq_len.clear()
 
     # -- KVCache interface -----------------------------------------------------------------
 
@@ -417,24 +463,33 @@ class PoolStats:
     ``SGLANG_DIFFKV_PROFILE=1``, the memory-management timing (``step_profile``)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.finished_reqs = 0
+        self.finished_count = torch.zeros((), dtype=torch.float64)  # on the cache's device
         self.finished_tokens = torch.zeros(3, dtype=torch.float64)  # high, low, pruned
         self.steps = 0
         interval = os.environ.get(LOG_INTERVAL_ENV, "").strip()
         self.log_interval = int(interval) if interval else 50
         self.profiler = StepProfiler.from_env(device)
 
-    def record_finished(self, cache: CompressedKVCache, req_idx: int, seq_len: int) -> None:
-        if seq_len <= 0:
-            return
+    def record_finished(self, cache: CompressedKVCache, req_idx: int,
+                        seq_len: torch.Tensor) -> None:
+        """Adds a finished request's tier fractions (``seq_len``: 0-dim device tensor) on the
+        device: a finishing request costs no host sync (the log line reads the sums)."""
         cnt = cache.counts[req_idx].to(torch.float64)  # [L, H, 4]
-        hi, lo = (cnt[..., 0].mean() / seq_len).item(), (cnt[..., 1].mean() / seq_len).item()
-        self.finished_reqs += 1
-        self.finished_tokens += torch.tensor([hi, lo, 1.0 - hi - lo], dtype=torch.float64)
-        logger.debug(
-            "DiffKV request slot %d finished at %d tokens: high %.1f%% / low %.1f%% / "
-            "pruned %.1f%%", req_idx, seq_len, 100 * hi, 100 * lo, 100 * (1 - hi - lo)
-        )
+        n = seq_len.to(torch.float64)
+        hi, lo = cnt[..., 0].mean() / n.clamp_min(1), cnt[..., 1].mean() / n.clamp_min(1)
+        live = (n > 0).to(torch.float64)  # (a request released before any token: skipped)
+        if self.finished_tokens.device != cnt.device:
+            self.finished_tokens = self.finished_tokens.to(cnt.device)
+            self.finished_count = self.finished_count.to(cnt.device)
+        self.finished_tokens += torch.stack([hi, lo, 1.0 - hi - lo]) * live
+        self.finished_count += live
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("DiffKV request slot %d finished at %d tokens: high %.1f%% / low "
+                         "%.1f%%", req_idx, int(n), 100 * float(hi), 100 * float(lo))
+
+    @property
+    def finished_reqs(self) -> int:
+        return int(self.finished_count)
 
     def finished_line(self) -> str:
         n = max(self.finished_reqs, 1)
@@ -464,7 +519,8 @@ def step_summary(pool: DiffKVTokenToKVPool, req_idx: torch.Tensor, seq_lens: tor
     used = pool.num_pages - pool.free_pages()
     # what the active requests' tokens would take in a bf16 cache, in pages of this pool
     g = pool.plan.geometry
-    tokens = sum(pool.seq_len.get(r, 0) for r in pool.active)
+    held = torch.as_tensor(sorted(pool.active), dtype=torch.int64, device=pool.cache.device)
+    tokens = int(pool.seq_lens_dev[held].sum())
     bf16_bytes = tokens * pool.plan.rows_per_request * fp16_bytes_per_token(g.head_dim)
     bf16_pages = bf16_bytes / g.page_bytes
     return (
