@@ -1,4 +1,5 @@
-"""GPU kernels (Triton; CUDA C++ for compaction) with their torch references.
+"""GPU kernels (Triton; CUDA C++ for compaction and the decode split-K pass) with their torch
+references.
 
 Each kernel ``f`` has a twin ``f_reference`` taking the same arguments, so a caller can
 switch between them (the backend's CPU path uses the references).
@@ -14,6 +15,7 @@ from sglang_diffkv.kernels.decode_attention import (
     ScratchArena,
     decode_attention,
     decode_attention_reference,
+    describe_split_pass,
 )
 from sglang_diffkv.kernels.decode_policy import decode_policy_step, decode_policy_step_reference
 from sglang_diffkv.kernels.prefill import (
@@ -41,6 +43,7 @@ __all__ = [
     "decode_compaction_reference",
     "decode_policy_step",
     "decode_policy_step_reference",
+    "describe_split_pass",
     "prefill_scores",
     "prefill_scores_reference",
     "store_decode",

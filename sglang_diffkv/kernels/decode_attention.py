@@ -406,6 +406,15 @@ def variant_constexprs(variant: str) -> dict[str, bool]:
     return {"ASM": TRITON_ASM.get(variant, True) and not INTERPRET}
 
 
+def describe_split_pass(geometry: PageGeometry, group: int, device: torch.device) -> str:
+    """Which split-K pass a default plan runs, and why not the CUDA one (for start-up logs;
+    builds or loads the CUDA library, so the first decode step does not)."""
+    why = split_cuda.unsupported_reason(geometry, group, 1, torch.device(device))
+    if why is None:
+        return "cuda (cuda/decode_attention.cu, tensor cores)"
+    return f"asm (Triton; the CUDA pass cannot run: {why})"
+
+
 def resolve_variant(variant: str, geometry: PageGeometry, group: int, pages_per_iter: int,
                     device: torch.device) -> str:
     """``variant`` itself, or for "auto" the fastest one this plan can run."""

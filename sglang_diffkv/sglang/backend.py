@@ -93,6 +93,12 @@ class DiffKVAttnBackend(AttentionBackend):
             "DiffKV attention backend: compute path = %s (SGLANG_DIFFKV_KERNELS=auto|1|0)",
             self.ops.name,
         )
+        if self.ops.use_kernels:
+            kv_heads = self.cache.spec.num_kv_heads
+            logger.info("DiffKV attention backend: decode split-K pass = %s",
+                        self.ops.k.describe_split_pass(
+                            self.cache.geometry, self.num_q_heads // max(kv_heads, 1),
+                            torch.device(self.device)))
         note = self.cache.config.bench_note
         if note is not None:
             logger.warning("DiffKV attention backend: %s", note)
