@@ -21,6 +21,16 @@ Measurements schema (one JSON object):
 kernel call) and may be null for a point that was not measured (skipped for memory or time):
 such points take the eta of the nearest measured point of the same row (batch / chunk), then
 column, i.e. the grid holds its edge values, as it does outside its range.
+
+A later decode kernel timed on its own (``--decode-grid``: a kernel comparison file such as
+``docs/data/h100-2026-11-22/kernels/cuda-split/grid_cuda_vs_asm.json``, whose ``decode`` rows
+carry variant, batch, context, mix, ``ms`` per layer call and ``stored_mb``, the KV bytes the
+call read) replaces the decode grids of the formats it measured: the rows of one variant
+(``--decode-variant``, default ``cuda``, the DiffKV backend's default decode) become decode
+measurement rows, mix ``30/50/20`` -> ``diffkv``, ``K8V4`` -> ``K8V4``, ``K4V2`` -> ``K4V2``
+(``KERNEL_GRID_MIXES``), and every row those keys had in ``measurements.json`` is dropped.
+The file stays the one source of those numbers: the calibration is rebuilt from it, with its
+path, variant, date and GPU in the provenance.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ from simulator.specs.model import load_model
 
 # calibration key -> the simulator format whose pool and cost model count its bytes
 KEY_FORMAT = {"bf16": "bf16", "fp8": "fp8", "K8V4": "k8v4", "K4V2": "k4v2", "diffkv": "diffkv"}
+# a kernel comparison file's mix -> calibration key (30/50/20 is the benchmark mix that
+# scripts/calibrate_gpu.py times as "diffkv")
+KERNEL_GRID_MIXES = {"30/50/20": "diffkv", "K8V4": "K8V4", "K4V2": "K4V2"}
 
 
 def _cost_models(model: str, gpu: str, base: Calibration) -> dict[str, CostModel]:
@@ -172,6 +185,60 @@ def measured_grids(meas: dict[str, Any], costs: dict[str, CostModel]) -> dict[st
     return {k: v for k, v in out.items() if v}
 
 
+def kernel_grid_decode_rows(grid: Any, variant: str, where: str) -> list[dict[str, Any]]:
+    """Decode measurement rows (the ``measurements.json`` schema) from a kernel comparison
+    file's ``decode`` rows of one variant; its mixes map to calibration keys by
+    ``KERNEL_GRID_MIXES`` (other mixes are not calibration formats and are skipped)."""
+    rows = grid.get("decode") if isinstance(grid, dict) else None
+    if not isinstance(rows, list):
+        raise SimulatorInputError(f"{where}: expected an object with a 'decode' list")
+    out = []
+    for n, r in enumerate(rows, start=1):
+        if not isinstance(r, dict) or r.get("variant") != variant:
+            continue
+        key = KERNEL_GRID_MIXES.get(r.get("mix"))
+        if key is None:
+            continue
+        w = f"{where}: decode row {n} ({variant}, {r.get('mix')})"
+        ms, mb = r.get("ms"), r.get("stored_mb")
+        for name, v in (("ms", ms), ("stored_mb", mb)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                    or not (math.isfinite(v) and v > 0):
+                raise SimulatorInputError(f"{w}: {name}={v!r} must be a positive number")
+        out.append({"format": key, "batch": _int(r, "batch", w),
+                    "context": _int(r, "context", w), "time_s": ms / 1e3,
+                    "read_bytes": mb * 1e6})
+    if not out:
+        raise SimulatorInputError(f"{where}: no decode rows of variant {variant!r} with a mix "
+                                  f"in {', '.join(KERNEL_GRID_MIXES)}")
+    return out
+
+
+def with_decode_grid(meas: dict[str, Any], grid: Any, variant: str, source: str,
+                     date: str | None = None) -> dict[str, Any]:
+    """``meas`` with the decode rows of every key the kernel comparison file measured (for
+    ``variant``) replaced by that file's rows, and a provenance entry naming file, variant,
+    date and GPU. The date is the file's ``meta.date`` or ``date`` (required if it has none)."""
+    rows = kernel_grid_decode_rows(grid, variant, source)
+    meta = grid.get("meta", {}) if isinstance(grid.get("meta"), dict) else {}
+    date = meta.get("date") or date
+    if not date:
+        raise SimulatorInputError(f"{source}: no meta.date; give the measurement date")
+    keys = sorted({r["format"] for r in rows})
+    out = dict(meas)
+    out["decode"] = [r for r in meas.get("decode", []) if r.get("format") not in keys] + rows
+    prov = dict(meas.get("provenance", {}))
+    prov["decode_overrides"] = {
+        "keys": keys, "file": source, "variant": variant, "date": date,
+        "gpu": meta.get("gpu", "?"), "torch": meta.get("torch"),
+        "copy_tbs": meta.get("copy_tbs"),
+        "what": f"decode_attention[{', '.join(keys)}] from the {variant!r} rows of {source} "
+                "(ms per layer call, graph-replayed; read_bytes = stored_mb); the rows "
+                "these keys had in the measurements are dropped"}
+    out["provenance"] = prov
+    return out
+
+
 def build_calibration(meas: dict[str, Any], base_path: str | Path | None = None,
                       source: str = "measurements") -> dict[str, Any]:
     """A calibration file: the base calibration's GPU entry (scalars, fixed costs, memory)
@@ -192,7 +259,10 @@ def build_calibration(meas: dict[str, Any], base_path: str | Path | None = None,
         "measured_on": prov.get("gpu_name", gpu),
         "date": prov.get("date", dt.date.today().isoformat()),
         "kernels": ("grids: " + ", ".join(f"{k}[{', '.join(v)}]" for k, v in grids.items())
-                    + "; eta = speed-of-light time (datasheet) / measured time per call"),
+                    + "; eta = speed-of-light time (datasheet) / measured time per call"
+                    + (f"; decode_attention[{', '.join(o['keys'])}]: {o['variant']} kernel, "
+                       f"{o['file']} ({o['date']}, {o['gpu']})"
+                       if (o := prov.get("decode_overrides")) else "")),
         "fixed_costs": (base.provenance.get("fixed_costs", "") + " | not yet fitted: run "
                         "diffkv-sim calibrate --fit fixed on a fitting run's server log"),
     }
@@ -213,10 +283,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("measurements")
     ap.add_argument("--out", required=True)
     ap.add_argument("--base", default=None, help="base calibration (default: the shipped one)")
+    ap.add_argument("--decode-grid", default=None,
+                    help="kernel comparison JSON (decode rows with variant, batch, context, "
+                         "mix, ms, stored_mb) whose rows replace the decode grids of the mixes "
+                         "it measured (30/50/20 -> diffkv, K8V4, K4V2)")
+    ap.add_argument("--decode-variant", default="cuda",
+                    help="which variant's rows of --decode-grid (default: %(default)s)")
+    ap.add_argument("--decode-grid-date", default=None,
+                    help="measurement date of --decode-grid when its meta has none")
     a = ap.parse_args(argv)
     try:
         meas = json.loads(Path(a.measurements).read_text())
-        cal = build_calibration(meas, a.base, a.measurements)
+        source = a.measurements
+        if a.decode_grid:
+            grid = json.loads(Path(a.decode_grid).read_text())
+            meas = with_decode_grid(meas, grid, a.decode_variant, a.decode_grid,
+                                    a.decode_grid_date)
+            source = f"{a.measurements} + {a.decode_grid}"
+        cal = build_calibration(meas, a.base, source)
     except (OSError, json.JSONDecodeError, SimulatorInputError) as e:
         print(f"calibration build: error: {e}", file=sys.stderr)
         return 2
