@@ -24,6 +24,11 @@
 //   and keep their own online softmax; they meet once per partition, in shared memory.
 //   Each warp keeps its running max lazily: it rescales only when a new max exceeds the
 //   held one by more than 8 (base-2), so the per-page rescale of the accumulators is rare.
+// * Pages reach the SM by a bulk-copy pipeline (cp.async.bulk into shared memory, one
+//   mbarrier per stage, STAGES pages in flight per program; thread 0 issues, reading each
+//   page id one refill ahead). STAGES = 0 instead prefetches the next page into registers.
+//   Measured on the H100 (docs/benchmarks.md, session 4): 2-4 stages reach 70-81% of copy
+//   bandwidth where register prefetch reaches 52-56%.
 //
 // Scratch written (as the Triton pass, see DecodeAttentionPlan): acc [buf, BLOCK_G, D] fp32
 // (unnormalised, relative to m), ml [buf, 2, BLOCK_G] (m, l; base 2), p [buf, ITERS, G, RS]

@@ -22,9 +22,13 @@ Two launches, shapes fixed by the plan (CUDA-graph capturable, no host synchroni
 
 Everything runs in base 2 (exp2) internally; the returned LSE is natural-log.
 
-``DecodeAttentionPlan.variant`` picks how the split-K pass turns codes into fp16 (``VARIANTS``:
-``base`` with Triton ops, ``asm`` with inline PTX, 4 bytes per call); both are checked by
-``scripts/gpu_check.py`` and timed side by side by ``scripts/bench_kernels.py --variants``.
+``DecodeAttentionPlan.variant`` picks the split-K pass (``VARIANTS``): ``cuda``, the
+tensor-core kernel of ``cuda/decode_attention.cu`` (``decode_split_cuda``; the default
+wherever it can run), or this file's Triton pass with codes converted by Triton ops
+(``base``) or by inline PTX, 4 bytes per call (``asm``). All three are checked by
+``scripts/gpu_check.py`` and ``tests/kernels`` (GPU) and timed side by side by
+``scripts/bench_kernels.py --variants``. The merge pass is shared; the CUDA pass keeps one
+running max per warp, which the merge reads with ``MW``.
 """
 
 from __future__ import annotations
@@ -460,9 +464,11 @@ class DecodeAttentionPlan:
     no program and the merge reads partitions nobody wrote), so callers size
     ``max_context`` from the batch's longest sequence. ``run`` checks shapes and launches
     two kernels without any host synchronisation (CUDA graphs can capture it). Defaults
-    (one page per iteration, 4 warps, 2 stages, 8 programs per SM, 96 registers per
-    thread: 5 programs resident per SM instead of 4) are the fastest of
-    ``scripts/bench_kernels.py``'s sweep on an H100 (docs/benchmarks.md, "Kernels").
+    are the fastest of ``scripts/bench_kernels.py``'s sweeps on an H100 (docs/benchmarks.md):
+    one page per iteration and 8 programs per SM for both passes; for the Triton pass 4
+    warps, 2 software-pipeline stages and 96 registers per thread (5 programs resident per
+    SM instead of 4); for the CUDA pass ``num_stages`` is the bulk-copy depth, 4 pages in
+    flight per program (``decode_split_cuda.DEFAULT_STAGES``; 0 = register prefetch).
     """
 
     geometry: PageGeometry
