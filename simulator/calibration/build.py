@@ -29,8 +29,13 @@ call read) replaces the decode grids of the formats it measured: the rows of one
 (``--decode-variant``, default ``cuda``, the DiffKV backend's default decode) become decode
 measurement rows, mix ``30/50/20`` -> ``diffkv``, ``K8V4`` -> ``K8V4``, ``K4V2`` -> ``K4V2``
 (``KERNEL_GRID_MIXES``), and every row those keys had in ``measurements.json`` is dropped.
-The file stays the one source of those numbers: the calibration is rebuilt from it, with its
-path, variant, date and GPU in the provenance.
+``--decode-grid`` may be given several times (e.g. ``grid_cuda_vs_asm.json`` for batch
+8-128 and ``grid_large_batch.json`` for batch 256/512): the grid is the union of their rows,
+and a (format, batch, context) point measured in two files is an error. An unmeasured cell
+between measured cells of its batch row (e.g. context 2048 at batch 8 when only the large-batch
+file has 2048) is interpolated in log2(context) like the loader does; cells outside the
+measured range are held. The files stay the one source of those numbers: the calibration is
+rebuilt from them, with their paths, variant, date and GPU in the provenance.
 """
 
 from __future__ import annotations
@@ -92,16 +97,25 @@ def _int(row: dict[str, Any], key: str, where: str, minimum: int = 1) -> int:
     return v
 
 
-def _fill_held(eta: np.ndarray) -> np.ndarray:
-    """Unmeasured cells (nan) take the nearest measured cell of their row, else of their
-    column; a grid with no measured cell at all is an error upstream."""
+def _fill_held(eta: np.ndarray, ys: Sequence[float] | None = None) -> np.ndarray:
+    """Unmeasured cells (nan) between two measured cells of their row are interpolated
+    linearly in log2 of the column coordinate ``ys`` (the loader's interpolation); the others
+    take the nearest measured cell of their row, else of their column. A grid with no measured
+    cell at all is an error upstream."""
     out = eta.copy()
+    ly = np.log2(np.maximum(np.asarray(ys, float), 1.0)) if ys is not None else None
     for i in range(out.shape[0]):
         row = out[i]
         ok = np.flatnonzero(~np.isnan(row))
         if ok.size:
             for j in np.flatnonzero(np.isnan(row)):
-                row[j] = row[ok[np.argmin(np.abs(ok - j))]]
+                lo, hi = ok[ok < j], ok[ok > j]
+                if ly is not None and lo.size and hi.size:
+                    a, b = lo[-1], hi[0]
+                    w = (ly[j] - ly[a]) / (ly[b] - ly[a])
+                    row[j] = row[a] * (1 - w) + row[b] * w
+                else:
+                    row[j] = row[ok[np.argmin(np.abs(ok - j))]]
     for j in range(out.shape[1]):
         col = out[:, j]
         ok = np.flatnonzero(~np.isnan(col))
@@ -124,7 +138,7 @@ def _grid2d(rows: list[tuple[int, int, float | None, float]],
             times[i][j] = t
     # the loader interpolates in log space, so a zero coordinate (no past) is stored as 1
     return {names[0]: [max(x, 1) for x in xs], names[1]: [max(y, 1) for y in ys],
-            "eta": np.round(_fill_held(eta), 5).tolist(), "time_s": times,
+            "eta": np.round(_fill_held(eta, ys), 5).tolist(), "time_s": times,
             "measured": (~np.isnan(eta)).tolist()}
 
 
@@ -216,23 +230,50 @@ def kernel_grid_decode_rows(grid: Any, variant: str, where: str) -> list[dict[st
 
 def with_decode_grid(meas: dict[str, Any], grid: Any, variant: str, source: str,
                      date: str | None = None) -> dict[str, Any]:
-    """``meas`` with the decode rows of every key the kernel comparison file measured (for
-    ``variant``) replaced by that file's rows, and a provenance entry naming file, variant,
-    date and GPU. The date is the file's ``meta.date`` or ``date`` (required if it has none)."""
-    rows = kernel_grid_decode_rows(grid, variant, source)
-    meta = grid.get("meta", {}) if isinstance(grid.get("meta"), dict) else {}
-    date = meta.get("date") or date
-    if not date:
-        raise SimulatorInputError(f"{source}: no meta.date; give the measurement date")
+    """``meas`` with the decode rows of every key the kernel comparison file(s) measured (for
+    ``variant``) replaced by their rows, and a provenance entry naming files, variant, date
+    and GPU. ``grid``/``source`` are one file and its path, or lists of both (the union of
+    their rows; a point in two files is an error). The date is each file's ``meta.date`` or
+    ``date`` (required if one has none); the files must agree on date and GPU."""
+    grids = grid if isinstance(grid, list) else [grid]
+    sources = source if isinstance(source, list) else [source]
+    if len(grids) != len(sources) or not grids:
+        raise SimulatorInputError("with_decode_grid: one source path per kernel grid")
+    rows: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int, int], str] = {}
+    metas, dates = [], set()
+    for g, src in zip(grids, sources, strict=True):
+        got = kernel_grid_decode_rows(g, variant, src)
+        for r in got:
+            pt = (r["format"], r["batch"], r["context"])
+            if pt in seen:
+                raise SimulatorInputError(
+                    f"{src}: {pt[0]} batch {pt[1]} context {pt[2]} is also in {seen[pt]}; "
+                    "each point must come from one file")
+            seen[pt] = src
+        rows += got
+        meta = g.get("meta", {}) if isinstance(g.get("meta"), dict) else {}
+        d = meta.get("date") or date
+        if not d:
+            raise SimulatorInputError(f"{src}: no meta.date; give the measurement date")
+        metas.append(meta)
+        dates.add(d)
+    gpus = {m.get("gpu", "?") for m in metas}
+    if len(gpus) > 1:
+        raise SimulatorInputError(f"{', '.join(sources)}: measured on different GPUs "
+                                  f"({', '.join(sorted(gpus))})")
     keys = sorted({r["format"] for r in rows})
     out = dict(meas)
     out["decode"] = [r for r in meas.get("decode", []) if r.get("format") not in keys] + rows
     prov = dict(meas.get("provenance", {}))
+    files = " + ".join(sources)
     prov["decode_overrides"] = {
-        "keys": keys, "file": source, "variant": variant, "date": date,
-        "gpu": meta.get("gpu", "?"), "torch": meta.get("torch"),
-        "copy_tbs": meta.get("copy_tbs"),
-        "what": f"decode_attention[{', '.join(keys)}] from the {variant!r} rows of {source} "
+        "keys": keys, "file": files, "files": list(sources), "variant": variant,
+        "date": ", ".join(sorted(dates)), "gpu": metas[0].get("gpu", "?"),
+        "torch": metas[0].get("torch"),
+        "copy_tbs": [m.get("copy_tbs") for m in metas] if len(metas) > 1
+        else metas[0].get("copy_tbs"),
+        "what": f"decode_attention[{', '.join(keys)}] from the {variant!r} rows of {files} "
                 "(ms per layer call, graph-replayed; read_bytes = stored_mb); the rows "
                 "these keys had in the measurements are dropped"}
     out["provenance"] = prov
@@ -283,10 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("measurements")
     ap.add_argument("--out", required=True)
     ap.add_argument("--base", default=None, help="base calibration (default: the shipped one)")
-    ap.add_argument("--decode-grid", default=None,
+    ap.add_argument("--decode-grid", action="append", default=None,
                     help="kernel comparison JSON (decode rows with variant, batch, context, "
                          "mix, ms, stored_mb) whose rows replace the decode grids of the mixes "
-                         "it measured (30/50/20 -> diffkv, K8V4, K4V2)")
+                         "it measured (30/50/20 -> diffkv, K8V4, K4V2); repeatable: the grid "
+                         "is the union of the files' rows")
     ap.add_argument("--decode-variant", default="cuda",
                     help="which variant's rows of --decode-grid (default: %(default)s)")
     ap.add_argument("--decode-grid-date", default=None,
@@ -296,10 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         meas = json.loads(Path(a.measurements).read_text())
         source = a.measurements
         if a.decode_grid:
-            grid = json.loads(Path(a.decode_grid).read_text())
-            meas = with_decode_grid(meas, grid, a.decode_variant, a.decode_grid,
+            grids = [json.loads(Path(g).read_text()) for g in a.decode_grid]
+            meas = with_decode_grid(meas, grids, a.decode_variant, list(a.decode_grid),
                                     a.decode_grid_date)
-            source = f"{a.measurements} + {a.decode_grid}"
+            source = " + ".join([a.measurements, *a.decode_grid])
         cal = build_calibration(meas, a.base, source)
     except (OSError, json.JSONDecodeError, SimulatorInputError) as e:
         print(f"calibration build: error: {e}", file=sys.stderr)
