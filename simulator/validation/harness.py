@@ -193,7 +193,36 @@ def merge_harness(parts: list[HarnessResults]) -> HarnessResults:
         while common not in (Path(p).resolve(), *Path(p).resolve().parents):
             common = common.parent
     env = dict(parts[0].environment)
-    return HarnessResults(common, configs, [r for h in parts for r in h.runs], env, logs, roots)
+    runs = [r for h in parts for r in h.runs]
+    fill_ladder_saturation(runs)
+    return HarnessResults(common, configs, runs, env, logs, roots)
+
+
+def sharegpt_saturation_req_s(run: HarnessRun) -> float | None:
+    """A sharegpt run's saturation rate as the harness defines it for its ladder
+    (``sglang_diffkv.bench.e2e``): the window's steady req/s when the run was time-limited
+    (and completed something), else bench_serving's whole-run req/s."""
+    c = run.client
+    steady = c.get("steady_request_throughput")
+    if c.get("time_limited") and isinstance(steady, (int, float)) and steady > 0:
+        return float(steady)
+    whole = c.get("request_throughput")
+    return float(whole) if isinstance(whole, (int, float)) and whole > 0 else None
+
+
+def fill_ladder_saturation(runs: list[HarnessRun]) -> None:
+    """Ladder runs at absolute rates (``--ladder-abs-rates``, e.g. another backend's rates)
+    carry no saturation rate, so their load is unknown. When the merged results hold a
+    sharegpt run of the same configuration (the same launch: merge_harness checks command and
+    environment), its saturation rate is used, as the harness would have; the run's
+    ``raw["saturation_from"]`` names it. Runs that have one keep theirs."""
+    sat = {r.config: (r, v) for r in runs if r.workload == "sharegpt"
+           and (v := sharegpt_saturation_req_s(r)) is not None}
+    for r in runs:
+        if r.workload == "ladder" and r.saturation_req_s is None and r.config in sat:
+            src, v = sat[r.config]
+            r.saturation_req_s = v
+            r.raw["saturation_from"] = src.key
 
 
 # ---- server settings ------------------------------------------------------------------------
