@@ -257,7 +257,9 @@ class DiffKVTokenToKVPool(KVCache):
         exact count on the GPU would wait for the forward in flight every scheduler step."""
         self.flush_frees()
         self.after_forward()
-        return self.free_bound.read()
+        # idle: exact (one sync costs nothing then, and SGLang's idle leak check compares it
+        # with the slot count)
+        return self.free_bound.read() if self.active else self.free_bound.exact()
 
     def begin_decode(self, req: torch.Tensor) -> None:
         """This step's decode room for ``req`` (one launch, no sync). Its success flag is
