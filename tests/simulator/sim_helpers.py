@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from simulator.kv.pool import TokenPool
@@ -12,6 +14,9 @@ from simulator.specs.calibration import load_calibration
 from simulator.specs.gpu import load_gpu
 from simulator.specs.model import load_model
 from simulator.studies.scenario import Scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+H100_DATA = ROOT / "docs" / "data" / "h100-2026-11-22"  # the measured runs of 2026-11-22
 
 
 def token_scheduler(capacity: int, chunk: int | None = None, max_prefill: int = 16384,

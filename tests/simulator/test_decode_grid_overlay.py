@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
-from sim_helpers import scenario
+from sim_helpers import H100_DATA, ROOT, scenario
 
 from simulator.calibration.build import (
     _fill_held,
@@ -24,8 +23,7 @@ from simulator.calibration.build import (
 from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import load_calibration
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "docs" / "data" / "h100-2026-11-22"
+DATA = H100_DATA
 MEAS = DATA / "calibration" / "measurements.json"
 GRID = DATA / "kernels" / "cuda-split" / "grid_cuda_vs_asm.json"
 LARGE = DATA / "kernels" / "cuda-split" / "grid_large_batch.json"

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from sim_helpers import H100_DATA
 
 from simulator.validation.harness import (
     HarnessRun,
@@ -17,8 +18,7 @@ from simulator.validation.harness import (
     sharegpt_saturation_req_s,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "docs" / "data" / "h100-2026-11-22"
+DATA = H100_DATA
 DIFFKV = [DATA / f"e2e-diffkv-mix-cuda-split-syncfree{s}" for s in ("", "-sharegpt", "-ladder")]
 
 
