@@ -8,8 +8,9 @@ so the GPU idles while the host prepares the next step. Instead:
 * ``read()`` takes the latest copy that has landed and subtracts the worst case of every
   allocation issued after that copy was enqueued (``taken``). Pages freed since then are
   not counted, so the bound is never above the true count;
-* when the bound falls below ``exact_below`` pages it is too coarse to decide admission
-  near a full pool, so ``read()`` synchronises once and returns the exact count.
+* when the bound falls below ``exact_below`` pages (or the caller's own threshold) it is too
+  coarse to decide admission or the next decode step near a full pool, so ``read()``
+  synchronises once and returns the exact count.
 
 Invariant: ``read() <= true free pages`` whenever every allocation that can take pages
 after a ``read()`` reports its worst case through ``taken`` before the next one.
@@ -60,7 +61,8 @@ class FreePagesBound:
     def _landed_value(self, event: object) -> int | None:
         return int(self._pinned[0]) if event.query() else None
 
-    def read(self) -> int:
+    def read(self, exact_below: int = 0) -> int:
+        """The bound; exact (one sync) below ``max(self.exact_below, exact_below)``."""
         if self._pinned is None:
             return int(self._count())
         if self._event is not None:
@@ -74,4 +76,28 @@ class FreePagesBound:
         if self._landed is None:
             return self.exact()
         bound = self._landed - self._taken_since_landed
-        return bound if bound >= self.exact_below else self.exact()
+        return bound if bound >= max(self.exact_below, exact_below) else self.exact()
+
+
+class ManualFreePagesBound(FreePagesBound):
+    """A test double on any device: each copy captures the count when enqueued and lands
+    only at ``land()``, so tests can hold the bound stale through a serving loop and check
+    that every allocation path reports its worst case (``read() <= true count``)."""
+
+    def __init__(self, device_count: Callable[[], torch.Tensor], exact_below: int = 0) -> None:
+        super().__init__(device_count, torch.device("cpu"), exact_below)
+        self._pinned = torch.zeros(1, dtype=torch.int64)  # (takes the lagged path)
+        self._copies: list[list] = []
+
+    def _enqueue(self) -> object:
+        copy = [int(self._count()), False]
+        self._copies.append(copy)
+        return copy
+
+    def _landed_value(self, event: object) -> int | None:
+        return event[0] if event[1] else None
+
+    def land(self) -> None:
+        for copy in self._copies:
+            copy[1] = True
+        self._copies.clear()

@@ -259,7 +259,11 @@ class DiffKVTokenToKVPool(KVCache):
         self.after_forward()
         # idle: exact (one sync costs nothing then, and SGLang's idle leak check compares it
         # with the slot count)
-        return self.free_bound.read() if self.active else self.free_bound.exact()
+        if not self.active:
+            return self.free_bound.exact()
+        # exact too when the bound leaves less than two decode steps of headroom: a stale
+        # bound there would make SGLang retract (or abort) requests that fit
+        return self.free_bound.read(2 * self.decode_reserve_pages(len(self.active)))
 
     def begin_decode(self, req: torch.Tensor) -> None:
         """This step's decode room for ``req`` (one launch, no sync). Its success flag is

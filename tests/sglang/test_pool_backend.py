@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.memory.free_bound import ManualFreePagesBound
 
 COMPRESSING = {"preset": "llama-3-8b", "alpha_h": 1.5, "alpha_l": 0.4, "window": 8,
                "score_queries": 8}
@@ -290,4 +291,35 @@ def test_finished_requests_are_freed_in_one_batched_call(monkeypatch):
     kv.free_pages()  # what available_size() does on every scheduler iteration
     assert len(calls) == 1 and len(calls[0]) == 3
     assert manager.num_free_pages_host() == kv.num_pages > held
+    assert_back_to_initial_state(s)
+
+
+def test_a_stale_free_page_bound_never_overstates_the_free_pages(monkeypatch):
+    # The scheduler reads free pages as a lower bound built from asynchronous copies of the
+    # device count (FreePagesBound). Here the copies land only every other step, through
+    # prefill, decode, page exhaustion (retraction) and frees: the bound must never exceed
+    # the true count (else a decode allocation could fail), and the run must end as usual.
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "no-compression")
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 40, 8))
+    s.new_token_ratio = 0.05
+    pool = s.kv_pool
+    pool.free_bound = ManualFreePagesBound(pool.cache.manager.num_free_pages)
+    for i in range(3):
+        s.add_request(f"r{i}", [(i * 11 + j) % 900 + 1 for j in range(40)], 80)
+    stale_reads = 0
+    for step in range(10_000):
+        ran = s.step()
+        bound = pool.free_pages()  # (returns released requests' pages first)
+        true_free = int(pool.cache.manager.num_free_pages())
+        assert bound <= true_free, f"step {step} ({ran}): bound {bound} > free {true_free}"
+        stale_reads += bound < true_free
+        if step % 2:
+            pool.free_bound.land()
+        if ran == "idle" and not s.waiting:
+            break
+    assert stale_reads > 0  # the bound really lagged
+    assert s.retractions >= 1
+    assert sorted(r.rid for r in s.finished) == ["r0", "r1", "r2"]
+    assert all(len(r.output_ids) == 80 for r in s.finished)
     assert_back_to_initial_state(s)
