@@ -216,3 +216,15 @@ def test_harness_skips_what_does_not_fit_and_reports_start_failures(
     res = json.loads((out / "results.json").read_text())
     assert rc == 1 and res["configs"]["bf16"]["skipped"].startswith("budget")
     assert any("SKIP config bf16" in n for n in res["notes"])
+
+
+def test_warmup_sends_every_length_alone_then_all_together() -> None:
+    from sglang_diffkv.bench.e2e import WARMUP_PROMPT_LENS, warmup_phases
+
+    (singles, at_once_1), (together, at_once_2) = warmup_phases(6)
+    assert not at_once_1 and at_once_2
+    assert [s.input_len for s in singles] == list(WARMUP_PROMPT_LENS)
+    assert [s.arrival_s for s in singles] == [0.0, 1.0, 2.0, 3.0]  # one prefill each
+    assert [s.input_len for s in together] == [*WARMUP_PROMPT_LENS, *WARMUP_PROMPT_LENS[:2]]
+    (few, _), (both, _) = warmup_phases(2)
+    assert [s.input_len for s in few] == [s.input_len for s in both] == [17, 128]

@@ -73,6 +73,23 @@ def _kv_pairs(items: list[str], what: str, sep: str = "=") -> dict[str, str]:
     return out
 
 
+
+# Prompt lengths the warm-up cycles through: short, the long-generation range and
+# ShareGPT-like long prompts (first-use compiles of the prefill path depend on them).
+WARMUP_PROMPT_LENS = (17, 128, 640, 2048)
+WARMUP_OUTPUT_LEN = 16
+
+
+def warmup_phases(n: int) -> list[tuple[list[cl.RequestSpec], bool]]:
+    """``n`` warm-up requests in two phases: the first of each length sent one at a time
+    (1 s apart: each prefills alone), then all ``n`` at once, lengths cycling."""
+    lens = [WARMUP_PROMPT_LENS[i % len(WARMUP_PROMPT_LENS)] for i in range(n)]
+    singles = [cl.RequestSpec(float(i), length, WARMUP_OUTPUT_LEN)
+               for i, length in enumerate(lens[:len(WARMUP_PROMPT_LENS)])]
+    together = [cl.RequestSpec(0.0, length, WARMUP_OUTPUT_LEN) for length in lens]
+    return [(singles, False), (together, True)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_e2e.py", description=__doc__,
@@ -123,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open streams at most (default: from the open-file limit, <= 4096)")
     p.add_argument("--min-window-s", type=float, default=MIN_WINDOW_S,
                    help="a window the budget would cut below this is skipped instead")
-    p.add_argument("--warmup", type=int, default=4, help="warm-up requests per server (0: none)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="warm-up requests per server (0: none): prompts of "
+                        f"{', '.join(map(str, WARMUP_PROMPT_LENS))} tokens, first one at a "
+                        "time, then all together")
     p.add_argument("--git-commit", default=None, help="recorded in results.json when the "
                    "machine has no .git")
     p.add_argument("--dry-run", action="store_true",
@@ -261,6 +281,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
                  "batch/peak/#tok: 'Decode batch' log lines; mm ms: DiffKV memory "
                  "management per step (SGLANG_DIFFKV_PROFILE)")
     return "\n".join(lines)
+
 
 
 class Harness:
@@ -418,13 +439,16 @@ class Harness:
         if self.a.warmup <= 0:
             return
         t = time.monotonic()
-        specs = [cl.RequestSpec(0.0, 128, 16)] * self.a.warmup
-        run = cl.run_async(cl.replay(self.plan.launch.base_url, specs, all_at_once=True,
-                                     max_duration_s=60.0, seed=self.a.seed + 999))
-        bad = [r.error for r in run.records if not r.completed]
+        bad: list[str] = []
+        # one prompt at a time, then all together: single- and multi-prompt prefill batches
+        # of several lengths compile their kernels here, not in the first measured window
+        for specs, at_once in warmup_phases(self.a.warmup):
+            run = cl.run_async(cl.replay(self.plan.launch.base_url, specs, all_at_once=at_once,
+                                         max_duration_s=60.0, seed=self.a.seed + 999))
+            bad += [r.error for r in run.records if not r.completed]
         self.configs[cfg.name]["warmup_s"] = time.monotonic() - t
         if bad:
-            self.say(f"{cfg.name}: warm-up: {len(bad)} of {len(specs)} failed: {bad[0]}")
+            self.say(f"{cfg.name}: warm-up: {len(bad)} requests failed: {bad[0]}")
 
     def _workloads(self, server: ServerProcess, cfg: ServerConfig) -> None:
         plan = self.plan
