@@ -271,16 +271,15 @@ class DiffKVTokenToKVPool(KVCache):
         self.check_last_decode()
         res = self.cache.begin_decode(req)
         self.free_bound.taken(self.decode_reserve_pages(req.numel()))
-        if self.cache.device.type == "cuda":
-            flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
-            flag.copy_(res.ok.view(1), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.cache.device))
-            self._decode_ok = (flag, event, res, req.numel())
-        else:
-            self._decode_ok = (res.ok.view(1), None, res, req.numel())
         if self.cache.device.type != "cuda":
+            self._decode_ok = (res.ok.view(1), None, res, req.numel())
             self.check_last_decode()  # (exact and free off the GPU: fail at once)
+            return
+        flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        flag.copy_(res.ok.view(1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.cache.device))
+        self._decode_ok = (flag, event, res, req.numel())
 
     def check_last_decode(self) -> None:
         """Raise if the previous decode allocation did not fit. The scheduler's memory check
