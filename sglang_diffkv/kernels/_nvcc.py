@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,11 +59,16 @@ def build_library(source: Path, out_dir: Path | None = None,
 
 class CudaLibrary:
     """One ``cuda/`` source, built and loaded on first use; ``get()`` is None (with
-    ``error`` saying why) where there is no GPU, no nvcc or the build fails, so callers
-    fall back to their Triton or torch path."""
+    ``error`` saying why) where there is no GPU, no nvcc, the build fails or ``declare``
+    rejects the library, so callers fall back to their Triton or torch path. ``declare``
+    types the entry points once per load (ctypes argtypes) and raises RuntimeError when the
+    library is not the one its Python side expects."""
 
-    def __init__(self, source_name: str, extra_flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, source_name: str,
+                 declare: Callable[[ctypes.CDLL], None] | None = None,
+                 extra_flags: tuple[str, ...] = ()) -> None:
         self.source = CUDA_DIR / source_name
+        self.declare = declare
         self.extra_flags = extra_flags
         self._lib: ctypes.CDLL | None = None
         self.error: str | None = None
@@ -76,7 +82,10 @@ class CudaLibrary:
         try:
             if not torch.cuda.is_available():
                 raise RuntimeError("no CUDA device")
-            self._lib = ctypes.CDLL(str(self.build()))
-        except (RuntimeError, OSError) as e:
+            lib = ctypes.CDLL(str(self.build()))
+            if self.declare is not None:
+                self.declare(lib)
+            self._lib = lib
+        except (RuntimeError, OSError, AttributeError) as e:  # (a missing symbol)
             self.error = str(e)
         return self._lib

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import torch
 
@@ -24,30 +25,28 @@ from sglang_diffkv.memory.inputs import Phase, check_shape
 # refused. SGLANG_DIFFKV_COOP_COMPACTION=0 forces the single-block kernel.
 COOPERATIVE_DEFAULT = "1"
 SCRATCH = 2 * 8 * 1024  # int64 slots: (total, room) per warp of up to 1024 blocks of 8 warps
-LIBRARY = CudaLibrary("compaction.cu")
 __all__ = ["build_library", "compaction_backend", "decode_compaction",
            "decode_compaction_reference", "nvcc_path"]
 
 
-def build_library(out_dir=None):
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.diffkv_decode_room_launch
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int32] * 2 + [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
+
+
+LIBRARY = CudaLibrary("compaction.cu", _declare)
+
+
+def build_library(out_dir: Path | None = None) -> Path:
     """Compile cuda/compaction.cu into a shared library (cached by source hash)."""
     return LIBRARY.build(out_dir)
 
 
-def _load() -> ctypes.CDLL | None:
-    lib = LIBRARY.get()
-    if lib is not None and not getattr(lib, "_diffkv_typed", False):
-        fn = lib.diffkv_decode_room_launch
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int32] * 2 + [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
-        lib._diffkv_typed = True
-    return lib
-
-
 def compaction_backend() -> str:
     """'cuda' when the one-launch kernel is in use, else 'torch (<why>)'."""
-    return "cuda" if _load() is not None else f"torch ({LIBRARY.error})"
+    return "cuda" if LIBRARY.get() is not None else f"torch ({LIBRARY.error})"
 
 
 def decode_compaction(
@@ -55,7 +54,7 @@ def decode_compaction(
 ) -> AllocResult:
     """``manager.ensure_decode_room(req_idx, tiers)`` in one launch; same state changes and
     result. With ``manager.validate`` the same host checks run (and sync)."""
-    lib = _load() if manager.device.type == "cuda" else None
+    lib = LIBRARY.get() if manager.device.type == "cuda" else None
     if lib is None:
         return manager.ensure_decode_room(req_idx, tiers)
     op = "ensure_decode_room"

@@ -23,7 +23,6 @@ WARPS = 4  # per program; each keeps its own running max (mit has WARPS entries 
 STAGES = (0, 2, 3, 4)
 DEFAULT_STAGES = 4
 MAX_GROUP = 8
-LIBRARY = CudaLibrary("decode_attention.cu")
 
 
 class _Tier(ctypes.Structure):
@@ -52,24 +51,22 @@ class SplitArgs(ctypes.Structure):
     ]
 
 
-def _library() -> ctypes.CDLL | None:
-    lib = LIBRARY.get()
-    if lib is not None and not getattr(lib, "_diffkv_typed", False):
-        if not hasattr(lib, "diffkv_decode_split_launch"):
-            LIBRARY.error, LIBRARY._lib = "the library exports no diffkv_decode_split_launch", None
-            return None
-        lib.diffkv_decode_split_launch.restype = ctypes.c_int
-        lib.diffkv_decode_split_launch.argtypes = [
-            ctypes.POINTER(SplitArgs), ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
-        lib.diffkv_decode_split_args_size.restype = ctypes.c_int32
-        size = lib.diffkv_decode_split_args_size()
-        if size != ctypes.sizeof(SplitArgs):
-            LIBRARY.error = (f"SplitArgs is {size} bytes in the library but "
-                             f"{ctypes.sizeof(SplitArgs)} in Python")
-            LIBRARY._lib = None
-            return None
-        lib._diffkv_typed = True
-    return lib
+def declare(lib: ctypes.CDLL) -> None:
+    """Types the launcher; raises RuntimeError unless the library speaks this module's
+    ``SplitArgs`` (same symbols, same struct size)."""
+    if not hasattr(lib, "diffkv_decode_split_launch"):
+        raise RuntimeError("the library exports no diffkv_decode_split_launch")
+    lib.diffkv_decode_split_launch.restype = ctypes.c_int
+    lib.diffkv_decode_split_launch.argtypes = [
+        ctypes.POINTER(SplitArgs), ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
+    lib.diffkv_decode_split_args_size.restype = ctypes.c_int32
+    size = lib.diffkv_decode_split_args_size()
+    if size != ctypes.sizeof(SplitArgs):
+        raise RuntimeError(f"SplitArgs is {size} bytes in the library but "
+                           f"{ctypes.sizeof(SplitArgs)} in Python")
+
+
+LIBRARY = CudaLibrary("decode_attention.cu", declare)
 
 
 def geometry_reason(geometry: PageGeometry, group: int, pages_per_iter: int) -> str | None:
@@ -108,7 +105,7 @@ def unsupported_reason(geometry: PageGeometry, group: int, pages_per_iter: int,
     why = geometry_reason(geometry, group, pages_per_iter)
     if why is None and device.type != "cuda":
         why = "not a CUDA device"
-    if why is None and _library() is None:
+    if why is None and LIBRARY.get() is None:
         why = f"library unavailable: {LIBRARY.error}"
     return why
 
@@ -149,7 +146,7 @@ def launch(a: SplitArgs, q: torch.Tensor, pages: torch.Tensor, tab: torch.Tensor
     a.req, a.req_i64 = req_idx.data_ptr(), int(req_idx.dtype == torch.int64)
     a.qk_scale = qk_scale
     a.row_len = tab.shape[-1]
-    rc = _library().diffkv_decode_split_launch(
+    rc = LIBRARY.get().diffkv_decode_split_launch(
         ctypes.byref(a), q.shape[0], kv_heads, torch.cuda.current_stream(q.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA split-K launch failed: CUDA error {rc}")

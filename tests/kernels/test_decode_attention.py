@@ -198,6 +198,5 @@ def test_cuda_split_library_builds_and_matches_the_python_struct(tmp_path):
     # CPU CI: the source compiles, exports the launcher and agrees with ctypes on the
     # argument struct's layout (reading its size runs no GPU code)
     lib = ctypes.CDLL(str(split_cuda.LIBRARY.build(tmp_path)))
-    assert hasattr(lib, "diffkv_decode_split_launch")
-    lib.diffkv_decode_split_args_size.restype = ctypes.c_int32
+    split_cuda.declare(lib)  # raises on a missing launcher or a struct size mismatch
     assert lib.diffkv_decode_split_args_size() == ctypes.sizeof(split_cuda.SplitArgs)
