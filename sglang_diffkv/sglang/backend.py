@@ -145,8 +145,7 @@ class DiffKVAttnBackend(AttentionBackend):
         checked a step later (``pool.check_last_decode``)."""
         self.pool.flush_frees()  # (timed as "free" by the pool itself)
         with span(self.prof, "alloc"):
-            self.pool.begin_decode(req)
-        self.pool.seq_lens_dev[req] = seq
+            self.pool.begin_decode(req, seq)
 
     def _extend_metadata(self, fb: Any) -> DiffKVForwardMetadata:
         prefix = list(fb.extend_prefix_lens_cpu)

@@ -265,10 +265,12 @@ class DiffKVTokenToKVPool(KVCache):
         # bound there would make SGLang retract (or abort) requests that fit
         return self.free_bound.read(2 * self.decode_reserve_pages(len(self.active)))
 
-    def begin_decode(self, req: torch.Tensor) -> None:
-        """This step's decode room for ``req`` (one launch, no sync). Its success flag is
-        checked at the next call (``check_last_decode``), by then long complete."""
+    def begin_decode(self, req: torch.Tensor, seq: torch.Tensor) -> None:
+        """This step's decode room for ``req`` (one launch, no sync), whose sequences hold
+        ``seq`` tokens after the step. Its success flag is checked at the next call
+        (``check_last_decode``), by then long complete."""
         self.check_last_decode()
+        self.seq_lens_dev[req] = seq
         res = self.cache.begin_decode(req)
         self.free_bound.taken(self.decode_reserve_pages(req.numel()))
         if self.cache.device.type != "cuda":
