@@ -81,13 +81,19 @@ def gemm_ops(cost: CostModel) -> dict[str, tuple[float, int, int, int]]:
     return {**dict(zip(cost.gemm_names, cost.gemms, strict=True)), "lm_head": cost.lm_head}
 
 
-def _time(row: dict[str, Any], where: str) -> float | None:
-    t = row.get("time_s")
-    if t is None:
+def _positive(row: dict[str, Any], key: str, where: str, nullable: bool = False
+              ) -> float | None:
+    v = row.get(key)
+    if v is None and nullable:
         return None
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t > 0 and math.isfinite(t)):
-        raise SimulatorInputError(f"{where}: time_s={t!r} must be a positive number or null")
-    return float(t)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+        raise SimulatorInputError(f"{where}: {key}={v!r} must be a positive number"
+                                  + (" or null" if nullable else ""))
+    return float(v)
+
+
+def _time(row: dict[str, Any], where: str) -> float | None:
+    return _positive(row, "time_s", where, nullable=True)
 
 
 def _int(row: dict[str, Any], key: str, where: str, minimum: int = 1) -> int:
@@ -214,11 +220,7 @@ def kernel_grid_decode_rows(grid: Any, variant: str, where: str) -> list[dict[st
         if key is None:
             continue
         w = f"{where}: decode row {n} ({variant}, {r.get('mix')})"
-        ms, mb = r.get("ms"), r.get("stored_mb")
-        for name, v in (("ms", ms), ("stored_mb", mb)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) \
-                    or not (math.isfinite(v) and v > 0):
-                raise SimulatorInputError(f"{w}: {name}={v!r} must be a positive number")
+        ms, mb = _positive(r, "ms", w), _positive(r, "stored_mb", w)
         out.append({"format": key, "batch": _int(r, "batch", w),
                     "context": _int(r, "context", w), "time_s": ms / 1e3,
                     "read_bytes": mb * 1e6})
