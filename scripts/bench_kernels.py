@@ -171,7 +171,8 @@ def variant_plan(spec: str) -> dict:
     optional ``@REGS`` register cap per thread (e.g. ``asm@112``: the asm loop spills at the
     default cap of 96, not at 112, but fits 4 instead of 5 programs per SM), an optional
     ``:sS`` pipeline depth (``cuda:s4``: four pages in flight per program; ``cuda:s0``:
-    register prefetch) and ``:pP`` programs per SM the split targets (``cuda:s4:p12``)."""
+    register prefetch), ``:pP`` programs per SM the split targets (``cuda:s4:p12``), and for
+    the merge pass ``:wW`` warps per program and ``:tT`` score elements per tile."""
     head, *opts = spec.split(":")
     name, _, regs = head.partition("@")
     if name not in VARIANTS:
@@ -185,8 +186,12 @@ def variant_plan(spec: str) -> dict:
         elif opt[:1] == "p" and opt[1:].isdigit():
             kw["target_programs"] = int(opt[1:]) * torch.cuda.get_device_properties(
                 DEV).multi_processor_count
+        elif opt[:1] == "w" and opt[1:].isdigit():
+            kw["merge_warps"] = int(opt[1:])
+        elif opt[:1] == "t" and opt[1:].isdigit():
+            kw["merge_tile"] = int(opt[1:])
         else:
-            raise ValueError(f"variant option {opt!r} in {spec!r}: expected sN or pN")
+            raise ValueError(f"variant option {opt!r} in {spec!r}: expected sN, pN, wN or tN")
     if name == "cuda":
         kw.pop("maxnreg", None)  # (a Triton knob)
     return kw
@@ -227,13 +232,14 @@ def decode_one(geo, b, ctx, mix, fh, fl, copy_bw, base_ms, variants) -> list[dic
     return rows
 
 
-def stage_rows(copy_bw: float, variants: list[str]) -> list[dict]:
-    """Split-K pass and merge pass timed alone, per variant, on two large cases (where the
-    time goes; the sum is a little more than the step: two graphs instead of one)."""
+def stage_rows(copy_bw: float, variants: list[str],
+               cases: tuple[tuple[int, int], ...] = ((32, 16384),)) -> list[dict]:
+    """Split-K pass and merge pass timed alone, per variant, on each (batch, context) of
+    ``cases`` and each mix (where the time goes; the sum is a little more than the step: two
+    graphs instead of one)."""
     geo = PageGeometry.build(D, K8V4, K4V2)
     rows = []
-    b, ctx = 32, 16384
-    for mix in ("K8V4", "K4V2"):
+    for (b, ctx), mix in ((c, m) for c in cases for m in ("K8V4", "K4V2", "30/50/20")):
         fh, fl = MIXES[mix]
         case = random_decode_case(geo, [ctx] * b, HKV, high_frac=fh, low_frac=fl, device=DEV,
                                   seed=7)
@@ -613,6 +619,8 @@ def main() -> int:
                          f"in {', '.join(VARIANTS)} and REGS a register cap (0: none)")
     ap.add_argument("--batches", default="", help="decode batches (default: the issue's grid)")
     ap.add_argument("--contexts", default="", help="decode contexts (default: the grid)")
+    ap.add_argument("--stage-cases", default="32x16384",
+                    help="BATCHxCONTEXT cases the stages section times (comma-separated)")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -646,7 +654,9 @@ def main() -> int:
     decode, base_label = decode_rows(meta["copy_tbs"] * 1e12, args.quick, variants,
                                      ints(args.batches), ints(args.contexts)) \
         if "decode" in only else ([], "n/a")
-    stages = stage_rows(meta["copy_tbs"] * 1e12, variants) if "stages" in only else []
+    stage_cases = tuple(tuple(int(x) for x in c.split("x")) for c in args.stage_cases.split(","))
+    stages = (stage_rows(meta["copy_tbs"] * 1e12, variants, stage_cases) if "stages" in only
+              else [])
     prefill = prefill_rows(args.quick) if "prefill" in only else []
     compaction = compaction_rows() if "compaction" in only else []
     policy = policy_rows() if "policy" in only else []

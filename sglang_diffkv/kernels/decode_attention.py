@@ -489,6 +489,11 @@ class DecodeAttentionPlan:
     variant: str = "asm"  # one of VARIANTS: which split-K pass runs (resolved, never "auto")
     # where the split-K scratch comes from (None: the plan allocates its own)
     arena: ScratchArena | None = None
+    # merge pass: warps per program and score elements (heads x slots) per tile. 2048: on
+    # the H100 at the end-to-end shape (B 384 x 2k, 30/50/20) the merge takes 59 us against
+    # 85 at 4096 and 138 at 8192; neutral at B 32 x 16k (docs/benchmarks.md, session 5)
+    merge_warps: int = 4
+    merge_tile: int = 2048
 
 
     @classmethod
@@ -508,6 +513,8 @@ class DecodeAttentionPlan:
         maxnreg: int | None = 96,
         variant: str = "auto",
         arena: ScratchArena | None = None,
+        merge_warps: int = 4,
+        merge_tile: int = 2048,
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
@@ -537,7 +544,7 @@ class DecodeAttentionPlan:
         iters_max = max(math.ceil(p / pages_per_iter) for p in ppp)
         return cls(geometry, num_q_heads, num_kv_heads, batch, max_context, device,
                    pages_per_iter, ppp[0], ppp[1], maxp[0], maxp[1], iters_max, num_warps,
-                   num_stages, maxnreg, variant, arena)
+                   num_stages, maxnreg, variant, arena, merge_warps, merge_tile)
 
     def __post_init__(self) -> None:
         g = self.num_q_heads // self.num_kv_heads
@@ -561,12 +568,12 @@ class DecodeAttentionPlan:
         geo = self.geometry
         hi, lo = tier_constexprs(geo.high, "H_"), tier_constexprs(geo.low, "L_")
         self._part_c: dict[str, int | bool] = {**hi, **lo, **variant_constexprs(self.variant)}
-        # score tiles of ~4k elements: MG heads x CH iterations x row_stride slots (enough
-        # independent loads in flight that a partition takes a few steps, not dozens)
+        # score tiles of ~merge_tile elements: MG heads x CH iterations x row_stride slots
+        # (enough independent loads in flight that a partition takes a few steps, not dozens)
         mg = max(2, triton.next_power_of_2(g))
         self._merge_c: dict[str, int] = dict(
             BLOCK_P=triton.next_power_of_2(maxp), MG=mg,
-            CH=max(1, 4096 // (mg * self.row_stride)),
+            CH=max(1, self.merge_tile // (mg * self.row_stride)),
             H_N=hi["H_N"], H_BN=hi["H_BN"], H_SOFF=hi["H_SOFF"], L_N=lo["L_N"],
             L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"], MW=self.mit_per_iter,
         )
@@ -684,7 +691,7 @@ class DecodeAttentionPlan:
             f32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
             req_idx, self.acc, self.ml, self.pbuf, self.mit, out, out.stride(0),
             out.stride(1), lse, self.ppp_hi, self.ppp_lo, **common, **self._merge_c,
-            num_warps=4,
+            num_warps=self.merge_warps,
         )
 
 

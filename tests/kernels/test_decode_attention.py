@@ -83,6 +83,15 @@ def test_decode_attention_variants_cpu(variant, tiers):
                pages_per_iter=1, target_programs=12, variant=variant)
 
 
+@pytest.mark.parametrize("tile", [128, 8192])
+def test_merge_tile_sizes_match_the_oracle_cpu(tile):
+    # the merge pass's score tile (merge_tile elements) sets how many partition iterations
+    # one loop step covers: one per step, or the whole partition at once
+    geo = PageGeometry.build(64, K8V4, K4V2)
+    check_case(geo, [150, 70, 301], 2, 4, torch.bfloat16, 0.4, 0.4, "cpu", seed=tile,
+               pages_per_iter=1, target_programs=12, merge_tile=tile)
+
+
 def test_plan_rejects_unknown_variant():
     geo = PageGeometry.build(64, K8V4, K4V2)
     with pytest.raises(ValueError, match="variant"):
