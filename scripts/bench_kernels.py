@@ -166,6 +166,11 @@ def decode_rows(copy_bw: float, quick: bool, variants: list[str],
     return rows, base_label
 
 
+# ``:<letter><N>`` options of a variant spec -> the plan keyword they set
+VARIANT_OPTIONS = {"s": "num_stages", "p": "target_programs", "w": "merge_warps",
+                   "t": "merge_tile"}
+
+
 def variant_plan(spec: str) -> dict:
     """Plan keywords of a variant spec: NAME (one of decode_attention.VARIANTS) with an
     optional ``@REGS`` register cap per thread (e.g. ``asm@112``: the asm loop spills at the
@@ -181,17 +186,12 @@ def variant_plan(spec: str) -> dict:
     if regs:
         kw["maxnreg"] = int(regs) or None  # @0: no cap
     for opt in opts:
-        if opt[:1] == "s" and opt[1:].isdigit():
-            kw["num_stages"] = int(opt[1:])
-        elif opt[:1] == "p" and opt[1:].isdigit():
-            kw["target_programs"] = int(opt[1:]) * torch.cuda.get_device_properties(
-                DEV).multi_processor_count
-        elif opt[:1] == "w" and opt[1:].isdigit():
-            kw["merge_warps"] = int(opt[1:])
-        elif opt[:1] == "t" and opt[1:].isdigit():
-            kw["merge_tile"] = int(opt[1:])
-        else:
+        key, value = opt[:1], opt[1:]
+        if key not in VARIANT_OPTIONS or not value.isdigit():
             raise ValueError(f"variant option {opt!r} in {spec!r}: expected sN, pN, wN or tN")
+        kw[VARIANT_OPTIONS[key]] = int(value)
+        if key == "p":  # programs per SM -> programs
+            kw["target_programs"] *= torch.cuda.get_device_properties(DEV).multi_processor_count
     if name == "cuda":
         kw.pop("maxnreg", None)  # (a Triton knob)
     return kw

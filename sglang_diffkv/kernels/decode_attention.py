@@ -434,6 +434,13 @@ def resolve_variant(variant: str, geometry: PageGeometry, group: int, pages_per_
     return variant
 
 
+# The merge pass's launch: 4 warps, score tiles of 2048 elements. On the H100 at the
+# end-to-end shape (B 384 x 2k, 30/50/20) the merge takes 59 us against 85 at 4096 and 138 at
+# 8192; neutral at B 32 x 16k (docs/benchmarks.md, session 5).
+MERGE_WARPS = 4
+MERGE_TILE = 2048
+
+
 class ScratchArena:
     """One split-K scratch buffer for plans that never run at the same time (the decode
     CUDA graphs of different batch sizes: one replays at a time). It grows to the largest
@@ -489,11 +496,9 @@ class DecodeAttentionPlan:
     variant: str = "asm"  # one of VARIANTS: which split-K pass runs (resolved, never "auto")
     # where the split-K scratch comes from (None: the plan allocates its own)
     arena: ScratchArena | None = None
-    # merge pass: warps per program and score elements (heads x slots) per tile. 2048: on
-    # the H100 at the end-to-end shape (B 384 x 2k, 30/50/20) the merge takes 59 us against
-    # 85 at 4096 and 138 at 8192; neutral at B 32 x 16k (docs/benchmarks.md, session 5)
-    merge_warps: int = 4
-    merge_tile: int = 2048
+    # merge pass: warps per program and score elements (heads x slots) per tile
+    merge_warps: int = MERGE_WARPS
+    merge_tile: int = MERGE_TILE
 
 
     @classmethod
@@ -513,8 +518,8 @@ class DecodeAttentionPlan:
         maxnreg: int | None = 96,
         variant: str = "auto",
         arena: ScratchArena | None = None,
-        merge_warps: int = 4,
-        merge_tile: int = 2048,
+        merge_warps: int = MERGE_WARPS,
+        merge_tile: int = MERGE_TILE,
     ) -> DecodeAttentionPlan:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
