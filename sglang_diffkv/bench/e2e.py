@@ -73,7 +73,6 @@ def _kv_pairs(items: list[str], what: str, sep: str = "=") -> dict[str, str]:
     return out
 
 
-
 # Prompt lengths the warm-up cycles through: short, the long-generation range and
 # ShareGPT-like long prompts (first-use compiles of the prefill path depend on them).
 WARMUP_PROMPT_LENS = (17, 128, 640, 2048)
@@ -281,7 +280,6 @@ def format_table(runs: list[dict[str, Any]]) -> str:
                  "batch/peak/#tok: 'Decode batch' log lines; mm ms: DiffKV memory "
                  "management per step (SGLANG_DIFFKV_PROFILE)")
     return "\n".join(lines)
-
 
 
 class Harness:
