@@ -8,7 +8,7 @@ a Llama-3-8B-shaped model (32 layers, 32 q / 8 KV heads, head_dim 128) on the ke
 - gpu: CUDA-event time of the same part;
 - a torch.profiler table of the GPU kernels of one whole step.
 
-    python scripts/profile_backend_ops.py --out DIR [--prefill 1x300,30x512] [--decode 305x2048]
+    python scripts/profile_backend_ops.py --out DIR [--prefill 2x450,sharegpt46] [--decode 305x2048]
 
 Writes ``DIR/profile_backend_ops.md`` (tables) and ``.json``. The numbers explain the
 end-to-end runs in docs/benchmarks.md; they are not a benchmark target.
@@ -17,7 +17,10 @@ end-to-end runs in docs/benchmarks.md; they are not a benchmark target.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sglang_diffkv.bench.workloads import sharegpt_trace
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.prompt_attention import PackedPrompts, PromptAttention, attend_padded
 from sglang_diffkv.sglang.ops import DiffKVOps
 
 LAYERS, HQ, HKV, D = 32, 32, 8, 128
@@ -56,39 +61,96 @@ def make_cache(max_reqs: int, num_pages: int) -> tuple[CompressedKVCache, DiffKV
     return cache, DiffKVOps(cache, use_kernels=True)
 
 
-def prefill_parts(cache: CompressedKVCache, ops: DiffKVOps, b: int, length: int,
-                  first_req: int) -> dict[str, tuple[float, float]]:
-    req = torch.arange(first_req, first_req + b, device="cuda")
-    lengths = torch.full((b,), length, dtype=torch.int64, device="cuda")
-    q = torch.randn(b, HQ, length, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, HKV, length, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(b, HKV, length, D, device="cuda", dtype=torch.bfloat16)
-    scale = D ** -0.5
-    out: dict[str, tuple[float, float]] = {}
+def prefill_lengths(spec: str) -> list[int]:
+    """``BxL`` (B prompts of L tokens) or ``sharegptN[@K]`` (the K-th group of N prompt
+    lengths of the bundled ShareGPT-shaped trace, as one saturated prefill batch takes
+    them)."""
+    if spec.startswith("sharegpt"):
+        n_text, _, k_text = spec[len("sharegpt"):].partition("@")
+        n, k = int(n_text), int(k_text or 0)
+        reqs = sharegpt_trace(n * (k + 1)).requests[n * k:]
+        return [r.input_tokens for r in reqs]
+    b, length = (int(x) for x in spec.split("x"))
+    return [length] * b
 
-    def cycle() -> None:  # the whole step's DiffKV work (what the profiler table shows)
-        cache.begin_prefill(req.tolist(), [length] * b)
+
+def prefill_parts(cache: CompressedKVCache, ops: DiffKVOps, lengths: list[int]
+                  ) -> dict[str, tuple[float, float]]:
+    """One prefill step of the backend's DiffKV work for prompts of ``lengths`` (packed,
+    as SGLang passes them), three ways: the backend's path with its chosen attention, the
+    same path with padded SDPA, and the path before packing (session 5: pad, SDPA, unpad,
+    then scoring and compression on the padded prompts, a gather and two copies a layer)."""
+    b = len(lengths)
+    req = torch.arange(b, device="cuda")
+    t = sum(lengths)
+    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
+    scale = D ** -0.5
+    lengths_dev = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    chosen = ops.prompt_attention
+
+    def packed_step(attention: PromptAttention) -> None:
+        ops.prompt_attention = attention
+        cache.begin_prefill(req.tolist(), lengths)
+        step = ops.begin_prefill_step(req, lengths, lengths_dev)
         for layer in range(LAYERS):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-            ops.prefill_layer(layer, req, lengths, q, k, v, scale)
+            ops.extend_layer(layer, step, q, k, v, scale)
+        ops.end_prefill_step(step)
+        cache.free(req.tolist())
+
+    def padded_step() -> None:  # the session-5 backend
+        cache.begin_prefill(req.tolist(), lengths)
+        p = PackedPrompts.from_lengths(lengths, "cuda", lengths_dev)
+        lens = p.lengths.long()
+        for layer in range(LAYERS):
+            qp, kp, vp = p.pad(q), p.pad(k), p.pad(v)
+            p.unpad(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                                   enable_gqa=True))
+            ops.prefill_layer(layer, req, lens, qp, kp, vp, scale)
         cache.end_prefill(req)
         cache.free(req.tolist())
 
-    cycle()  # compile everything once
-    out["begin_prefill (alloc)"] = timed(lambda: (cache.begin_prefill(req.tolist(), [length] * b),
-                                                  cache.free(req.tolist())))
-    cache.begin_prefill(req.tolist(), [length] * b)
-    out["SDPA (x32 layers)"] = timed(lambda: [F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=True) for _ in range(LAYERS)])
-    out["prefill_scores (x32)"] = timed(lambda: [ops.k.prefill_scores(
-        q, k, lengths, scale, cache.config.score_queries) for _ in range(LAYERS)])
-    out["ops.prefill_layer (x32)"] = timed(lambda: [ops.prefill_layer(
-        layer, req, lengths, q, k, v, scale) for layer in range(LAYERS)], rep=1)
-    out["end_prefill (reclaim)"] = timed(lambda: cache.end_prefill(req), rep=1)
-    cache.free(req.tolist())
-    out["whole step"] = timed(cycle, rep=2)
+    padded = PromptAttention("padded", attend_padded, "forced")
+    runs = {f"packed, {chosen.name} attention": lambda: packed_step(chosen),
+            "packed, padded attention": lambda: packed_step(padded),
+            "session 5 (padded prompts)": padded_step}
+    out: dict[str, tuple[float, float]] = {}
+    for name, fn in runs.items():
+        fn()  # compile everything once
+        out[name] = timed(fn, rep=3)
+    ops.prompt_attention = chosen
     return out
+
+
+def host_profile(cache: CompressedKVCache, ops: DiffKVOps, lengths: list[int], spec: str
+                 ) -> str:
+    """cProfile of five packed prefill steps (host side only: where launch time goes)."""
+    b = len(lengths)
+    req = torch.arange(b, device="cuda")
+    t = sum(lengths)
+    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        cache.begin_prefill(req.tolist(), lengths)
+        st = ops.begin_prefill_step(req, lengths)
+        for layer in range(LAYERS):
+            ops.extend_layer(layer, st, q, kv, kv, D ** -0.5)
+        ops.end_prefill_step(st)
+        cache.free(req.tolist())
+
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return f"prefill {spec}, host cProfile of 5 packed steps:\n```\n{text.getvalue()}\n```"
 
 
 def decode_parts(cache: CompressedKVCache, ops: DiffKVOps, b: int, context: int,
@@ -145,8 +207,12 @@ def decode_parts(cache: CompressedKVCache, ops: DiffKVOps, b: int, context: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/profile_backend_ops")
-    ap.add_argument("--prefill", default="1x300,1x1000,30x512", help="BxL,...")
+    ap.add_argument("--prefill", default="1x300,2x450,1x4000,sharegpt46",
+                    help="BxL or sharegptN[@K] (N lengths of the ShareGPT-shaped trace), ...")
     ap.add_argument("--decode", default="305x2048", help="BxCONTEXT,...")
+    ap.add_argument("--host-profile", default="2x450",
+                    help="prefill shape whose packed step's host time cProfile breaks down "
+                         "(top functions by own time); empty: none")
     ap.add_argument("--pages", type=int, default=3_000_000)
     a = ap.parse_args()
     out = Path(a.out)
@@ -154,13 +220,16 @@ def main() -> int:
     cache, ops = make_cache(512, a.pages)
     rows, tables = [], []
     for spec in filter(None, a.prefill.split(",")):
-        b, length = (int(x) for x in spec.split("x"))
         try:
-            for part, (h, g) in prefill_parts(cache, ops, b, length, 0).items():
-                rows.append({"step": f"prefill {b}x{length}", "part": part, "host_ms": h,
-                             "gpu_ms": g})
+            lengths = prefill_lengths(spec)
+            name = (f"prefill {spec}: {len(lengths)} prompts, {sum(lengths)} tokens, "
+                    f"longest {max(lengths)}")
+            for part, (h, g) in prefill_parts(cache, ops, lengths).items():
+                rows.append({"step": name, "part": part, "host_ms": h, "gpu_ms": g})
         except Exception as e:  # one failed shape must not cost the rest of the GPU call
             print(f"prefill {spec} failed: {type(e).__name__}: {e}")
+    if a.host_profile:
+        tables.append(host_profile(cache, ops, prefill_lengths(a.host_profile), a.host_profile))
     for spec in filter(None, a.decode.split(",")):
         b, ctx = (int(x) for x in spec.split("x"))
         try:

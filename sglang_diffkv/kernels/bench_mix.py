@@ -18,7 +18,7 @@ from sglang_diffkv.kernels.decode_policy import _hash_u24, hash_constexprs
 from sglang_diffkv.kernels.prefill import _threshold
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Lmax",))  # a per-step size (as in prefill.py)
 def _bench_sig_kernel(
     seed, lengths, alpha_h, alpha_l, mix, sig, layer, Lmax,
     WINDOW: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr, HIGH_MEAN: tl.constexpr,

@@ -8,7 +8,7 @@ recomputes exp(q.k * scale - lse) tile by tile and column-sums it: nothing [Q, L
 reaches HBM and any prompt length works.
 
 Compression (``compress_prefill``): ``_classify_kernel`` decides every token's tier and
-counts each block's members; an exclusive prefix sum over blocks (torch, on the device)
+counts each block's members; an exclusive prefix sum over blocks (``_scan_kernel``)
 gives each block its first rank; ``_store_prefill_kernel`` ranks members inside the block
 with a cumsum (a stable compaction: no sort) and quantises them into row pages exactly
 where ``CompressedKVCache.store_prefill`` puts them (high pages [0, hp), low pages right
@@ -48,7 +48,7 @@ def _qk(qt, kt, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _lse_kernel(
-    q, q_sb, q_sh, q_sl, k, k_sb, k_sh, k_sl, lengths, lse, qk_scale,
+    q, q_start, q_sh, q_sl, k, k_start, k_sh, k_sl, lengths, lse, qk_scale,
     G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -61,9 +61,9 @@ def _lse_kernel(
     qpos = n - nq + r
     rmask = r < nq
     d = tl.arange(0, D)
-    qt = tl.load(q + b * q_sb + hq * q_sh + qpos[:, None] * q_sl + d[None, :],
+    qt = tl.load(q + (tl.load(q_start + b) + qpos[:, None]) * q_sl + hq * q_sh + d[None, :],
                  mask=rmask[:, None], other=0.0)
-    kbase = k + b * k_sb + (hq // G) * k_sh
+    kbase = k + tl.load(k_start + b) * k_sl + (hq // G) * k_sh
     m = tl.full([QB], float("-inf"), tl.float32)
     acc = tl.zeros([QB], tl.float32)
     for start in range(0, n, BK):
@@ -80,14 +80,20 @@ def _lse_kernel(
     tl.store(lse + (b * tl.num_programs(1) + hq) * QB + r, m + tl.log2(acc), mask=rmask)
 
 
-@triton.jit
+# Sizes that change every prefill step (Lmax, block counts, a packed LSE's token stride) are
+# not specialised (do_not_specialize): Triton would compile a variant per value class
+# (== 1, % 16 == 0, other) and combination, and each compile stalled a serving step by
+# ~1 s on first use.
+@triton.jit(do_not_specialize=("Lmax", "lse_sb", "lse_sh", "lse_sr"))
 def _colsum_kernel(
-    q, q_sb, q_sh, q_sl, k, k_sb, k_sh, k_sl, lengths, lse, lse_row, lse_mul, sig, Lmax,
-    qk_scale,
+    q, q_start, q_sh, q_sl, k, k_start, k_sh, k_sl, lengths, lse, lse_sb, lse_sh, lse_sr,
+    lse_mul, sig, Lmax, qk_scale,
     G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    LSE_PACKED: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """sig[b, h, i] = max over the group of sum_r exp2(s[r, i] - lse[r]) for one key tile."""
+    """sig[b, h, i] = max over the group of sum_r exp2(s[r, i] - lse[r]) for one key tile.
+    lse row r of prompt b: b * lse_sb + r * lse_sr (per prompt), or, LSE_PACKED (one row per
+    packed query token, as a varlen attention returns it), (q_start[b] + L - nq + r) * lse_sr."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.program_id(2) * BK
@@ -100,34 +106,70 @@ def _colsum_kernel(
         qpos = n - nq + r
         rmask = r < nq
         d = tl.arange(0, D)
-        kt = tl.load(k + b * k_sb + h * k_sh + kpos[:, None] * k_sl + d[None, :],
+        kt = tl.load(k + (tl.load(k_start + b) + kpos[:, None]) * k_sl + h * k_sh + d[None, :],
                      mask=(kpos < n)[:, None], other=0.0)
         ok = (kpos[None, :] <= qpos[:, None]) & rmask[:, None]
+        q0 = tl.load(q_start + b)
+        if LSE_PACKED:
+            lrow = lse + (q0 + qpos) * lse_sr
+        else:
+            lrow = lse + b * lse_sb + r * lse_sr
         for g in range(0, G):
             hq = h * G + g
-            qt = tl.load(q + b * q_sb + hq * q_sh + qpos[:, None] * q_sl + d[None, :],
+            qt = tl.load(q + (q0 + qpos[:, None]) * q_sl + hq * q_sh + d[None, :],
                          mask=rmask[:, None], other=0.0)
-            l2 = tl.load(lse + (b * tl.num_programs(1) * G + hq) * lse_row + r, mask=rmask,
-                         other=0.0) * lse_mul
+            l2 = tl.load(lrow + hq * lse_sh, mask=rmask, other=0.0) * lse_mul
             s = _qk(qt, kt, DOT_F32) * qk_scale
             p = tl.where(ok, tl.exp2(s - l2[:, None]), 0.0)
             best = tl.maximum(best, tl.sum(p, axis=0))
     tl.store(sig + (b * tl.num_programs(1) + h) * Lmax + kpos, best, mask=kpos < Lmax)
 
 
-def _check_prompt(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError("q must be [B, Hq, Lmax, D] and k [B, Hkv, Lmax, D]")
-    b, hq, lmax, d = q.shape
-    if k.shape[0] != b or k.shape[2] != lmax or k.shape[3] != d or hq % k.shape[1]:
+def _token_rows(x: torch.Tensor, starts: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """x as the kernels address it: (x, row of each prompt's first token, head stride, row
+    stride); token i of prompt b, head h is x + (row[b] + i) * row_stride + h * head_stride.
+    Padded [B, H, Lmax, D]: row[b] = b * stride(0) / stride(2); packed [T, H, D]: starts."""
+    if x.dim() == 3:
+        return x, starts, x.stride(1), x.stride(0)
+    if x.stride(2) == 0 or x.stride(0) % x.stride(2):
+        x = x.contiguous()
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int64) * (
+        x.stride(0) // x.stride(2))
+    return x, rows, x.stride(1), x.stride(2)
+
+
+def _check_prompt(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor,
+                  starts: torch.Tensor | None, max_len: int | None) -> tuple[int, int]:
+    """(B, Lmax) of padded [B, H, Lmax, D] or packed [T, H, D] prompts (then ``starts``
+    [B] int64 and the host's ``max_len`` are needed: reading them off the device would
+    synchronise)."""
+    if q.dim() != k.dim() or q.dim() not in (3, 4):
+        raise ValueError("q and k must be padded [B, H, Lmax, D] or packed [T, H, D] "
+                         f"alike, got {tuple(q.shape)} / {tuple(k.shape)}")
+    packed = q.dim() == 3
+    if packed:
+        if starts is None or max_len is None:
+            raise ValueError("packed [T, H, D] prompts need starts [B] and max_len")
+        if starts.dim() != 1 or starts.dtype != torch.int64:
+            raise ValueError(f"starts must be int64 [B], got {starts.dtype} "
+                             f"{tuple(starts.shape)}")
+        b, lmax = starts.shape[0], int(max_len)
+        same = k.shape[0] == q.shape[0]
+    else:
+        b, lmax = q.shape[0], q.shape[2]
+        same = k.shape[0] == b and k.shape[2] == lmax
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    if not same or k.shape[-1] != d or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match "
-                         "(same B, Lmax, D; Hq a multiple of Hkv)")
+                         "(same prompts, same D; Hq a multiple of Hkv)")
     if q.dtype != k.dtype or q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"q and k must both be fp16 or bf16, got {q.dtype} / {k.dtype}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k need a contiguous last dimension")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be [{b}]")
+    return b, lmax
 
 
 def prefill_scores(
@@ -137,39 +179,60 @@ def prefill_scores(
     sm_scale: float,
     score_queries: int,
     lse: torch.Tensor | None = None,
+    *,
+    starts: torch.Tensor | None = None,
+    max_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Significance sums [B, Hkv, Lmax] fp32 (maxed over the group; 0 past a prompt's end).
 
-    q [B, Hq, Lmax, D], k [B, Hkv, Lmax, D] (any strides with a contiguous last dim);
-    ``lse``: optional natural-log LSE [B, Hq, score_queries] of each prompt's last
-    min(score_queries, L) queries (row r is query L - nq + r), as the prefill attention
-    returns it; computed here when absent.
+    q [B, Hq, Lmax, D], k [B, Hkv, Lmax, D] (any strides with a contiguous last dim), or
+    packed q [T, Hq, D], k [T, Hkv, D] with ``starts`` (int64 [B], prompt b's first row)
+    and ``max_len`` (Lmax). ``lse``: optional natural-log LSE of each prompt's last
+    min(score_queries, L) queries, as the prefill attention returns it: [B, Hq,
+    score_queries] (row r is query L - nq + r), or for packed prompts [T, Hq] (every
+    query's row, any strides); computed here when absent. ``out``: fp32 [B, Hkv, Lmax] to
+    write into.
     """
-    _check_prompt(q, k, lengths)
-    b, hq, lmax, d = q.shape
-    hkv = k.shape[1]
+    b, lmax = _check_prompt(q, k, lengths, starts, max_len)
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    q, q_rows, q_sh, q_sl = _token_rows(q, starts)
+    k, k_rows, k_sh, k_sl = _token_rows(k, starts)
     qb = max(16, triton.next_power_of_2(score_queries))
     lengths = lengths.to(device=q.device, dtype=torch.int32)
+    packed_lse = lse is not None and lse.dim() == 2
     if lse is None:
-        lse2 = torch.empty(b, hq, qb, dtype=torch.float32, device=q.device)
-        lse_row, lse_mul = qb, 1.0
+        lse = torch.empty(b, hq, qb, dtype=torch.float32, device=q.device)
         _lse_kernel[(b, hq)](
-            q, *q.stride()[:3], k, *k.stride()[:3], lengths, lse2, sm_scale * LOG2E,
+            q, q_rows, q_sh, q_sl, k, k_rows, k_sh, k_sl, lengths, lse, sm_scale * LOG2E,
             G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=64, DOT_F32=INTERPRET, num_warps=4,
         )
+        lse_mul = 1.0
     else:
-        if lse.shape != (b, hq, score_queries) or lse.dtype != torch.float32:
-            raise ValueError(f"lse must be fp32 [{b}, {hq}, {score_queries}]")
-        lse2, lse_row, lse_mul = lse.contiguous(), score_queries, LOG2E  # natural -> base 2
-    sig = torch.empty(b, hkv, lmax, dtype=torch.float32, device=q.device)
+        want = (q.shape[0], hq) if packed_lse else (b, hq, score_queries)
+        if lse.shape != want or lse.dtype != torch.float32 or (packed_lse and starts is None):
+            raise ValueError(f"lse must be fp32 {list(want)}, got {lse.dtype} "
+                             f"{tuple(lse.shape)}" + (" (packed LSE needs packed prompts)"
+                                                      if packed_lse and starts is None else ""))
+        lse_mul = LOG2E  # natural -> base 2
+    if packed_lse:
+        lse_sb, lse_sh, lse_sr = 0, lse.stride(1), lse.stride(0)
+    else:
+        lse_sb, lse_sh, lse_sr = lse.stride(0), lse.stride(1), lse.stride(2)
+    shape = (b, hkv, lmax)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous fp32 {shape}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
     bk = 64
     _colsum_kernel[(b, hkv, triton.cdiv(lmax, bk))](
-        q, *q.stride()[:3], k, *k.stride()[:3], lengths, lse2, lse_row, lse_mul, sig, lmax,
-        sm_scale * LOG2E,
-        G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=bk, DOT_F32=INTERPRET,
-        num_warps=4,
+        q, q_rows, q_sh, q_sl, k, k_rows, k_sh, k_sl, lengths, lse, lse_sb, lse_sh, lse_sr,
+        lse_mul, out, lmax, sm_scale * LOG2E,
+        G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=bk, LSE_PACKED=packed_lse,
+        DOT_F32=INTERPRET, num_warps=4,
     )
-    return sig
+    return out
 
 
 def prefill_scores_reference(
@@ -200,7 +263,7 @@ def _threshold(alpha, n):
     return tl.minimum(tl.maximum(t, 0.0), 1.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Lmax", "NB"))
 def _classify_kernel(
     sig, lengths, alpha_h, alpha_l, tier_out, score_out, pos_out, block_counts, Lmax, NB,
     WINDOW: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
@@ -230,22 +293,26 @@ def _classify_kernel(
     tl.store(cbase + 1, tl.sum(low.to(tl.int32), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("NB",))
 def _scan_kernel(block_counts, first_rank, totals, NB, BLOCK_NB: tl.constexpr):
-    """Exclusive prefix sum of one head's per-block (high, low) member counts."""
+    """Exclusive prefix sum of one head's per-block (high, low) member counts, BLOCK_NB
+    blocks at a time (a fixed tile: one compiled variant for every prompt length)."""
     head = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    j = tl.arange(0, BLOCK_NB)
-    base = (head * NB + j) * 2
     for t in tl.static_range(2):
-        c = tl.load(block_counts + base + t, mask=j < NB, other=0)
-        inc = tl.cumsum(c, 0)
-        tl.store(first_rank + base + t, inc - c, mask=j < NB)
-        tl.store(totals + head * 2 + t, tl.sum(c, 0))
+        carry = tl.zeros([], tl.int32)
+        for s in range(0, NB, BLOCK_NB):
+            j = s + tl.arange(0, BLOCK_NB)
+            base = (head * NB + j) * 2
+            c = tl.load(block_counts + base + t, mask=j < NB, other=0)
+            inc = tl.cumsum(c, 0)
+            tl.store(first_rank + base + t, carry + inc - c, mask=j < NB)
+            carry += tl.sum(c, 0)
+        tl.store(totals + head * 2 + t, carry)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Lmax", "NB"))
 def _store_prefill_kernel(
-    u8, f16, f32, i32, key, k_sb, k_sh, k_sl, value, v_sb, v_sh, v_sl,
+    u8, f16, f32, i32, key, k_start, k_sh, k_sl, value, v_start, v_sh, v_sl,
     sig, tier_in, first_rank, n_high, lengths, table, t_sr, t_sh, req, Lmax, NB,
     PAGE_BYTES: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
@@ -267,9 +334,9 @@ def _store_prefill_kernel(
         row = table + tl.load(req + b).to(tl.int64) * t_sr + h * t_sh
         hp = tl.cdiv(tl.load(n_high + head * 2), H_N)  # n_high: the totals [B, Hkv, 2]
         d = tl.arange(0, D)
-        kx = tl.load(key + b * k_sb + h * k_sh + i[:, None] * k_sl + d[None, :],
+        kx = tl.load(key + (tl.load(k_start + b) + i[:, None]) * k_sl + h * k_sh + d[None, :],
                      mask=inside[:, None], other=0.0).to(tl.float32)
-        vx = tl.load(value + b * v_sb + h * v_sh + i[:, None] * v_sl + d[None, :],
+        vx = tl.load(value + (tl.load(v_start + b) + i[:, None]) * v_sl + h * v_sh + d[None, :],
                      mask=inside[:, None], other=0.0).to(tl.float32)
         score = tl.load(sig + head * Lmax + i, mask=inside, other=0.0)
         pos = n - tl.minimum(Q, n - i)  # virtual position (policy.virtual_positions)
@@ -308,25 +375,39 @@ def compress_prefill(
     alpha_l: torch.Tensor,
     window: int,
     score_queries: int,
+    *,
+    starts: torch.Tensor | None = None,
+    totals: torch.Tensor | None = None,
 ) -> PromptClassification:
     """Classify, count and compact one layer's prompts into their row pages.
 
-    key/value [B, Hkv, Lmax, D] (fp16/bf16/fp32, contiguous last dim); significance
-    [B, Hkv, Lmax] (from :func:`prefill_scores`); lengths, alpha_h, alpha_l [B]; table is
-    the manager's [max_reqs, layers, Hkv, row_len] after ``allocate_prefill``. Returns the
-    classification (its n_high / n_low feed ``PageManager.reclaim_prefill``)."""
-    b, hkv, lmax, d = key.shape
-    if value.shape != key.shape or significance.shape != (b, hkv, lmax):
-        raise ValueError(f"value {tuple(value.shape)} / significance "
-                         f"{tuple(significance.shape)} do not match key {tuple(key.shape)}")
+    key/value [B, Hkv, Lmax, D], or packed [T, Hkv, D] with ``starts`` (int64 [B], prompt
+    b's first row) (fp16/bf16/fp32, contiguous last dim); significance [B, Hkv, Lmax] (from
+    :func:`prefill_scores`); lengths, alpha_h, alpha_l [B]; table is the manager's
+    [max_reqs, layers, Hkv, row_len] after ``allocate_prefill``. ``totals``: int32
+    [B, Hkv, 2] to write each head's (n_high, n_low) into. Returns the classification (its
+    n_high / n_low feed ``PageManager.reclaim_prefill``)."""
+    b, hkv, lmax = significance.shape
+    d = key.shape[-1]
+    if value.shape != key.shape or key.dim() != (3 if starts is not None else 4):
+        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} must match "
+                         "and be [B, Hkv, Lmax, D], or [T, Hkv, D] with starts")
+    if key.shape[1] != hkv or (key.dim() == 4 and key.shape[::2] != (b, lmax)):
+        raise ValueError(f"significance {tuple(significance.shape)} does not match key "
+                         f"{tuple(key.shape)}")
     if d != geometry.head_dim or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError(f"key/value need head_dim {geometry.head_dim} and a contiguous "
                          "last dimension")
     if req_idx.shape != (b,) or table.shape[2] != hkv:
-        raise ValueError("req_idx must be [B] and table [max_reqs, layers, Hkv, row_len]")
+        raise ValueError(f"req_idx must be [{b}] and table [max_reqs, layers, {hkv}, row_len], "
+                         f"got {tuple(req_idx.shape)} and {tuple(table.shape)}")
+    if starts is not None and starts.shape != (b,):
+        raise ValueError(f"starts must be [{b}], got {tuple(starts.shape)}")
     dev = key.device
     # (three launches and no torch ops in between: at short prompts the host's launch
     # overhead, not the GPU, bounds this function)
+    key, k_rows, k_sh, k_sl = _token_rows(key, starts)
+    value, v_rows, v_sh, v_sl = _token_rows(value, starts)
     lengths_i = lengths.to(device=dev, dtype=torch.int32)
     bl = 64
     nb = triton.cdiv(lmax, bl)
@@ -335,7 +416,11 @@ def compress_prefill(
     pos = torch.empty(b, lmax, dtype=torch.int32, device=dev)
     block_counts = torch.empty(b, hkv, nb, 2, dtype=torch.int32, device=dev)
     first_rank = torch.empty_like(block_counts)
-    totals = torch.empty(b, hkv, 2, dtype=torch.int32, device=dev)
+    if totals is None:
+        totals = torch.empty(b, hkv, 2, dtype=torch.int32, device=dev)
+    elif totals.shape != (b, hkv, 2) or totals.dtype != torch.int32 or not totals.is_contiguous():
+        raise ValueError(f"totals must be contiguous int32 [{b}, {hkv}, 2], got "
+                         f"{totals.dtype} {tuple(totals.shape)}")
     sig = significance if significance.dtype == torch.float32 else significance.float()
     sig = sig.contiguous()
     _classify_kernel[(b, hkv, nb)](
@@ -343,13 +428,12 @@ def compress_prefill(
         alpha_l.to(device=dev, dtype=torch.float32).contiguous(), tier, score, pos,
         block_counts, lmax, nb, WINDOW=window, Q=score_queries, BL=bl, num_warps=2,
     )
-    _scan_kernel[(b, hkv)](block_counts, first_rank, totals, nb,
-                           BLOCK_NB=triton.next_power_of_2(nb), num_warps=1)
+    _scan_kernel[(b, hkv)](block_counts, first_rank, totals, nb, BLOCK_NB=128, num_warps=1)
     n_high = totals[..., 0]
     u8, f16, f32, i32 = page_views(pages)
     tab = table[:, layer]
     _store_prefill_kernel[(b, hkv, nb)](
-        u8, f16, f32, i32, key, *key.stride()[:3], value, *value.stride()[:3], sig, tier,
+        u8, f16, f32, i32, key, k_rows, k_sh, k_sl, value, v_rows, v_sh, v_sl, sig, tier,
         first_rank, totals, lengths_i, tab, tab.stride(0), tab.stride(1), req_idx, lmax, nb,
         PAGE_BYTES=geometry.page_bytes, D=d, Q=score_queries, BL=bl,
         **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"),

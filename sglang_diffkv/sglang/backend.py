@@ -5,8 +5,9 @@ Modelled on SGLang's ``TritonAttnBackend``: one metadata object built once per b
 per-layer ``forward_extend`` / ``forward_decode``.
 
 - extend (stage 1: whole prompts, chunked prefill is forced off): exact causal attention on
-  the fresh K/V, then the reference cache scores, classifies, quantises and stores the layer;
-  after the last layer the pages compression freed go back to the free list.
+  the fresh, packed K/V (flash varlen on CUDA, padded SDPA elsewhere), then the layer's
+  prompts are scored, classified, quantised and stored; after the last layer the pages
+  compression freed go back to the free list.
 - decode: per layer the policy step stores the new token (evicting / demoting), then paged
   mixed-precision attention over the compressed cache, which also accumulates scores.
 - padded rows (``out_cache_loc == 0``: slot 0 is never allocated) are skipped.
@@ -30,7 +31,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_diffkv.sglang.graphs import DecodeGraphState
@@ -59,12 +59,8 @@ class DiffKVForwardMetadata:
     # decode under a CUDA graph: the captured batch size (rows past req_idx's are padding);
     # 0 when eager
     graph_bs: int = 0
-    # extend only: prompt lengths, and where each flat token sits in the padded batch
-    lengths: torch.Tensor | None = None
-    num_tokens: int = 0
-    max_len: int = 0
-    token_b: torch.Tensor | None = None
-    token_i: torch.Tensor | None = None
+    # extend only: DiffKVOps.begin_prefill_step's per-step inputs shared by every layer
+    prefill: Any = None
 
 
 class DiffKVAttnBackend(AttentionBackend):
@@ -155,25 +151,15 @@ class DiffKVAttnBackend(AttentionBackend):
                 f"(prefix lengths {prefix}) needs chunked prefill or a prefix cache, which "
                 "--attention-backend diffkv turns off"
             )
-        lengths_list = [int(n) for n in fb.extend_seq_lens_cpu]
+        lengths = [int(n) for n in fb.extend_seq_lens_cpu]
         req = fb.req_pool_indices.long()
-        lengths = torch.tensor(lengths_list, dtype=torch.int64, device=req.device)
         with span(self.prof, "alloc"):
-            self.pool.begin_prefill(req.tolist(), lengths_list)
-        b, lmax = len(lengths_list), max(lengths_list)
-        token_b = torch.repeat_interleave(torch.arange(b, device=req.device), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        token_i = torch.arange(int(lengths.sum()), device=req.device) - starts[token_b]
+            self.pool.begin_prefill(req.tolist(), lengths)
+        # SGLang's device copy of the lengths (no host-to-device copy), when it has one
+        lengths_dev = getattr(fb, "extend_seq_lens", None)
+        step = self.ops.begin_prefill_step(req, lengths, lengths_dev)
         return DiffKVForwardMetadata(
-            False,
-            torch.arange(b, device=req.device),
-            req,
-            lengths,
-            lengths=lengths,
-            num_tokens=int(lengths.sum()),
-            max_len=lmax,
-            token_b=token_b,
-            token_i=token_i,
+            False, None, req, step.prompts.lengths.long(), prefill=step,
         )
 
     # ---- per-layer forward ---------------------------------------------------------------
@@ -196,33 +182,15 @@ class DiffKVAttnBackend(AttentionBackend):
         self._check_layer(layer, save_kv_cache)
         md = self.forward_metadata
         q3, k3, v3 = _per_head(layer, q, k, v)
-        hq, dv = q3.shape[1], v3.shape[2]
-        n, b, lmax = md.num_tokens, md.req_idx.numel(), md.max_len
-
-        def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, Lmax, D]
-            out = x.new_zeros(b, lmax, x.shape[1], x.shape[2])
-            out[md.token_b, md.token_i] = x[:n]
-            return out.transpose(1, 2)
-
-        qp, kp, vp = pad(q3), pad(k3), pad(v3)
-        # Prompts are right-padded, so a causal mask alone keeps every real query on real
-        # keys (padded query rows are dropped below); no [B, L, L] mask, no K/V copies per
-        # query head: SDPA can take its flash / memory-efficient path.
-        out = F.scaled_dot_product_attention(
-            qp, kp, vp, is_causal=True, scale=layer.scaling, enable_gqa=True
-        )
-        o = q.new_zeros(q3.shape[0], hq, dv)
-        o[:n] = out.transpose(1, 2)[md.token_b, md.token_i].to(q.dtype)
-
         layer_idx = layer.layer_id - self.start_layer
-        self.ops.prefill_layer(layer_idx, md.req_idx, md.lengths, qp, kp, vp, layer.scaling)
+        o = self.ops.extend_layer(layer_idx, md.prefill, q3, k3, v3, layer.scaling)
         if layer.layer_id == self.last_layer:
             with span(self.prof, "reclaim"):
-                self.cache.end_prefill(md.req_idx)
+                self.ops.end_prefill_step(md.prefill)
             if self.prof is not None:
                 self.prof.end_step("prefill")
             self._maybe_log(md, "prefill")
-        return o.view(-1, hq * dv)
+        return o.to(q.dtype).reshape(-1, q3.shape[1] * o.shape[2])
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
                        forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -68,6 +69,21 @@ def want_kernels(device: torch.device, environ: dict[str, str] | None = None) ->
 
 
 @dataclass
+class PrefillStep:
+    """One prefill step's shared inputs (``DiffKVOps.begin_prefill_step``), read by every
+    layer: the requests, where their prompts sit in the packed tokens, their thresholds
+    and benchmark seeds, and (kernel path) each layer's kept (n_high, n_low) per head,
+    which ``end_prefill_step`` hands to the reclaim in one copy."""
+
+    req: torch.Tensor  # int64 [B]
+    prompts: PackedPrompts
+    alpha_h: torch.Tensor  # fp32 [B]
+    alpha_l: torch.Tensor  # fp32 [B]
+    seed: torch.Tensor | None  # int64 [B], benchmark mode only
+    totals: torch.Tensor | None  # int32 [layers, B, Hkv, 2], kernel path only
+
+
+@dataclass
 class DecodeStep:
     """One decode step's shared inputs (``DiffKVOps.begin_decode_step``): the policy
     kernel's prepared tensors and the attention plan per q head count, looked up on the
@@ -104,23 +120,93 @@ class DiffKVOps:
             # the nvcc run (~4 s) landed in the first decode step of the first requests.
             room = (kernels.compaction_backend() if cache.device.type == "cuda"
                     else "torch (not on CUDA)")
-            self.name = f"Triton kernels (sglang_diffkv.kernels); decode page allocation: {room}"
+            # prefill attention over the packed prompts: flash varlen where its probe
+            # passes, padded SDPA otherwise (prompt_attention)
+            self.prompt_attention = choose_prompt_attention(cache.device)
+            self.name = (f"Triton kernels (sglang_diffkv.kernels); decode page allocation: "
+                         f"{room}; prefill attention: {self.prompt_attention.name} "
+                         f"({self.prompt_attention.reason})")
         else:
             self.name = "torch reference (sglang_diffkv.cache)"
 
     # ---- prefill ----------------------------------------------------------------------
 
+    def begin_prefill_step(self, req: torch.Tensor, lengths: list[int],
+                           lengths_dev: torch.Tensor | None = None) -> PrefillStep:
+        """What every layer of a prefill step shares, after the pages are allocated
+        (``CompressedKVCache.begin_prefill``): where the packed prompts sit, and the
+        per-request thresholds and benchmark seeds as the kernels read them."""
+        c = self.cache
+        prompts = PackedPrompts.from_lengths(lengths, c.device, lengths_dev)
+        alpha = c.alpha[req]
+        totals = None
+        if self.use_kernels:
+            totals = torch.empty(c.spec.num_layers, prompts.batch, c.spec.num_kv_heads, 2,
+                                 dtype=torch.int32, device=c.device)
+        return PrefillStep(
+            req=req, prompts=prompts, alpha_h=alpha[:, 0].contiguous(),
+            alpha_l=alpha[:, 1].contiguous(),
+            seed=None if c.config.bench_mix is None else c.bench_seed[req], totals=totals,
+        )
+
+    def extend_layer(self, layer: int, step: PrefillStep, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One layer of a prefill step on packed tokens (q [T, Hq, D], k/v [T, Hkv, D]; rows
+        past the step's tokens are padding): exact causal attention on the fresh K/V, then
+        score, classify, quantise and store. Returns the attention output [T, Hq, Dv]."""
+        p = step.prompts
+        if not self.use_kernels:
+            qp, kp, vp = p.pad(q), p.pad(k), p.pad(v)
+            out = p.unpad(torch.nn.functional.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True))
+            self.cache.prefill_layer(layer, step.req, p.lengths.long(), qp, kp, vp, scale)
+        else:
+            out, lse = self.prompt_attention.run(q, k, v, p, scale)
+            self._score_and_compress(layer, step.req, p.lengths, q, k, v, scale, step.alpha_h,
+                                     step.alpha_l, step.seed, lse=lse, starts=p.starts,
+                                     max_len=p.max_len, totals=step.totals[layer])
+        if out.shape[0] == q.shape[0]:
+            return out
+        full = out.new_zeros(q.shape[0], *out.shape[1:])
+        full[: p.num_tokens] = out
+        return full
+
+    def end_prefill_step(self, step: PrefillStep) -> None:
+        """After the last layer: record what each row kept and return the pages that
+        compression freed (``CompressedKVCache.end_prefill``)."""
+        c = self.cache
+        if step.totals is not None:
+            c._prompt_kept[step.req] = step.totals.transpose(0, 1).long()
+        c.end_prefill(step.req)
+
     def prefill_layer(self, layer: int, req: torch.Tensor, lengths: torch.Tensor,
                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
-        """Score, classify, quantise and store one layer of whole prompts
-        (q [B, Hq, Lmax, D], k/v [B, Hkv, Lmax, D])."""
+        """Score, classify, quantise and store one layer of whole prompts, padded
+        (q [B, Hq, Lmax, D], k/v [B, Hkv, Lmax, D]); the cache's ``begin_prefill`` /
+        ``end_prefill`` come before and after all layers."""
         c = self.cache
         if not self.use_kernels:
             c.prefill_layer(layer, req, lengths, q, k, v, scale)
             return
-        cfg = c.config
-        sig = self.k.prefill_scores(q, k, lengths, scale, cfg.score_queries)
         alpha = c.alpha[req]
+        seed = None if c.config.bench_mix is None else c.bench_seed[req]
+        cls = self._score_and_compress(layer, req, lengths, q, k, v, scale, alpha[:, 0],
+                                       alpha[:, 1], seed)
+        # what CompressedKVCache.store_prefill records for end_prefill's reclaim
+        c._prompt_kept[req, layer, :, 0] = cls.n_high.long()
+        c._prompt_kept[req, layer, :, 1] = cls.n_low.long()
+
+    def _score_and_compress(self, layer: int, req: torch.Tensor, lengths: torch.Tensor,
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            alpha_h: torch.Tensor, alpha_l: torch.Tensor,
+                            seed: torch.Tensor | None, **packed: Any) -> Any:
+        """Kernel path of one layer, padded or packed (``packed``: lse / starts / max_len /
+        totals, as ``prefill_scores`` and ``compress_prefill`` take them)."""
+        c = self.cache
+        cfg = c.config
+        starts, max_len = packed.get("starts"), packed.get("max_len")
+        sig = self.k.prefill_scores(q, k, lengths, scale, cfg.score_queries,
+                                    lse=packed.get("lse"), starts=starts, max_len=max_len)
         if cfg.bench_mix is not None:
             # the scoring kernels above ran for their cost; the draw decides the tiers
             # (one launch: CompressedKVCache.bench_significance, bit for bit)
@@ -128,17 +214,14 @@ class DiffKVOps:
                 self._bench_mix_t = torch.tensor(cfg.bench_mix, dtype=torch.float64,
                                                  device=c.device)
             sig = self.bench_k.synthetic_significance(
-                c.bench_seed[req], layer, c.spec.num_kv_heads, lengths, k.shape[2],
-                alpha[:, 0], alpha[:, 1], cfg.bench_mix, cfg.window, cfg.score_queries,
-                self._bench_mix_t,
+                seed, layer, c.spec.num_kv_heads, lengths, sig.shape[2], alpha_h, alpha_l,
+                cfg.bench_mix, cfg.window, cfg.score_queries, self._bench_mix_t, out=sig,
             )
-        cls = self.k.compress_prefill(
+        return self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
-            alpha[:, 0], alpha[:, 1], cfg.window, cfg.score_queries,
+            alpha_h, alpha_l, cfg.window, cfg.score_queries, starts=starts,
+            totals=packed.get("totals"),
         )
-        # what CompressedKVCache.store_prefill records for end_prefill's reclaim
-        c._prompt_kept[req, layer, :, 0] = cls.n_high.long()
-        c._prompt_kept[req, layer, :, 1] = cls.n_low.long()
 
     # ---- decode -----------------------------------------------------------------------
 
