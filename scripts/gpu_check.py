@@ -50,6 +50,7 @@ from sglang_diffkv.kernels.testing import random_decode_case, rel_err  # noqa: E
 from sglang_diffkv.layout import PageGeometry  # noqa: E402
 from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
 from sglang_diffkv.policy import _eligible_argmin  # noqa: E402
+from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention  # noqa: E402
 
 DEV = "cuda"
 ROWS: list[tuple[str, str, str, bool, float]] = []
@@ -136,6 +137,24 @@ def prefill_check(lengths, hq, hkv, d):
         ref = prefill_scores_reference(q, k, lens, d**-0.5, 64)
         e = rel_err(sig, ref)
         return f"significance rel err {e:.1e}", e < 1e-4
+    return run
+
+
+def prefill_packed_check(lengths, hq, hkv, d):
+    """The server's prefill: packed prompts, flash varlen attention's LSE into the scoring."""
+    def run():
+        t = sum(lengths)
+        q = torch.randn(t, hq, d, device=DEV).bfloat16()
+        k = torch.randn(t, hkv, d, device=DEV).bfloat16()
+        p = PackedPrompts.from_lengths(lengths, DEV)
+        chosen = choose_prompt_attention(DEV)
+        _, lse = chosen.run(q, k, k, p, d**-0.5)
+        sig = prefill_scores(q, k, p.lengths, d**-0.5, 64, lse=lse, starts=p.starts,
+                             max_len=p.max_len)
+        ref = prefill_scores_reference(p.pad(q), p.pad(k), p.lengths.long(), d**-0.5, 64)
+        e = rel_err(sig, ref)
+        return f"{chosen.name} attention; significance rel err {e:.1e}", (
+            e < 1e-3 and chosen.name == "varlen")
     return run
 
 
@@ -375,6 +394,8 @@ def main() -> int:
     for n in plens:
         check("prefill_scores", f"L={n} Hq32 Hkv8 D128 Q64", prefill_check([n, n // 3 + 1],
                                                                             32, 8, 128))
+    check("prefill_scores(packed)", "L=(1000, 17, 1, 4096, 300) Hq32 Hkv8 D128 Q64",
+          prefill_packed_check([1000, 17, 1, 4096, 300], 32, 8, 128))
     check("compress_prefill", "L=(1000, 4096) Hkv8 D128", compress_check([1000, 4096], 8, 128))
     check("decode_policy", "B3 Hkv8 D128, 24 steps", policy_check([300, 150, 513], 8, 128, 24))
     check("decode_policy", "B3 Hkv8 D128, 12 steps, bench (.3,.5,.2)",
