@@ -37,7 +37,8 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "block_counts": "*i32", "first_rank": "*i32", "totals": "*i32", "tier_in": "*i8",
     "n_high": "*i32", "positions": "*i64", "alpha": "*fp32", "action_out": "*i8",
     "hmin_out": "*i64", "lmin_out": "*i64", "bench_seed": "*i64",
-    "seed": "*i64", "mix": "*fp64", "part": "*i64",
+    "seed": "*i64", "mix": "*fp64", "part": "*i64", "q_start": "*i64", "k_start": "*i64",
+    "v_start": "*i64",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -55,9 +56,10 @@ KERNELS = [
     ("store", "_store_tokens_kernel", {"PAGE_BYTES": GEO.page_bytes, "D": 128, "BLOCK_T": 16,
                                        **T}),
     ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False)),
-    ("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False)),
+    *(("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False,
+                                         LSE_PACKED=packed)) for packed in (False, True)),
     ("prefill", "_classify_kernel", dict(WINDOW=64, Q=64, BL=64)),
-    ("prefill", "_scan_kernel", dict(BLOCK_NB=64)),
+    ("prefill", "_scan_kernel", dict(BLOCK_NB=128)),
     ("prefill", "_store_prefill_kernel", dict(PAGE_BYTES=GEO.page_bytes, D=128, Q=64, BL=64,
                                               **HI, **LO)),
     *(("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
