@@ -2,11 +2,13 @@
 
 Replays what ``sglang_diffkv.sglang.backend`` does for one prefill step and one decode step of
 a Llama-3-8B-shaped model (32 layers, 32 q / 8 KV heads, head_dim 128) on the kernels path
-(``DiffKVOps``), in benchmark mode (30/50/20), and reports per part:
+(``DiffKVOps``), in benchmark mode (30/50/20), and reports:
 
+- prefill: the whole step three ways (packed prompts with the chosen attention, packed with
+  padded SDPA, and session 5's padded prompts), and a cProfile of the packed step's host time;
+- decode: per part, and a torch.profiler table of the GPU kernels of one whole step;
 - host: wall time of the Python call (launch cost included), synchronised after each part;
-- gpu: CUDA-event time of the same part;
-- a torch.profiler table of the GPU kernels of one whole step.
+  gpu: CUDA-event time of the same part.
 
     python scripts/profile_backend_ops.py --out DIR [--prefill 2x450,sharegpt46] [--decode 305x2048]
 
@@ -26,12 +28,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from sglang_diffkv.bench.workloads import sharegpt_trace
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import DiffKVConfig
-from sglang_diffkv.prompt_attention import PackedPrompts, PromptAttention, attend_padded
+from sglang_diffkv.prompt_attention import (
+    PackedPrompts,
+    PromptAttention,
+    attend_padded,
+    causal_sdpa,
+)
 from sglang_diffkv.sglang.ops import DiffKVOps
 
 LAYERS, HQ, HKV, D = 32, 32, 8, 128
@@ -105,8 +111,7 @@ def prefill_parts(cache: CompressedKVCache, ops: DiffKVOps, lengths: list[int]
         lens = p.lengths.long()
         for layer in range(LAYERS):
             qp, kp, vp = p.pad(q), p.pad(k), p.pad(v)
-            p.unpad(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                                   enable_gqa=True))
+            p.unpad(causal_sdpa(qp, kp, vp, scale))
             ops.prefill_layer(layer, req, lens, qp, kp, vp, scale)
         cache.end_prefill(req)
         cache.free(req.tolist())

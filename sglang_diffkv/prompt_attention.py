@@ -82,14 +82,18 @@ class PackedPrompts:
         return x.transpose(1, 2)[token_b, token_i]
 
 
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+    """SDPA over right-padded prompts [B, H, Lmax, D]: a causal mask alone keeps every real
+    query on real keys (padded query rows are dropped by ``unpad``), so SDPA can take its
+    flash / efficient path."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=True)
+
+
 def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prompts: PackedPrompts,
                   scale: float) -> AttentionOut:
-    # Right padding: a causal mask alone keeps every real query on real keys (padded
-    # query rows are dropped by unpad), so SDPA can take its flash / efficient path.
-    out = F.scaled_dot_product_attention(
-        prompts.pad(q), prompts.pad(k), prompts.pad(v), is_causal=True, scale=scale,
-        enable_gqa=True,
-    )
+    out = causal_sdpa(prompts.pad(q), prompts.pad(k), prompts.pad(v), scale)
     return prompts.unpad(out), None
 
 

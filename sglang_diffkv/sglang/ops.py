@@ -26,7 +26,11 @@ from typing import Any
 import torch
 
 from sglang_diffkv.cache import CompressedKVCache
-from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention
+from sglang_diffkv.prompt_attention import (
+    PackedPrompts,
+    causal_sdpa,
+    choose_prompt_attention,
+)
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -157,8 +161,7 @@ class DiffKVOps:
         p = step.prompts
         if not self.use_kernels:
             qp, kp, vp = p.pad(q), p.pad(k), p.pad(v)
-            out = p.unpad(torch.nn.functional.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True))
+            out = p.unpad(causal_sdpa(qp, kp, vp, scale))
             self.cache.prefill_layer(layer, step.req, p.lengths.long(), qp, kp, vp, scale)
         else:
             out, lse = self.prompt_attention.run(q, k, v, p, scale)
