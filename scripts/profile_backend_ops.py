@@ -80,30 +80,43 @@ def prefill_lengths(spec: str) -> list[int]:
     return [length] * b
 
 
+def prefill_inputs(cache: CompressedKVCache, ops: DiffKVOps, lengths: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              Callable[[], None]]:
+    """Random packed q / k / v for prompts of ``lengths`` and the backend's packed prefill
+    step over them (allocate, every layer's ``extend_layer``, reclaim, free): (req, q, k, v,
+    lengths on the device, step)."""
+    req = torch.arange(len(lengths), device="cuda")
+    t = sum(lengths)
+    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
+    lengths_dev = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def step() -> None:
+        cache.begin_prefill(req.tolist(), lengths)
+        st = ops.begin_prefill_step(req, lengths, lengths_dev)
+        for layer in range(LAYERS):
+            ops.extend_layer(layer, st, q, k, v, D ** -0.5)
+        ops.end_prefill_step(st)
+        cache.free(req.tolist())
+
+    return req, q, k, v, lengths_dev, step
+
+
 def prefill_parts(cache: CompressedKVCache, ops: DiffKVOps, lengths: list[int]
                   ) -> dict[str, tuple[float, float]]:
     """One prefill step of the backend's DiffKV work for prompts of ``lengths`` (packed,
     as SGLang passes them), three ways: the backend's path with its chosen attention, the
     same path with padded SDPA, and the path before packing (session 5: pad, SDPA, unpad,
     then scoring and compression on the padded prompts, a gather and two copies a layer)."""
-    b = len(lengths)
-    req = torch.arange(b, device="cuda")
-    t = sum(lengths)
-    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
+    req, q, k, v, lengths_dev, packed = prefill_inputs(cache, ops, lengths)
     scale = D ** -0.5
-    lengths_dev = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     chosen = ops.prompt_attention
 
     def packed_step(attention: PromptAttention) -> None:
         ops.prompt_attention = attention
-        cache.begin_prefill(req.tolist(), lengths)
-        step = ops.begin_prefill_step(req, lengths, lengths_dev)
-        for layer in range(LAYERS):
-            ops.extend_layer(layer, step, q, k, v, scale)
-        ops.end_prefill_step(step)
-        cache.free(req.tolist())
+        packed()
 
     def padded_step() -> None:  # the session-5 backend
         cache.begin_prefill(req.tolist(), lengths)
@@ -131,20 +144,7 @@ def prefill_parts(cache: CompressedKVCache, ops: DiffKVOps, lengths: list[int]
 def host_profile(cache: CompressedKVCache, ops: DiffKVOps, lengths: list[int], spec: str
                  ) -> str:
     """cProfile of five packed prefill steps (host side only: where launch time goes)."""
-    b = len(lengths)
-    req = torch.arange(b, device="cuda")
-    t = sum(lengths)
-    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
-
-    def step() -> None:
-        cache.begin_prefill(req.tolist(), lengths)
-        st = ops.begin_prefill_step(req, lengths)
-        for layer in range(LAYERS):
-            ops.extend_layer(layer, st, q, kv, kv, D ** -0.5)
-        ops.end_prefill_step(st)
-        cache.free(req.tolist())
-
+    step = prefill_inputs(cache, ops, lengths)[-1]
     step()
     torch.cuda.synchronize()
     prof = cProfile.Profile()

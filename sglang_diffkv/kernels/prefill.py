@@ -209,11 +209,12 @@ def prefill_scores(
         )
         lse_mul = 1.0
     else:
+        if packed_lse and starts is None:
+            raise ValueError(f"a per-token lse {tuple(lse.shape)} needs packed prompts")
         want = (q.shape[0], hq) if packed_lse else (b, hq, score_queries)
-        if lse.shape != want or lse.dtype != torch.float32 or (packed_lse and starts is None):
+        if lse.shape != want or lse.dtype != torch.float32:
             raise ValueError(f"lse must be fp32 {list(want)}, got {lse.dtype} "
-                             f"{tuple(lse.shape)}" + (" (packed LSE needs packed prompts)"
-                                                      if packed_lse and starts is None else ""))
+                             f"{tuple(lse.shape)}")
         lse_mul = LOG2E  # natural -> base 2
     if packed_lse:
         lse_sb, lse_sh, lse_sr = 0, lse.stride(1), lse.stride(0)

@@ -202,14 +202,15 @@ class DiffKVOps:
     def _score_and_compress(self, layer: int, req: torch.Tensor, lengths: torch.Tensor,
                             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                             alpha_h: torch.Tensor, alpha_l: torch.Tensor,
-                            seed: torch.Tensor | None, **packed: Any) -> Any:
-        """Kernel path of one layer, padded or packed (``packed``: lse / starts / max_len /
-        totals, as ``prefill_scores`` and ``compress_prefill`` take them)."""
+                            seed: torch.Tensor | None, *, lse: torch.Tensor | None = None,
+                            starts: torch.Tensor | None = None, max_len: int | None = None,
+                            totals: torch.Tensor | None = None) -> Any:
+        """Kernel path of one layer, padded or packed (lse / starts / max_len / totals as
+        ``prefill_scores`` and ``compress_prefill`` take them)."""
         c = self.cache
         cfg = c.config
-        starts, max_len = packed.get("starts"), packed.get("max_len")
-        sig = self.k.prefill_scores(q, k, lengths, scale, cfg.score_queries,
-                                    lse=packed.get("lse"), starts=starts, max_len=max_len)
+        sig = self.k.prefill_scores(q, k, lengths, scale, cfg.score_queries, lse=lse,
+                                    starts=starts, max_len=max_len)
         if cfg.bench_mix is not None:
             # the scoring kernels above ran for their cost; the draw decides the tiers
             # (one launch: CompressedKVCache.bench_significance, bit for bit)
@@ -222,8 +223,7 @@ class DiffKVOps:
             )
         return self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
-            alpha_h, alpha_l, cfg.window, cfg.score_queries, starts=starts,
-            totals=packed.get("totals"),
+            alpha_h, alpha_l, cfg.window, cfg.score_queries, starts=starts, totals=totals,
         )
 
     # ---- decode -----------------------------------------------------------------------

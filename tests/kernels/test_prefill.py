@@ -135,6 +135,9 @@ def test_packed_prompts_score_like_padded_ones_cpu(lse_from):
     assert sig is out
     ref = prefill_scores_reference(q, k, lengths, 0.125, 16)
     torch.testing.assert_close(sig, ref, rtol=1e-4, atol=1e-6)
+    if lse is not None:  # a per-token LSE has no meaning for padded prompts
+        with pytest.raises(ValueError, match="needs packed prompts"):
+            prefill_scores(q, k, lengths, 0.125, 16, lse=lse)
 
 
 def test_packed_prompts_compress_like_padded_ones_cpu():
