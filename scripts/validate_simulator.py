@@ -11,16 +11,20 @@ call) are merged, their configuration names must differ. Packed logs are unpacke
 ``--scratch`` (the result folders are not written to). Steps:
 
 1. calibration: the kernel-grid calibration from scripts/calibrate_gpu.py (``--calibration``);
-   its fixed per-step / per-request costs are fitted here from the clean Decode intervals of
-   each FITTING run (``--fit-run``, repeatable, default bf16/longgen; ``none`` keeps the
-   file's). A fit applies to the runs of the same attention backend (triton: bf16 and fp8;
-   diffkv: every DiffKV mix), so the DiffKV backend (its own decode kernels and host-side
-   step work, under CUDA graphs up to its cuda_graph_max_bs) gets its own fixed costs; only
-   Decode lines whose ``cuda graph:`` flag matches the run's graph setting are fitted. The
-   overlap scheduler is not modelled: its effect stays in the fitted costs, so a fitting run
-   should share its overlap mode with the runs it is applied to. The fitted files are
-   written next to the report. Fitting runs are never validated: their rows are reported
-   apart, in-sample, without a verdict.
+   its fixed step costs (per step and per request, and for prefill steps per step, request
+   and prompt token) are fitted here from the FITTING runs (``--fit-run``, repeatable,
+   default bf16/longgen; ``none`` keeps the file's): every Decode interval of their logs,
+   with the prefill steps logged inside it, and their back-to-back prefill bursts
+   (``simulator/validation/step_fit.py``). A backend's fitting runs are fitted together and
+   the fit applies to its runs (triton: bf16 and fp8; diffkv: every DiffKV mix), so the
+   DiffKV backend (its own decode kernels and host-side step work, under CUDA graphs up to
+   its cuda_graph_max_bs) gets its own costs; only Decode lines whose ``cuda graph:`` flag
+   matches the run's graph setting are used. A long-generation run gives large decode
+   batches; an open-loop run at a low rate that is not validated (``ladder@4rps``) gives
+   small batches and isolated prefill steps. The overlap scheduler's one-step admission lag
+   is simulated (``simulator/engine/replica.py``). The fitted files are written next to the
+   report. Fitting runs are never validated: their rows are reported apart, in-sample,
+   without a verdict.
 2. every other run (sharegpt saturation, ladder rates; bf16, fp8, diffkv) is replayed from its
    exact trace file with the server settings from its log, and measured vs predicted rows are
    built over the run's window: KV pool, saturation output tok/s and req/s, mean and peak
@@ -52,14 +56,7 @@ from simulator.specs.calibration import Calibration, load_calibration  # noqa: E
 from simulator.specs.gpu import load_gpu  # noqa: E402
 from simulator.specs.model import load_model  # noqa: E402
 from simulator.studies.scenario import Scenario  # noqa: E402
-from simulator.validation.fit import (  # noqa: E402
-    calibration_file,
-    decode_samples,
-    fit_fixed_costs,
-    fit_prefill_costs,
-    prefill_samples,
-    write_calibration,
-)
+from simulator.validation.fit import calibration_file, write_calibration  # noqa: E402
 from simulator.validation.harness import (  # noqa: E402
     TARGETS,
     TTFT_MAX_LOAD,
@@ -74,6 +71,12 @@ from simulator.validation.harness import (  # noqa: E402
     windowed_summary,
 )
 from simulator.validation.sglang_log import ServerLog, parse_server_log  # noqa: E402
+from simulator.validation.step_fit import (  # noqa: E402
+    OUTLIER_FACTOR,
+    StepRows,
+    fit_step_costs,
+    step_rows,
+)
 from simulator.workload.loaders import load_trace  # noqa: E402
 
 
@@ -111,35 +114,59 @@ def scenario(model: str, gpu: str, calib: Calibration, settings: Any,
                     mix=TierMix(mix[0], mix[1]) if mix else None)
 
 
-def fit(h: HarnessResults, key: str, model: str, gpu: str, calib: Calibration,
-        out_dir: Path, prefill: bool = False,
-        prefill_source: str = "") -> tuple[str, Calibration, dict[str, Any]]:
-    """Fixed costs from one fitting run: (backend, fitted calibration, fit info). With
-    ``prefill``, also the prefill-only costs from the run's back-to-back Prefill lines, as the
-    residual over the model with the decode-fitted fixed costs; if the log cannot support
-    that fit, the reason is printed and the calibration's prefill costs are kept."""
-    run = h.run(key)
-    log = slice_log(run, run.server_log or h.server_logs[run.config])
-    settings, fmt = server_settings(h.configs[run.config], log)
-    srv = scenario(model, gpu, calib, settings, h, run.config).server(fmt)
-    res = fit_fixed_costs(srv, decode_samples(log, not settings.disable_cuda_graph))
-    res["fixed_only"] = True
-    if prefill:
-        fixed = replace(calib, step_overhead_s=res["step_overhead_s"],
-                        seq_overhead_s=res["seq_overhead_s"])
-        try:
-            pf = fit_prefill_costs(scenario(model, gpu, fixed, settings, h, run.config)
-                                   .server(fmt), prefill_samples(log))
-            pf["kept_source"] = prefill_source
-            res["prefill"] = pf
-        except SimulatorInputError as e:
-            res["prefill_skipped"] = str(e)
-            print(f"validate_simulator: {key}: prefill costs not fitted ({e}); the "
-                  "calibration's are kept", file=sys.stderr)
-    data = calibration_file(srv, res, f"{run.config} server log ({run.key})")
+# an open-loop fitting run starts on a fresh server (16 warm-up requests before it): its first
+# half is left out, as the harness's steady rates are (the low-rate runs of 2026-11-22 ran
+# their first ~20 s slower: DiffKV prefill steps 57 ms, then 31-37 ms; bf16 TTFT 50-65 ms,
+# then 32 ms)
+OPEN_LOOP_WARMUP_FRACTION = 0.5
+
+
+def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibration,
+        out_dir: Path, prefill: bool = True) -> tuple[str, Calibration, dict[str, Any]]:
+    """Fixed step costs of one backend from its fitting runs (``step_fit``): (backend,
+    fitted calibration, fit info). Without ``prefill`` only the decode-only intervals are
+    used and the prefill costs stay as given."""
+    rows = StepRows()
+    backends = set()
+    for key in keys:
+        run = h.run(key)
+        log = slice_log(run, run.server_log or h.server_logs[run.config])
+        settings, fmt = server_settings(h.configs[run.config], log)
+        backends.add(backend(fmt))
+        srv = scenario(model, gpu, calib, settings, h, run.config).server(fmt)
+        step_rows(srv, log, run.key, not settings.disable_cuda_graph, rows,
+                  skip_fraction=OPEN_LOOP_WARMUP_FRACTION if run.workload == "ladder" else 0.0)
+    if len(backends) > 1:
+        raise SimulatorInputError(f"fitting runs {', '.join(keys)} mix the backends "
+                                  f"{', '.join(sorted(backends))}; give each its own")
+    if not prefill:
+        keep = [i for i, k in enumerate(rows.kind) if k == "decode"]
+        rows = StepRows(*([getattr(rows, f)[i] for i in keep]
+                          for f in ("y", "base", "feats", "where", "kind")))
+    res = fit_step_costs(srv, rows)
+    runs = ", ".join(keys)
+    data = calibration_file(srv, {**res, "fixed_only": True, "samples": res["rows"],
+                                  "how": step_costs_note(res, runs)}, runs)
     path = write_calibration(out_dir / f"calibration-fitted-{backend(fmt)}.json", data)
     return backend(fmt), load_calibration(load_gpu(gpu).key, path), {
-        **res, "run": run.key, "backend": backend(fmt), "file": str(path)}
+        **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
+
+
+def step_costs_note(res: dict[str, Any], runs: str) -> str:
+    """One line on a step-cost fit: the costs, what they were fitted on, how well."""
+    k = res["by_kind"]
+    parts = [f"{n} {k[n]['rows']} (MAPE {100 * (k[n]['mape_before'] or 0):.1f}% -> "
+             f"{100 * (k[n]['mape'] or 0):.1f}%)" for n in k if k[n]["rows"]]
+    return (f"decode attention x{res['decode_attention_scale']:.3f} its grid; "
+            f"per step {1e3 * res['step_overhead_s']:.3f} ms, per request "
+            f"{1e6 * res['seq_overhead_s']:.2f} us; prefill step "
+            f"{1e3 * res['prefill_step_overhead_s']:.2f} ms, per prefill request "
+            f"{1e3 * res['prefill_seq_overhead_s']:.3f} ms, per prompt token "
+            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; fitted "
+            f"{', '.join(res['fitted'])}, kept {', '.join(res['kept']) or 'nothing'}; from "
+            f"{runs}: rows {'; '.join(parts)}; all {res['rows']} rows MAPE "
+            f"{100 * res['mape_before']:.1f}% -> {100 * res['mape']:.1f}%; dropped "
+            f"{len(res['dropped'])} rows off the fit by > {OUTLIER_FACTOR:g}x")
 
 
 def _mean(xs: list[int]) -> float | None:
@@ -413,28 +440,15 @@ def report(all_rows: list[dict], h: HarnessResults, calib: Calibration,
                      f"sglang {p.get('sglang')}) on {p.get('date')}, commit "
                      f"{p.get('git_commit')}: `{p.get('command')}`")
     for fi in fitinfos:
-        lines.append(f"- {fi['backend']} fixed costs fitted from {fi['run']}: step "
-                     f"{1e3 * fi['step_overhead_s']:.3f} ms, per request "
-                     f"{1e6 * fi['seq_overhead_s']:.2f} us over {fi['samples']} clean "
-                     f"decode intervals; MAPE {100 * fi['mape_before']:.1f}% -> "
-                     f"{100 * fi['mape']:.1f}% (`{_rel(Path(fi['file']))}`)"
-                     + (f"; prefill step overhead {1e3 * fi['prefill_step_overhead_s']:.1f} ms"
-                        f" ({fi['prefill_source']})" if fi.get("prefill_step_overhead_s")
+        lines.append(f"- {fi['backend']} step costs (`{_rel(Path(fi['file']))}`): "
+                     + step_costs_note(fi, fi["run"])
+                     + (f"; the prefill step cost given: {1e3 * fi['given_prefill_step_s']:.1f}"
+                        f" ms ({fi['prefill_source']})" if fi.get("given_prefill_step_s")
                         else ""))
-        if pf := fi.get("prefill"):
-            lines.append(
-                f"- {fi['backend']} prefill costs fitted from {fi['run']}'s back-to-back "
-                f"Prefill lines ({pf['samples']} steps; dropped as overlap/start-up "
-                f"artefacts: {'; '.join(pf['dropped']) or 'none'}): per step "
-                f"{1e3 * pf['prefill_step_overhead_s']:.1f} ms, per request "
-                f"{1e3 * pf['prefill_seq_overhead_s']:.3f} ms, per prompt token "
-                f"{1e6 * pf['prefill_token_overhead_s']:.2f} us (fitted: "
-                f"{', '.join(pf['fitted'])}); measured {1e6 * pf['measured_s_per_token']:.1f} "
-                f"us/token vs the model's {1e6 * pf['modelled_s_per_token']:.1f} (kernels "
-                f"{100 * pf['kernel_share']:.0f}% of a step); MAPE "
-                f"{100 * pf['mape_before']:.1f}% -> {100 * pf['mape']:.1f}%")
-        elif fi.get("prefill_skipped"):
-            lines.append(f"- {fi['backend']} prefill costs not fitted: {fi['prefill_skipped']}")
+        if fi["dropped"]:
+            lines.append(f"  - dropped: {'; '.join(fi['dropped'][:8])}"
+                         + (f"; and {len(fi['dropped']) - 8} more" if len(fi["dropped"]) > 8
+                            else ""))
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.relative_to(doc.parent)})" for p in plot_paths]
     lines += ["", "## Command", "", "```", "python scripts/validate_simulator.py "
@@ -470,18 +484,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration JSON (scripts/calibrate_gpu.py's calibration.json); "
                          "default: the shipped one")
     ap.add_argument("--fit-run", action="append", default=None,
-                    help="CONFIG/WORKLOAD whose Decode lines fit the fixed costs of its "
-                         "backend (triton or diffkv); repeatable; 'none' keeps the file's "
-                         "(default: bf16/longgen)")
+                    help="CONFIG/WORKLOAD (e.g. bf16/longgen, bf16/ladder@4rps) whose log "
+                         "fits the fixed step costs of its backend (triton or diffkv); "
+                         "repeatable: a backend's runs are fitted together; never validated; "
+                         "'none' keeps the file's (default: bf16/longgen)")
     ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
                     help="fixed cost of a DiffKV prefill step beyond the modelled kernels "
                          "(its extend path's scoring/compression launches), from the backend "
-                         "profile (scripts/profile_backend_ops.py), not from an e2e run "
-                         "(default: 0)")
-    ap.add_argument("--prefill-fit", choices=("diffkv", "none"), default="diffkv",
-                    help="fit the prefill-only costs (per step / request / prompt token) of "
-                         "this backend's fitting run from its back-to-back Prefill lines, over "
-                         "the model's own prefill step (default: %(default)s)")
+                         "profile (scripts/profile_backend_ops.py), for when the DiffKV "
+                         "fitting runs hold no prefill steps to fit it from (default: 0)")
+    ap.add_argument("--prefill-fit", choices=("all", "none"), default="all",
+                    help="all: fit the prefill-only costs (per step / request / prompt token) "
+                         "from the fitting runs' Decode intervals that hold prefill steps and "
+                         "their back-to-back Prefill bursts; none: decode-only intervals, the "
+                         "calibration's prefill costs kept (default: %(default)s)")
     ap.add_argument("--scratch", default=str(ROOT / "results" / "validation-logs"),
                     help="where packed logs (logs.tar.gz) are unpacked (default: %(default)s)")
     ap.add_argument("--model", default="llama-3-8b")
@@ -502,27 +518,25 @@ def main(argv: list[str] | None = None) -> int:
         fitinfos: list[dict] = []
         fitting: set[str] = set()
         calibs: dict[str, Calibration] = {"base": calib}
-        fit_runs = a.fit_run or ["bf16/longgen"]
-        for key in [k for k in fit_runs if k.lower() != "none"]:
-            be, base = key, calib
-            is_diffkv = h.configs.get(h.run(key).config, {}).get(
-                "attention_backend") == "diffkv"
-            if a.diffkv_prefill_step_ms and is_diffkv:
+        fit_runs = [k for k in (a.fit_run or ["bf16/longgen"]) if k.lower() != "none"]
+        by_backend: dict[str, list[str]] = {}
+        for key in fit_runs:
+            cfg = h.configs.get(h.run(key).config, {})
+            is_diffkv = cfg.get("attention_backend") == "diffkv"
+            by_backend.setdefault("diffkv" if is_diffkv else "triton", []).append(key)
+        for be, keys in by_backend.items():
+            base = calib
+            if a.diffkv_prefill_step_ms and be == "diffkv":
                 base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
-            be, fitted_cal, info = fit(
-                h, key, a.model, a.gpu, base, plot_dir,
-                prefill=is_diffkv and a.prefill_fit == "diffkv",
-                prefill_source="--diffkv-prefill-step-ms, from the backend profile"
-                if base.prefill_step_overhead_s else "")
-            if be in calibs:
-                raise SimulatorInputError(f"two fitting runs for the {be} backend: "
-                                          f"{', '.join(fit_runs)}")
-            if base.prefill_step_overhead_s:
-                info["prefill_step_overhead_s"] = base.prefill_step_overhead_s
-                info["prefill_source"] = "--diffkv-prefill-step-ms, from the backend profile"
+            be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir,
+                                       prefill=a.prefill_fit == "all")
+            if base is not calib:
+                info["given_prefill_step_s"] = base.prefill_step_overhead_s
+                info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
+                                          "profile; kept only if not fitted")
             calibs[be] = fitted_cal
             fitinfos.append(info)
-            fitting.add(info["run"])
+            fitting.update(info["runs"])
         rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
     except SimulatorInputError as e:
         print(f"validate_simulator: error: {e}", file=sys.stderr)

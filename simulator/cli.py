@@ -105,6 +105,10 @@ def _server_options(p: argparse.ArgumentParser) -> None:
                    help="no piecewise prefill graphs (frees their memory reservation)")
     g.add_argument("--enable-mixed-chunk", action="store_true",
                    help="decode running requests in the same forward as a prefill chunk")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="no overlap scheduler: a request that arrives during a step joins the "
+                        "next batch (with it, SGLang forms each batch while the previous one "
+                        "runs, so such a request waits one step more)")
     g.add_argument("--schedule-conservativeness", type=float, default=1.0,
                    help="scales the initial new_token_ratio 0.7 (default: %(default)s)")
     g.add_argument("--mem-fraction-static", type=float, default=None,
@@ -326,6 +330,7 @@ def _scenario(a: argparse.Namespace) -> Scenario:
         disable_cuda_graph=a.disable_cuda_graph,
         enable_piecewise_cuda_graph=not a.disable_piecewise_cuda_graph,
         enable_mixed_chunk=a.enable_mixed_chunk,
+        disable_overlap_schedule=a.disable_overlap_schedule,
         schedule_conservativeness=a.schedule_conservativeness,
         mem_fraction_static=a.mem_fraction_static, max_total_tokens=a.max_total_tokens,
         max_running_requests=a.max_running_requests, context_len=a.context_len,

@@ -1,7 +1,13 @@
-"""One server replica as a simpy process: form a batch, let its step time pass, apply it."""
+"""One server replica as a simpy process: form a batch, let its step time pass, apply it.
+
+Under SGLang's overlap scheduler (the default) the batch for step n+1 is formed while step n
+runs, so it sees only the requests that arrived before step n started; one that arrives
+during step n joins at step n+2 at the earliest. An idle server forms its batch at once.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -41,6 +47,7 @@ class Replica:
         self.log = StepLog()
         self.itl: list[np.ndarray] = []
         self.outstanding = 0
+        self.overlap = not server.deployment.settings.disable_overlap_schedule
         self._wake: simpy.Event | None = None
         env.process(self._loop())
 
@@ -56,14 +63,19 @@ class Replica:
     def _loop(self):  # simpy process generator
         env, sched, log = self.env, self.scheduler, self.log
         step_time = self.cost.step_time
+        last_start = math.inf      # start of the step just run (inf: none, the server idled)
         while True:
-            batch = sched.next_batch()
+            batch = sched.next_batch(last_start if self.overlap else math.inf)
+            if batch is None and self.overlap and sched.waiting and last_start != math.inf:
+                batch = sched.next_batch()      # nothing launched: the loop sees them now
             if batch is None:
+                last_start = math.inf
                 sched.on_idle()
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
+            last_start = env.now
             dt = step_time(batch.shape)
             yield env.timeout(dt)
             now = env.now

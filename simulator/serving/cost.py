@@ -131,12 +131,15 @@ class CostModel:
         return max(nbytes / self.mem_rate, 2.0 * tokens * params / self.comp_rate)
 
     def decode_attention_time(self, reqs: int, kv_tokens: int, read_bytes: float) -> float:
-        """One layer's decode attention for ``reqs`` requests holding ``kv_tokens`` in all."""
+        """One layer's decode attention for ``reqs`` requests holding ``kv_tokens`` in all,
+        times the calibration's in-server factor ``decode_attention_scale``."""
         if self._decode_grid is not None:
-            return (self.decode_attention_sol(reqs, kv_tokens, read_bytes)
-                    / self._decode_grid(reqs, kv_tokens / max(reqs, 1)))
-        nbytes, fl = self.decode_attention_work(reqs, kv_tokens, read_bytes)
-        return max(nbytes / self.attn_mem_rate, fl / self.attn_comp_rate)
+            t = (self.decode_attention_sol(reqs, kv_tokens, read_bytes)
+                 / self._decode_grid(reqs, kv_tokens / max(reqs, 1)))
+        else:
+            nbytes, fl = self.decode_attention_work(reqs, kv_tokens, read_bytes)
+            t = max(nbytes / self.attn_mem_rate, fl / self.attn_comp_rate)
+        return t * self.calib.decode_attention_scale
 
     def prefill_attention_time(self, tokens: int, past_tokens: int, pairs: float,
                                seqs: int) -> float:

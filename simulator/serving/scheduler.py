@@ -1,5 +1,5 @@
 """A model of SGLang 0.5.10's scheduler (managers/scheduler.py, schedule_policy.py,
-schedule_batch.py) for one server, without the overlap scheduler's one-step lag:
+schedule_batch.py) for one server:
 
   * FCFS waiting queue; a prefill batch, when one can be formed, runs before decoding
     (``get_next_batch_to_run``), and with ``enable_mixed_chunk`` the running requests decode
@@ -20,7 +20,9 @@ schedule_batch.py) for one server, without the overlap scheduler's one-step lag:
     prefix, locks it, and unlocked cached blocks count as available and are evicted LRU first;
   * with the radix cache disabled and ignore_eos clients, ``add_one_req_ignore_eos`` admits;
   * liveness: ``submit`` rejects what an empty server could not admit, and ``next_batch``
-    returns None only when nothing can run until a new arrival.
+    returns None only when nothing can run until a new arrival;
+  * the overlap scheduler's lag is the engine's to model: ``next_batch(visible_until)`` admits
+    only requests that arrived by then (a retracted request is always visible).
 
 Memory is counted in the pool's units (tokens or DiffKV pages) via ``simulator.kv.pool``; the
 scheduler never looks at bytes. Time is not known here: the engine passes ``now``.
@@ -28,6 +30,7 @@ scheduler never looks at bytes. Time is not known here: the engine passes ``now`
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import compress
@@ -95,6 +98,7 @@ class Scheduler:
         self.ratio_decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_ratio
         self.batch_is_full = False
+        self._visible_until = math.inf
         self.retractions = 0
         self.aborted: list[SimRequest] = []
         # the running (decoding) batch, structure of arrays aligned with run_reqs
@@ -187,7 +191,9 @@ class Scheduler:
             r.prefix_blocks = []
 
     # ---- batch formation -----------------------------------------------------------------
-    def next_batch(self) -> Batch | None:
+    def next_batch(self, visible_until: float = math.inf) -> Batch | None:
+        """The next forward pass; only requests that arrived by ``visible_until`` may join."""
+        self._visible_until = visible_until
         batch = self._prefill_batch()
         if batch is not None:
             return batch
@@ -242,6 +248,8 @@ class Scheduler:
         if new_chunked is None:
             taken = 0
             for r in self.waiting:
+                if r.arrival > self._visible_until and not r.retractions:
+                    break                   # arrived after this batch was formed
                 if running_bs + len(chunks) >= lim.max_running_requests:
                     self.batch_is_full = True
                     break

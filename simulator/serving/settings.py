@@ -32,6 +32,7 @@ class ServerSettings:
     disable_cuda_graph: bool = False
     enable_piecewise_cuda_graph: bool = True    # on by default in 0.5.10
     enable_mixed_chunk: bool = False
+    disable_overlap_schedule: bool = False      # the overlap scheduler is on by default
     schedule_conservativeness: float = 1.0
     mem_fraction_static: float | None = None    # None: SGLang's formula
     max_total_tokens: int | None = None

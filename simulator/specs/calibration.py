@@ -44,6 +44,11 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # and compression (per prefill step, per prompt chunk in it, per prompt token in it)
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s")
+# optional: a factor on the modelled decode attention time (1 when absent), fitted from
+# server logs where the kernel in a serving step runs slower or faster than its grid measured
+# in isolation (a different split count, caches warm or cold)
+ATTENTION_SCALE_FIELD = "decode_attention_scale"
+ATTENTION_SCALE_MAX = 4.0
 # a measured efficiency may exceed 1 where the datasheet peak understates this GPU (boost
 # clocks, an HBM part above spec); more than this is a units error in the calibration file
 ETA_GRID_MAX = 1.5
@@ -237,6 +242,7 @@ class Calibration:
     prefill_step_overhead_s: float = 0.0
     prefill_seq_overhead_s: float = 0.0
     prefill_token_overhead_s: float = 0.0
+    decode_attention_scale: float = 1.0
     measured: MeasuredGrids = field(default_factory=MeasuredGrids)
     # the "measured" object as read (raw times, masks, provenance): written back unchanged
     measured_raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -277,11 +283,17 @@ class Calibration:
             v = d.get(f, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise SimulatorInputError(f"{where}.{f}={v!r} must be a number >= 0")
+        scale = d.get(ATTENTION_SCALE_FIELD, 1.0)
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not 0 < scale <= ATTENTION_SCALE_MAX):
+            raise SimulatorInputError(f"{where}.{ATTENTION_SCALE_FIELD}={scale!r} must be in "
+                                      f"(0, {ATTENTION_SCALE_MAX:g}]")
         raw = d.get("measured", {})
         measured = MeasuredGrids.from_dict(raw, f"{where}.measured")
         return cls(gpu=gpu, eta_mem_decode_attention={k: float(v) for k, v in etas.items()},
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
+                   decode_attention_scale=float(scale),
                    **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)},
                    **{f: float(d.get(f, 0.0)) for f in OPTIONAL_SECONDS_FIELDS})
 
@@ -290,6 +302,8 @@ class Calibration:
         d: dict[str, Any] = {"provenance": dict(self.provenance)}
         d.update({f: getattr(self, f) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)})
         d.update({f: getattr(self, f) for f in OPTIONAL_SECONDS_FIELDS if getattr(self, f)})
+        if self.decode_attention_scale != 1.0:
+            d[ATTENTION_SCALE_FIELD] = self.decode_attention_scale
         d["eta_mem_decode_attention"] = dict(self.eta_mem_decode_attention)
         if self.measured:
             # raw extras (time_s, masks) kept; the parsed grids are the authority for eta

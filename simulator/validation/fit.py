@@ -318,16 +318,17 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
     entry["step_overhead_s"] = fit["step_overhead_s"]
     entry["seq_overhead_s"] = fit["seq_overhead_s"]
     pf = fit.get("prefill")
-    if pf:
-        for k in ("prefill_step_overhead_s", "prefill_seq_overhead_s",
-                  "prefill_token_overhead_s"):
-            entry[k] = pf[k]
+    for k in ("prefill_step_overhead_s", "prefill_seq_overhead_s", "prefill_token_overhead_s"):
+        if pf or k in fit:
+            entry[k] = (pf or fit)[k]
+    if "decode_attention_scale" in fit:
+        entry["decode_attention_scale"] = round(fit["decode_attention_scale"], 4)
     what = "fixed costs" if fit.get("fixed_only") else "decode efficiencies and fixed costs"
     entry["provenance"] = {
         **cal.provenance,
         "source": f"{what} fitted by diffkv-sim calibrate from {log_path}",
-        "fixed_costs": f"step_overhead_s and seq_overhead_s fitted from the clean Decode "
-                       f"intervals of {log_path}",
+        "fixed_costs": fit.get("how") or f"step_overhead_s and seq_overhead_s fitted from "
+                                         f"the clean Decode intervals of {log_path}",
         "measured_on": f"{server.deployment.gpu.name}, {server.deployment.model.name}, "
                        f"KV format {key}",
         "date": dt.date.today().isoformat(),

@@ -276,15 +276,16 @@ def server_settings(cfg: dict[str, Any], log: ServerLog) -> tuple[ServerSettings
     diffkv = backend == "diffkv"
     fmt = "diffkv" if diffkv else ("fp8" if dtype and "fp8" in str(dtype) else "bf16")
     chunk = _opt_int(args.get("chunked_prefill_size"))
+    reference = diffkv and _diffkv_reference(cfg)
     s = ServerSettings(
         chunked_prefill_size=-1 if diffkv else chunk,
         max_prefill_tokens=_opt_int(args.get("max_prefill_tokens")) or 16384,
         cuda_graph_max_bs=_opt_int(args.get("cuda_graph_max_bs")),
-        disable_cuda_graph=(diffkv and _diffkv_reference(cfg))
-        or _flag(args.get("disable_cuda_graph")),
+        disable_cuda_graph=reference or _flag(args.get("disable_cuda_graph")),
         enable_piecewise_cuda_graph=not (diffkv or _flag(args.get(
             "disable_piecewise_cuda_graph"))),
         enable_mixed_chunk=_flag(args.get("enable_mixed_chunk")),
+        disable_overlap_schedule=reference or _flag(args.get("disable_overlap_schedule")),
         schedule_conservativeness=_opt_float(args.get("schedule_conservativeness")) or 1.0,
         mem_fraction_static=_opt_float(args.get("mem_fraction_static")),
         max_total_tokens=_opt_int(args.get("max_total_tokens")),

@@ -178,3 +178,21 @@ def test_all_rejected_run_reports_zero_rates():
     assert (s["completed"], s["rejected"], s["duration_s"]) == (0, 2, 0.0)
     assert s["output_throughput"] == 0.0 and s["goodput"] == 0.0
     assert s["rejection_reasons"] == {"input N + max_new_tokens N >= context length N": 2}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_scheduler_admits_an_arrival_one_step_late(overlap):
+    """A request that arrives while a step runs joins the batch after the next one under the
+    overlap scheduler (that batch was formed when the step started), the next one without
+    it; the server was busy with request 0's decode steps."""
+    sc = scenario(disable_overlap_schedule=not overlap)
+    srv = sc.server("bf16")
+    t0 = _prefill_time(srv, [1000])
+    d1 = _decode_time(srv, 1, 1001)
+    arrival = t0 + 0.5 * d1                   # in the middle of request 0's first decode step
+    res = simulate(Trace((TraceRequest(0.0, 1000, 50), TraceRequest(arrival, 200, 5))), srv)
+    late = res.requests[1]
+    starts = t0 + d1 + (_decode_time(srv, 1, 1002) if overlap else 0.0)
+    assert late.first_token == pytest.approx(starts + _prefill_time(srv, [200]), rel=1e-9)
+    # an idle server forms its batch at once, overlap or not
+    assert res.requests[0].first_token == pytest.approx(t0, rel=1e-12)

@@ -1,0 +1,218 @@
+"""Fit a backend's fixed step costs from the Decode intervals of one or more server logs,
+including the intervals that hold prefill steps (open-loop arrivals at a low rate).
+
+Between two Decode lines SGLang runs exactly ``decode_log_interval`` decode steps plus the
+prefill steps whose Prefill lines were logged in between, and the later line's ``gen
+throughput`` is the interval's decode tokens over its wall time. So each interval is one
+equation (``fit.py``'s module docstring has the details):
+
+    wall = sum over its steps of the model's kernel time other than decode attention
+           + s_attn * the model's decode attention time
+           + steps * c_step + decode tokens and prefill chunks * c_seq
+           + prefill steps * p_step + prefill chunks * p_seq + prompt tokens * p_tok
+
+where the kernel times come from the calibration's grids and the six terms are what is fitted
+(``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``: prefill
+steps only, ``prefill_{step,seq,token}_overhead_s``; ``s_attn``: ``decode_attention_scale``,
+the decode attention kernel in a serving step against its grid measured alone: long contexts
+at a large batch weigh it, short ones at a small batch hardly). An interval's decode tokens are
+approximated by the interval times the mean of its two lines' ``#running-req`` (a prefill adds
+its requests somewhere inside). Back-to-back Prefill lines outside any used interval (a burst
+of whole prompts before decoding starts) each give one more equation with a single prefill step
+(``fit.prefill_samples``). Under the overlap scheduler every line is logged one step late,
+which shifts an interval by one step but keeps its step count; a burst's first gap is the step
+before it, and an interval that spans idle time is no step time at all: rows off the fit by
+more than ``OUTLIER_FACTOR`` are dropped (two passes, named in the result).
+
+Non-negative least squares in relative error, so a short decode interval and a long prefill
+burst count alike. A term whose column is zero on every row (no prefill intervals: the
+prefill costs) or that the rows cannot separate keeps the calibration's value: ``p_seq`` when
+the prefill requests per step barely vary (one prompt at a time), ``c_seq`` when the decode
+batch barely varies (a single long-generation run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from simulator.errors import SimulatorInputError
+from simulator.serving.cost import StepShape
+from simulator.serving.server import ResolvedServer
+from simulator.validation.fit import _nnls, _shape, prefill_samples, prefill_shape
+from simulator.validation.sglang_log import ServerLog
+
+COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
+         "prefill_seq_overhead_s", "prefill_token_overhead_s", "decode_attention_scale")
+MIN_ROWS = 8
+OUTLIER_FACTOR = 1.5
+# below this relative spread (std / mean) of prefill chunks per prefill step, p_seq is not
+# separable from p_step, and of the decode batch, c_seq not from c_step: each keeps its value
+SPREAD_MIN = 0.05
+DEFAULT_DECODE_LOG_INTERVAL = 40
+
+
+@dataclass
+class StepRows:
+    """Equations from logs: measured wall seconds ``y``, the model's kernel time ``base`` for
+    the same steps (no fitted cost in it), the count behind each cost in COSTS (``feats``),
+    and where each row came from."""
+
+    y: list[float] = field(default_factory=list)
+    base: list[float] = field(default_factory=list)
+    feats: list[list[float]] = field(default_factory=list)
+    where: list[str] = field(default_factory=list)
+    kind: list[str] = field(default_factory=list)     # decode | prefill-interval | burst
+
+    def add(self, y: float, base: float, feats: list[float], where: str, kind: str) -> None:
+        self.y.append(y)
+        self.base.append(base)
+        self.feats.append(feats)
+        self.where.append(where)
+        self.kind.append(kind)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float]:
+    """The model's step time without any of the fitted terms, and its decode attention time
+    at scale 1."""
+    cal, cost = server.deployment.calibration, server.cost
+    t = cost.step_time(shape)
+    t -= cal.step_overhead_s + cal.seq_overhead_s * (shape.decode_reqs + shape.prefill_seqs)
+    if shape.prefill_tokens:
+        t -= (cal.prefill_step_overhead_s + cal.prefill_seq_overhead_s * shape.prefill_seqs
+              + cal.prefill_token_overhead_s * shape.prefill_tokens)
+    attn = 0.0
+    if shape.decode_reqs:
+        attn = cost.layers * cost.decode_attention_time(
+            shape.decode_reqs, shape.decode_kv_tokens, shape.decode_read_bytes)
+    return t - attn, attn / cal.decode_attention_scale
+
+
+def decode_log_interval(log: ServerLog) -> int:
+    v = log.server_args.get("decode_log_interval")
+    return int(v) if v and v.isdigit() else DEFAULT_DECODE_LOG_INTERVAL
+
+
+def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool | None,
+              rows: StepRows | None = None, skip_fraction: float = 0.0) -> StepRows:
+    """Append the equations of one log (``name`` labels its rows). ``graphed``: keep only
+    intervals whose two Decode lines carry this ``cuda graph:`` flag (None: all).
+    ``skip_fraction``: leave out the first part of the Decode lines (a server still warming
+    up: its first prompts of each new length allocate, its first steps run slower)."""
+    if not 0.0 <= skip_fraction < 1.0:
+        raise SimulatorInputError(f"skip_fraction={skip_fraction!r} must be in [0, 1)")
+    rows = rows if rows is not None else StepRows()
+    n = decode_log_interval(log)
+    pf_no = np.asarray(log.prefill_line_no, dtype=np.int64)
+    used: list[tuple[int, int]] = []
+    first = max(1, int(skip_fraction * len(log.decode_running)))
+    start_line = log.decode_line_no[first - 1] if log.decode_running else 0
+    for i in range(first, len(log.decode_running)):
+        a, b = log.decode_line_no[i - 1], log.decode_line_no[i]
+        if graphed is not None and (log.decode_cuda_graph[i - 1] not in (None, graphed)
+                                    or log.decode_cuda_graph[i] not in (None, graphed)):
+            continue
+        g = log.decode_gen_throughput[i]
+        b0, b1 = log.decode_running[i - 1], log.decode_running[i]
+        if not (g > 0 and b0 > 0 and b1 > 0):
+            continue
+        batch = 0.5 * (b0 + b1)
+        kv = 0.5 * (log.decode_tokens[i - 1] + log.decode_tokens[i])
+        wall = n * batch / g
+        dec = _shape(server, batch, kv)
+        rest, attn = _kernels(server, dec)
+        base = n * rest
+        feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, n * attn]
+        idx = np.nonzero((pf_no > a) & (pf_no < b))[0]
+        for j in idx:
+            seqs = log.prefill_new_seqs[j]
+            tok = log.prefill_new_tokens[j]
+            if seqs <= 0 or tok <= 0:
+                continue
+            shape = prefill_shape(server, seqs, tok, log.prefill_cached_tokens[j])
+            base += _kernels(server, shape)[0]
+            feats[0] += 1
+            feats[1] += shape.prefill_seqs
+            feats[2] += 1
+            feats[3] += shape.prefill_seqs
+            feats[4] += shape.prefill_tokens
+        used.append((a, b))
+        rows.add(wall, base, feats, f"{name} lines {a}-{b}",
+                 "prefill-interval" if feats[2] else "decode")
+    for seqs, tok, cached, secs, no in prefill_samples(log):
+        if no < start_line or any(a < no < b for a, b in used):
+            continue
+        shape = prefill_shape(server, int(seqs), int(tok), int(cached))
+        rows.add(float(secs), _kernels(server, shape)[0],
+                 [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),
+                  0.0],
+                 f"{name} line {int(no)}", "burst")
+    return rows
+
+
+def _solve(x: np.ndarray, y: np.ndarray, base: np.ndarray, given: np.ndarray,
+           free: list[int]) -> np.ndarray:
+    fixed = [j for j in range(x.shape[1]) if j not in free]
+    target = y - base - (x[:, fixed] @ given[fixed] if fixed else 0.0)
+    theta = given.copy()
+    theta[free] = _nnls(x[:, free] / y[:, None], target / y)
+    return theta
+
+
+def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
+    """The five costs of COSTS over ``rows`` (see the module docstring); ``server`` gives the
+    calibration whose values the costs that cannot be fitted keep."""
+    if len(rows) < MIN_ROWS:
+        raise SimulatorInputError(
+            f"need at least {MIN_ROWS} timed intervals or prefill steps; the logs have "
+            f"{len(rows)}")
+    cal = server.deployment.calibration
+    given = np.array([getattr(cal, k) for k in COSTS], dtype=float)
+    y, base = np.array(rows.y), np.array(rows.base)
+    x = np.array(rows.feats, dtype=float)
+    def spread(v: np.ndarray) -> float:
+        return float(np.std(v) / np.mean(v)) if v.size else 0.0
+
+    dec = x[:, 5] > 0
+    batch_spread = spread(x[dec, 1] / x[dec, 0])
+    free = [0, 5] + ([1] if batch_spread >= SPREAD_MIN else [])
+    pf = x[:, 2] > 0
+    seq_spread = spread(x[pf, 3] / x[pf, 2])
+    if pf.any():
+        free += [2, 4] + ([3] if seq_spread >= SPREAD_MIN else [])
+    free.sort()
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(2):
+        if keep.sum() < MIN_ROWS:
+            raise SimulatorInputError(
+                f"need at least {MIN_ROWS} rows within a factor {OUTLIER_FACTOR:g} of the "
+                f"fit; {int(keep.sum())} of {len(y)} are")
+        theta = _solve(x[keep], y[keep], base[keep], given, free)
+        pred = base + x @ theta
+        keep = np.abs(np.log(y / pred)) <= np.log(OUTLIER_FACTOR)
+    theta = _solve(x[keep], y[keep], base[keep], given, free)
+    pred = base + x @ theta
+    before = base + x @ given
+    kinds = np.array(rows.kind)
+
+    def mape(p: np.ndarray, m: np.ndarray) -> float | None:
+        return float(np.mean(np.abs(p[m] / y[m] - 1))) if m.any() else None
+
+    by_kind = {k: {"rows": int((keep & (kinds == k)).sum()),
+                   "mape": mape(pred, keep & (kinds == k)),
+                   "mape_before": mape(before, keep & (kinds == k))}
+               for k in ("decode", "prefill-interval", "burst")}
+    return {**{k: float(v) for k, v in zip(COSTS, theta, strict=True)},
+            "fitted": [COSTS[j] for j in free],
+            "kept": [COSTS[j] for j in range(len(COSTS)) if j not in free],
+            "rows": int(keep.sum()), "by_kind": by_kind,
+            "dropped": [f"{w}: {1e3 * m:.1f} ms measured vs {1e3 * p:.1f} ms fitted"
+                        for w, m, p, k in zip(rows.where, y, pred, keep, strict=True) if not k],
+            "mape": mape(pred, keep), "mape_before": mape(before, keep),
+            "kernel_share": float(np.mean((base[keep] + x[keep, 5] * theta[5]) / y[keep])),
+            "decode_batch_spread": batch_spread, "prefill_seqs_per_step_spread": seq_spread}

@@ -1,0 +1,106 @@
+"""The joint step-cost fit (simulator/validation/step_fit.py) recovers known per-step,
+per-request, prefill-step and per-prompt-token costs and the decode attention scale from
+Decode intervals with prefill steps inside, drops an interval that spans idle time, keeps what
+the rows cannot determine, and refuses too few rows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from sim_helpers import scenario
+
+from simulator.errors import SimulatorInputError
+from simulator.specs.calibration import load_calibration
+from simulator.validation.fit import _shape, prefill_shape
+from simulator.validation.sglang_log import parse_server_log
+from simulator.validation.step_fit import fit_step_costs, step_rows
+
+TRUE = {"step_overhead_s": 5e-4, "seq_overhead_s": 1e-5, "prefill_step_overhead_s": 8e-3,
+        "prefill_seq_overhead_s": 0.0, "prefill_token_overhead_s": 2e-6,
+        "decode_attention_scale": 0.85}
+N = 10  # decode_log_interval
+
+
+def _server(**costs):
+    cal = replace(load_calibration("h100"), **costs)
+    return replace(scenario(), calibration=cal).server("bf16")
+
+
+def _log(tmp_path, intervals, idle_at=None):
+    """Decode lines every N decode steps, with Prefill lines between them; each interval's
+    gen throughput is its decode tokens over the wall time that the true costs give."""
+    truth = _server(**TRUE)
+    lines = ["max_total_num_tokens=400000, chunked_prefill_size=8192",
+             f"server_args=ServerArgs(decode_log_interval={N}, chunked_prefill_size=8192)"]
+
+    def decode_line(b: int, kv: int, g: float) -> str:
+        return (f"[2026-11-22 12:00:00] Decode batch, #running-req: {b}, #token: {kv}, token "
+                f"usage: 0.05, cuda graph: True, gen throughput (token/s): {g:.4f}, "
+                f"#queue-req: 0")
+
+    pb, pkv = intervals[0][0], intervals[0][1]
+    lines.append(decode_line(pb, pkv, 1.0))
+    for i, (b, kv, prefills) in enumerate(intervals):
+        # the interval's decode steps at the mean of its two lines, as the fit reads them
+        mb, mkv = 0.5 * (pb + b), 0.5 * (pkv + kv)
+        pb, pkv = b, kv
+        wall = N * truth.cost.step_time(_shape(truth, mb, mkv))
+        for tok in prefills:
+            lines.append(f"[2026-11-22 12:00:00] Prefill batch, #new-seq: 1, #new-token: {tok}, "
+                         f"#cached-token: 0, token usage: 0.05, #running-req: {b}, "
+                         f"#queue-req: 0, cuda graph: False, input throughput (token/s): 0.00")
+            wall += truth.cost.step_time(prefill_shape(truth, 1, tok, 0))
+        if i == idle_at:
+            wall *= 3.0      # the server idled inside this interval
+        lines.append(decode_line(b, kv, N * mb / wall))
+    p = tmp_path / "server.log"
+    p.write_text("\n".join(lines) + "\n")
+    return parse_server_log(p)
+
+
+def _intervals(seed: int = 0, prefill: bool = True):
+    rng = np.random.default_rng(seed)
+    out = []
+    b = 8
+    for _ in range(60):
+        kv = int(b * rng.integers(200, 3000))
+        k = int(rng.integers(0, 3)) if prefill else 0
+        out.append((b, kv, [int(t) for t in rng.integers(20, 4000, size=k)]))
+        b = int(np.clip(b + rng.integers(-3, 4), 2, 120))
+    out += [(int(b), int(b) * 2000, []) for b in (100, 110, 120) for _ in range(5)]
+    return out
+
+
+def test_fit_recovers_known_costs_and_drops_idle(tmp_path):
+    log = _log(tmp_path, _intervals(), idle_at=7)
+    srv = _server(**{**{k: 0.0 for k in TRUE}, "decode_attention_scale": 1.0})
+    rows = step_rows(srv, log, "fit", graphed=True)
+    assert {"decode", "prefill-interval"} <= set(rows.kind)
+    fit = fit_step_costs(srv, rows)
+    assert len(fit["dropped"]) == 1 and "lines" in fit["dropped"][0]
+    # one prompt per prefill step: the per-request prefill cost cannot be separated
+    assert "prefill_seq_overhead_s" in fit["kept"]
+    for k in ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
+              "prefill_token_overhead_s", "decode_attention_scale"):
+        assert fit[k] == pytest.approx(TRUE[k], rel=0.05, abs=2e-7), k
+    assert fit["mape"] < 1e-3 < fit["mape_before"]
+
+
+def test_decode_only_rows_keep_the_prefill_costs(tmp_path):
+    log = _log(tmp_path, _intervals(1, prefill=False))
+    given = {**{k: 0.0 for k in TRUE}, "prefill_step_overhead_s": 0.019,
+             "decode_attention_scale": 1.0}
+    fit = fit_step_costs(_server(**given), step_rows(_server(**given), log, "fit", True))
+    assert fit["prefill_step_overhead_s"] == 0.019
+    assert set(fit["kept"]) == {"prefill_step_overhead_s", "prefill_seq_overhead_s",
+                                "prefill_token_overhead_s"}
+    for k in ("step_overhead_s", "seq_overhead_s", "decode_attention_scale"):
+        assert fit[k] == pytest.approx(TRUE[k], rel=0.05), k
+
+
+def test_too_few_rows_is_a_clear_error(tmp_path):
+    log = _log(tmp_path, _intervals()[:3])
+    with pytest.raises(SimulatorInputError, match="at least 8"):
+        fit_step_costs(_server(), step_rows(_server(), log, "fit", True))
