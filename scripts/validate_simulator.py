@@ -139,11 +139,7 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
     if len(backends) > 1:
         raise SimulatorInputError(f"fitting runs {', '.join(keys)} mix the backends "
                                   f"{', '.join(sorted(backends))}; give each its own")
-    if not prefill:
-        keep = [i for i, k in enumerate(rows.kind) if k == "decode"]
-        rows = StepRows(*([getattr(rows, f)[i] for i in keep]
-                          for f in ("y", "base", "feats", "where", "kind")))
-    res = fit_step_costs(srv, rows)
+    res = fit_step_costs(srv, rows if prefill else rows.of_kinds("decode"))
     runs = ", ".join(keys)
     data = calibration_file(srv, {**res, "fixed_only": True, "samples": res["rows"],
                                   "how": step_costs_note(res, runs)}, runs)

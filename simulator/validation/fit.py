@@ -31,22 +31,15 @@ of the two lines' ``#running-req`` (the batch only shrinks inside a prefill-free
 Intervals after a prefill are dropped, as is the first line (its interval starts at server
 start-up) — using them would charge prefill and warm-up time to decode steps.
 
-Prefill steps (``prefill_samples`` / ``fit_prefill_costs``): SGLang's Prefill line i carries
-``input throughput = (new tokens of Prefill line i-1) / (wall time between the two lines)``, so
-when two Prefill lines follow each other with no Decode line between (an initial burst of
-whole prompts: the scheduler runs prefill steps back to back while requests wait), the step of
-line i-1 took about tokens(i-1) / throughput(i) seconds (timestamps have whole-second
-resolution, the throughput does not). Under the overlap scheduler a gap is one step late (the
-scheduler logs batch i after launching batch i-1 and waiting for batch i-2), which shifts the
-shapes by one inside a burst of equal batches; the gap that fills or drains the pipeline is no
-step time at all. So a sample whose measured / modelled ratio is off the burst's median ratio
-by more than ``PREFILL_OUTLIER_FACTOR`` is dropped as such an artefact, with its line named.
-The fit mirrors ``fit_fixed_costs``: non-negative least squares, in relative error, of
-(measured step - the model's own prediction of that step, kernels and decode-fitted fixed
-costs included, with no prefill-only cost) on [1, chunks, tokens]; a term whose feature does
-not vary across the samples (relative spread below ``BATCH_SPREAD_MIN``) cannot be separated
-and is not fitted: the per-step cost then stays as given (e.g. a profile's) and the residual is
-charged per prompt token.
+Prefill steps (``prefill_samples``): SGLang's Prefill line i carries ``input throughput =
+(new tokens of Prefill line i-1) / (wall time between the two lines)``, so when two Prefill
+lines follow each other with no Decode line between (an initial burst of whole prompts: the
+scheduler runs prefill steps back to back while requests wait), the step of line i-1 took about
+tokens(i-1) / throughput(i) seconds (timestamps have whole-second resolution, the throughput
+does not). Under the overlap scheduler a gap is one step late (the scheduler logs batch i after
+launching batch i-1 and waiting for batch i-2), which shifts the shapes by one inside a burst
+of equal batches; the gap that fills or drains the pipeline is no step time at all, so the fit
+that uses these samples (``step_fit``) drops samples far off its model.
 """
 
 from __future__ import annotations
@@ -64,12 +57,9 @@ from simulator.serving.server import ResolvedServer
 from simulator.validation.sglang_log import ServerLog
 
 MIN_SAMPLES = 8
-MIN_PREFILL_SAMPLES = 5
-# a prefill sample whose measured / modelled ratio is this far (either way) from the median
-# ratio is an overlap-pipeline or start-up artefact, not a step time
-PREFILL_OUTLIER_FACTOR = 2.0
-# below this relative spread (std / mean) of the intervals' batch, only the per-step cost is fit
-BATCH_SPREAD_MIN = 0.05
+# below this relative spread (std / mean) of a feature across the samples (the intervals'
+# batch, prompts or tokens per prefill step) its cost cannot be told from the per-step cost
+SPREAD_MIN = 0.05
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -131,7 +121,7 @@ def fit_fixed_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, An
     x = np.column_stack([np.ones(len(y)), np.maximum(1, np.round(samples[:, 0]))])
     # relative residuals: every interval counts alike, whatever its step time
     spread = float(np.std(x[:, 1]) / np.mean(x[:, 1]))
-    if spread < BATCH_SPREAD_MIN:
+    if spread < SPREAD_MIN:
         # a (nearly) constant batch cannot tell a per-step from a per-request cost; charge it
         # per step (host launch overheads do not grow with the batch) and keep c_seq
         xs = x[:, :1] / y[:, None]
@@ -146,7 +136,7 @@ def fit_fixed_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, An
             "mape_before": float(np.mean(np.abs(before / y - 1))),
             "kernel_share": float(np.mean(base_arr / y)),
             "grids": bool(cal.measured), "batch_spread": spread,
-            "per_step_only": spread < BATCH_SPREAD_MIN}
+            "per_step_only": spread < SPREAD_MIN}
 
 
 def prefill_samples(log: ServerLog) -> np.ndarray:
@@ -175,79 +165,6 @@ def prefill_shape(server: ResolvedServer, seqs: int, tokens: int, cached: int) -
     pairs = n * (ext * past + ext * ext / 2.0 + pool.compression_pairs(fill))
     return StepShape(prefill_tokens=int(tokens), prefill_pairs=pairs,
                      prefill_past_tokens=int(cached), prefill_seqs=n)
-
-
-def _fit_prefill_terms(feats: np.ndarray, base: np.ndarray, y: np.ndarray,
-                       given: np.ndarray) -> tuple[np.ndarray, list[int], list[float]]:
-    """NNLS in relative error of y - base on the columns of feats ([1, chunks, tokens]) whose
-    feature varies; the others keep ``given`` (with none varying: tokens only)."""
-    spread = [float(np.std(f) / np.mean(f)) for f in feats.T]
-    free = [j for j in (1, 2) if spread[j] >= BATCH_SPREAD_MIN]
-    free = [0, *free] if free else [2]
-    fixed = [j for j in range(3) if j not in free]
-    target = y - base - (feats[:, fixed] @ given[fixed] if fixed else 0.0)
-    theta = given.copy()
-    theta[free] = _nnls(feats[:, free] / y[:, None], target / y)
-    return theta, free, spread
-
-
-def _require_prefill_samples(keep: np.ndarray) -> None:
-    if keep.sum() < MIN_PREFILL_SAMPLES:
-        raise SimulatorInputError(
-            f"need at least {MIN_PREFILL_SAMPLES} timed prefill steps within a factor "
-            f"{PREFILL_OUTLIER_FACTOR:g} of the model; the log has {int(keep.sum())} of "
-            f"{len(keep)}")
-
-
-def fit_prefill_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
-    """Prefill-only costs (per step, per chunk, per prompt token) over the model's own
-    prediction of each timed prefill step (see the module docstring). Raises
-    SimulatorInputError with the reason when the log cannot support a fit."""
-    cost, cal = server.cost, server.deployment.calibration
-    if len(samples) == 0:
-        raise SimulatorInputError(
-            "no timed prefill steps (a Prefill line followed by another Prefill line with an "
-            "'input throughput'); the log has none")
-    base = []
-    for n, t, c, _, _ in samples:
-        shape = prefill_shape(server, int(n), int(t), int(c))
-        base.append(cost.step_time(shape) - cal.prefill_step_overhead_s
-                    - cal.prefill_seq_overhead_s * shape.prefill_seqs
-                    - cal.prefill_token_overhead_s * shape.prefill_tokens)
-    base_arr = np.array(base)
-    y_all = samples[:, 3]
-    given = np.array([cal.prefill_step_overhead_s, cal.prefill_seq_overhead_s,
-                      cal.prefill_token_overhead_s])
-    feats_all = np.column_stack([np.ones(len(y_all)), samples[:, 0], samples[:, 1]])
-    # pass 1: off the median measured/modelled ratio; pass 2: off the pass-1 fit, which
-    # re-admits small steps that a fitted per-step cost explains
-    ratio = y_all / (base_arr + feats_all @ given)
-    keep = np.abs(np.log(ratio / np.median(ratio))) <= np.log(PREFILL_OUTLIER_FACTOR)
-    for _ in range(2):
-        _require_prefill_samples(keep)
-        theta, free, spread = _fit_prefill_terms(feats_all[keep], base_arr[keep],
-                                                 y_all[keep], given)
-        fitted = base_arr + feats_all @ theta
-        keep = np.abs(np.log(y_all / fitted)) <= np.log(PREFILL_OUTLIER_FACTOR)
-    dropped = [f"line {int(no)}: {1e3 * s:.1f} ms measured vs {1e3 * f:.1f} ms modelled"
-               for (_, _, _, s, no), f in zip(samples[~keep], fitted[~keep], strict=True)]
-    _require_prefill_samples(keep)
-    theta, free, spread = _fit_prefill_terms(feats_all[keep], base_arr[keep], y_all[keep],
-                                             given)
-    s, b, y, feats = samples[keep], base_arr[keep], y_all[keep], feats_all[keep]
-    fixed = [j for j in range(3) if j not in free]
-    pred = b + feats @ theta
-    before = b + feats @ given
-    names = ("prefill_step_overhead_s", "prefill_seq_overhead_s", "prefill_token_overhead_s")
-    return {**{k: float(v) for k, v in zip(names, theta, strict=True)},
-            "fitted": [names[j] for j in free], "kept": [names[j] for j in fixed],
-            "samples": int(len(y)), "dropped": dropped,
-            "mape": float(np.mean(np.abs(pred / y - 1))),
-            "mape_before": float(np.mean(np.abs(before / y - 1))),
-            "kernel_share": float(np.mean(b / y)),
-            "measured_s_per_token": float(np.sum(y) / np.sum(s[:, 1])),
-            "modelled_s_per_token": float(np.sum(b) / np.sum(s[:, 1])),
-            "spread": {"chunks": spread[1], "tokens": spread[2]}}
 
 
 def fit_decode(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
@@ -317,10 +234,9 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
                                                         4)}
     entry["step_overhead_s"] = fit["step_overhead_s"]
     entry["seq_overhead_s"] = fit["seq_overhead_s"]
-    pf = fit.get("prefill")
     for k in ("prefill_step_overhead_s", "prefill_seq_overhead_s", "prefill_token_overhead_s"):
-        if pf or k in fit:
-            entry[k] = (pf or fit)[k]
+        if k in fit:
+            entry[k] = fit[k]
     if "decode_attention_scale" in fit:
         entry["decode_attention_scale"] = round(fit["decode_attention_scale"], 4)
     what = "fixed costs" if fit.get("fixed_only") else "decode efficiencies and fixed costs"
@@ -335,14 +251,6 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
         "fit": {k: fit[k] for k in ("samples", "samples_dropped_compute_bound", "mape",
                                     "mape_before") if k in fit},
         "fitting_log": log_path,
-        **({"prefill_costs": f"{', '.join(pf['fitted'])} fitted from the back-to-back "
-                             f"Prefill lines of {log_path} ({pf['samples']} steps, MAPE "
-                             f"{100 * pf['mape_before']:.1f}% -> {100 * pf['mape']:.1f}%, "
-                             f"dropped: {'; '.join(pf['dropped']) or 'none'}) as the residual "
-                             f"over the model's own prefill step; "
-                             f"{', '.join(pf['kept']) or 'nothing'} kept as given"
-            + (f" ({pf['kept_source']})" if pf.get("kept_source") else "")}
-           if pf else {}),
         "based_on": cal.source_file,
     }
     return {"_about": "Calibration fitted from an SGLang server log's decode lines.",

@@ -25,10 +25,12 @@ before it, and an interval that spans idle time is no step time at all: rows off
 more than ``OUTLIER_FACTOR`` are dropped (two passes, named in the result).
 
 Non-negative least squares in relative error, so a short decode interval and a long prefill
-burst count alike. A term whose column is zero on every row (no prefill intervals: the
-prefill costs) or that the rows cannot separate keeps the calibration's value: ``p_seq`` when
-the prefill requests per step barely vary (one prompt at a time), ``c_seq`` when the decode
-batch barely varies (a single long-generation run).
+burst count alike. A term whose column is zero on every row (no prefill rows: the prefill
+costs; no decode rows: the decode ones and the attention scale) or that the rows cannot
+separate keeps the calibration's value: ``c_seq`` when the decode batch barely varies (a
+single long-generation run), ``p_seq`` and ``p_tok`` when the prompts or the tokens per prefill
+step barely vary; with neither varying, ``p_step`` is kept too and the residual is charged per
+prompt token.
 """
 
 from __future__ import annotations
@@ -41,16 +43,13 @@ import numpy as np
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
 from simulator.serving.server import ResolvedServer
-from simulator.validation.fit import _nnls, _shape, prefill_samples, prefill_shape
+from simulator.validation.fit import SPREAD_MIN, _nnls, _shape, prefill_samples, prefill_shape
 from simulator.validation.sglang_log import ServerLog
 
 COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
          "prefill_seq_overhead_s", "prefill_token_overhead_s", "decode_attention_scale")
 MIN_ROWS = 8
 OUTLIER_FACTOR = 1.5
-# below this relative spread (std / mean) of prefill chunks per prefill step, p_seq is not
-# separable from p_step, and of the decode batch, c_seq not from c_step: each keeps its value
-SPREAD_MIN = 0.05
 DEFAULT_DECODE_LOG_INTERVAL = 40
 
 
@@ -75,6 +74,13 @@ class StepRows:
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def of_kinds(self, *kinds: str) -> StepRows:
+        out = StepRows()
+        for row in zip(self.y, self.base, self.feats, self.where, self.kind, strict=True):
+            if row[4] in kinds:
+                out.add(*row)
+        return out
 
 
 def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float]:
@@ -165,8 +171,8 @@ def _solve(x: np.ndarray, y: np.ndarray, base: np.ndarray, given: np.ndarray,
 
 
 def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
-    """The five costs of COSTS over ``rows`` (see the module docstring); ``server`` gives the
-    calibration whose values the costs that cannot be fitted keep."""
+    """The six terms of COSTS over ``rows`` (see the module docstring); ``server`` gives the
+    calibration whose values the terms that cannot be fitted keep."""
     if len(rows) < MIN_ROWS:
         raise SimulatorInputError(
             f"need at least {MIN_ROWS} timed intervals or prefill steps; the logs have "
@@ -175,16 +181,19 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
     given = np.array([getattr(cal, k) for k in COSTS], dtype=float)
     y, base = np.array(rows.y), np.array(rows.base)
     x = np.array(rows.feats, dtype=float)
+
     def spread(v: np.ndarray) -> float:
         return float(np.std(v) / np.mean(v)) if v.size else 0.0
 
     dec = x[:, 5] > 0
     batch_spread = spread(x[dec, 1] / x[dec, 0])
-    free = [0, 5] + ([1] if batch_spread >= SPREAD_MIN else [])
+    free = ([0, 5] + ([1] if batch_spread >= SPREAD_MIN else [])) if dec.any() else []
     pf = x[:, 2] > 0
     seq_spread = spread(x[pf, 3] / x[pf, 2])
+    tok_spread = spread(x[pf, 4] / x[pf, 2])
     if pf.any():
-        free += [2, 4] + ([3] if seq_spread >= SPREAD_MIN else [])
+        varying = [j for j, v in ((3, seq_spread), (4, tok_spread)) if v >= SPREAD_MIN]
+        free += [2, *varying] if varying else [4]
     free.sort()
     keep = np.ones(len(y), dtype=bool)
     for _ in range(2):
@@ -215,4 +224,5 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
                         for w, m, p, k in zip(rows.where, y, pred, keep, strict=True) if not k],
             "mape": mape(pred, keep), "mape_before": mape(before, keep),
             "kernel_share": float(np.mean((base[keep] + x[keep, 5] * theta[5]) / y[keep])),
-            "decode_batch_spread": batch_spread, "prefill_seqs_per_step_spread": seq_spread}
+            "decode_batch_spread": batch_spread, "prefill_seqs_per_step_spread": seq_spread,
+            "prefill_tokens_per_step_spread": tok_spread}

@@ -1,6 +1,6 @@
-"""Fitting the prefill-only costs from back-to-back SGLang Prefill lines recovers a known
-per-step / per-request / per-token cost over the model's own prefill step; too few or
-artefact samples give a clear error."""
+"""Fitting the prefill-only costs from back-to-back SGLang Prefill lines (their rows in the
+joint step fit, ``step_fit``) recovers a known per-step / per-request / per-token cost over the
+model's own prefill step; too few or artefact samples give a clear error."""
 
 from __future__ import annotations
 
@@ -12,13 +12,9 @@ from sim_helpers import scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import load_calibration
-from simulator.validation.fit import (
-    calibration_file,
-    fit_prefill_costs,
-    prefill_samples,
-    prefill_shape,
-)
+from simulator.validation.fit import calibration_file, prefill_samples, prefill_shape
 from simulator.validation.sglang_log import parse_server_log
+from simulator.validation.step_fit import fit_step_costs, step_rows
 
 TRUE = {"prefill_step_overhead_s": 0.02, "prefill_seq_overhead_s": 5e-4,
         "prefill_token_overhead_s": 3e-6}
@@ -73,47 +69,55 @@ def test_parser_keeps_prefill_timing(tmp_path):
     assert s.shape == (2, 5) and list(s[:, 0]) == [2, 4] and list(s[:, 1]) == [1000, 3000]
 
 
+def _fit(tmp_path, shapes, server=None, **log_kw):
+    srv = server or _server()
+    return fit_step_costs(srv, step_rows(srv, _log(tmp_path, shapes, **log_kw), "burst", True))
+
+
 def test_fit_recovers_known_costs(tmp_path):
     shapes = _varied()
-    samples = prefill_samples(_log(tmp_path, shapes, artefact_after=5))
-    fit = fit_prefill_costs(_server(), samples)
-    assert len(fit["dropped"]) == 1 and fit["samples"] == len(shapes) - 2
+    fit = _fit(tmp_path, shapes, artefact_after=5)
+    assert len(fit["dropped"]) == 1 and fit["rows"] == len(shapes) - 2
     for k, v in TRUE.items():
         assert fit[k] == pytest.approx(v, rel=1e-3), k
     assert fit["mape"] < 1e-4 < fit["mape_before"]
     assert set(fit["fitted"]) == set(TRUE)
+    # no decode rows: the decode costs and the attention scale keep the calibration's
+    cal = _server().deployment.calibration
+    assert fit["decode_attention_scale"] == cal.decode_attention_scale
+    assert fit["step_overhead_s"] == cal.step_overhead_s
 
 
 def test_fit_residual_is_over_existing_costs(tmp_path):
     """Costs already in the calibration are not charged twice: the fit starts from the model's
     step without them, and a calibration that already holds the truth fits it again."""
-    samples = prefill_samples(_log(tmp_path, _varied()))
-    fit = fit_prefill_costs(_server(**TRUE), samples)
+    fit = _fit(tmp_path, _varied(), server=_server(**TRUE))
     assert fit["mape_before"] < 1e-4
     for k, v in TRUE.items():
         assert fit[k] == pytest.approx(v, rel=1e-3), k
 
 
 def test_one_shape_charges_the_residual_per_token_and_keeps_the_step_cost(tmp_path):
-    samples = prefill_samples(_log(tmp_path, [(32, 16400)] * 10))
     given = {"prefill_step_overhead_s": TRUE["prefill_step_overhead_s"]}
-    fit = fit_prefill_costs(_server(**given), samples)
+    fit = _fit(tmp_path, [(32, 16400)] * 10, server=_server(**given))
     assert fit["fitted"] == ["prefill_token_overhead_s"]
     assert fit["prefill_step_overhead_s"] == TRUE["prefill_step_overhead_s"]
     per_token = TRUE["prefill_token_overhead_s"] + TRUE["prefill_seq_overhead_s"] * 32 / 16400
     assert fit["prefill_token_overhead_s"] == pytest.approx(per_token, rel=1e-3)
     srv = _server(**given)
-    data = calibration_file(srv, {"step_overhead_s": 2e-4, "seq_overhead_s": 2e-6,
-                                  "prefill": {**fit, "kept_source": "a profile"}}, "x.log")
+    data = calibration_file(srv, {**fit, "how": "fitted from x.log"}, "x.log")
     entry = data["gpus"][srv.deployment.gpu.key]
     assert entry["prefill_token_overhead_s"] == fit["prefill_token_overhead_s"]
-    assert "prefill_token_overhead_s fitted" in entry["provenance"]["prefill_costs"]
-    assert "a profile" in entry["provenance"]["prefill_costs"]
+    assert entry["prefill_step_overhead_s"] == TRUE["prefill_step_overhead_s"]
+    assert entry["provenance"]["fixed_costs"] == "fitted from x.log"
 
 
-def test_too_few_or_untimed_samples_raise(tmp_path):
-    with pytest.raises(SimulatorInputError, match="no timed prefill steps"):
-        fit_prefill_costs(_server(), prefill_samples(
-            _log(tmp_path, _varied(), decode_between=True)))
-    with pytest.raises(SimulatorInputError, match="need at least 5 timed prefill steps"):
-        fit_prefill_costs(_server(), prefill_samples(_log(tmp_path, _varied()[:4])))
+def test_too_few_samples_raise_and_interleaved_steps_are_timed_by_their_interval(tmp_path):
+    with pytest.raises(SimulatorInputError, match="need at least 8 timed intervals"):
+        _fit(tmp_path, _varied()[:4])
+    # a Decode line after each Prefill line: no back-to-back pair, so no burst rows; each
+    # prefill step is timed inside its Decode interval instead
+    srv = _server()
+    rows = step_rows(srv, _log(tmp_path, _varied(), decode_between=True), "x", True)
+    assert prefill_samples(_log(tmp_path, _varied(), decode_between=True)).shape[0] == 0
+    assert set(rows.kind) == {"prefill-interval"} and len(rows) == len(_varied()) - 1
