@@ -45,6 +45,7 @@ from sglang_diffkv.kernels.decode_attention import VARIANTS  # noqa: E402
 from sglang_diffkv.kernels.decode_policy import (  # noqa: E402
     ARGMIN_BLOCK,
     ARGMIN_PROGRAMS,
+    SCAN_BLOCK,
     argmin_partials,
     argmin_splits,
     decode_policy_step,
@@ -475,8 +476,11 @@ def compaction_rows() -> list[dict]:
     return out
 
 
-# (label, argmin, block, target programs): the default parallel launch and two neighbours
-POLICY_PATHS = [("scan", "scan", ARGMIN_BLOCK, ARGMIN_PROGRAMS),
+# (label, argmin, block, target programs): the default scan and parallel launches and
+# neighbours (block: the scan's scan_block, the parallel path's argmin_block)
+POLICY_PATHS = [("scan", "scan", SCAN_BLOCK, ARGMIN_PROGRAMS),
+                ("scan bt512", "scan", 512, ARGMIN_PROGRAMS),
+                ("scan bt1024", "scan", 1024, ARGMIN_PROGRAMS),
                 ("parallel", "parallel", ARGMIN_BLOCK, ARGMIN_PROGRAMS),
                 ("parallel bt256 p16k", "parallel", 256, 16384),
                 ("parallel bt1024 p4k", "parallel", 1024, 4096)]
@@ -487,7 +491,7 @@ def _policy_call(case, counts0, positions, alpha, key, value, how, block, progra
     case.counts.copy_(counts0)
     decode_policy_step(case.pages, case.geometry, case.table, case.counts, case.req_idx, 0,
                        positions, alpha, 64, key, value, argmin=how, argmin_block=block,
-                       argmin_programs=programs)
+                       argmin_programs=programs, scan_block=block if how == "scan" else SCAN_BLOCK)
 
 
 def policy_rows(batches: tuple[int, ...] = (32, 128, 305),

@@ -16,7 +16,11 @@ Buckets (milliseconds):
   back what compression freed and moving low pages right, the compaction) + ``free`` (a
   finished request's pages back to the free list, between steps; counted in the next step);
 - ``policy``: the decode policy step of every layer (``ops.decode_store``: evict / demote /
-  store the new token): per-layer tier management, reported apart from ``mm``.
+  store the new token): per-layer tier management, reported apart from ``mm``;
+- ``host`` (host clock, not events): the same ``step`` interval as the host saw it, i.e. the
+  time to issue the step's work, any host synchronisation inside it included. ``host``
+  close to ``step`` means the step is bound by its host work (the GPU waited for
+  launches); well below it, by the GPU.
 
 CUDA events time the stream between the two marks, so a span also counts the host work and
 any synchronisation inside it (``begin_decode`` reads its success flag on the host).
@@ -46,7 +50,8 @@ PROFILE_LINE_RE = re.compile(
     rf"mm (?P<mm_ms>{_F}) ms/step \((?P<mm_pct>{_F})% of step "
     rf"(?P<step_ms>{_F}) ms\) = alloc (?P<alloc_ms>{_F}) \+ reclaim "
     rf"(?P<reclaim_ms>{_F}) \+ free (?P<free_ms>{_F}), "
-    rf"policy (?P<policy_ms>{_F}) ms/step \((?P<policy_pct>{_F})%\); "
+    rf"policy (?P<policy_ms>{_F}) ms/step \((?P<policy_pct>{_F})%\)"
+    rf"(?:, host (?P<host_ms>{_F}) ms/step)?; "
     rf"total (?P<total_steps>\d+) steps: mm (?P<total_mm_ms>{_F}) ms "
     rf"\((?P<total_mm_pct>{_F})% of (?P<total_step_ms>{_F}) ms\), "
     rf"policy (?P<total_policy_ms>{_F}) ms \((?P<total_policy_pct>{_F})%\)"
@@ -68,9 +73,12 @@ def _pct(part: float, whole: float) -> float:
 
 
 def profile_line(mode: str, steps: int, window: Mapping[str, float], total_steps: int,
-                 total: Mapping[str, float]) -> str:
-    """The profile line of one mode: the last interval per step, then cumulative totals."""
+                 total: Mapping[str, float], host_ms: float | None = None) -> str:
+    """The profile line of one mode: the last interval per step, then cumulative totals.
+    ``host_ms``: the interval's host time of its steps (the ``host`` field; lines written
+    before it existed have none, hence optional in ``PROFILE_LINE_RE``)."""
     n = max(steps, 1)
+    host = "" if host_ms is None else f", host {host_ms / n:.3f} ms/step"
     mm = sum(window[b] for b in MM_BUCKETS)
     t_mm = sum(total[b] for b in MM_BUCKETS)
     return (
@@ -78,7 +86,7 @@ def profile_line(mode: str, steps: int, window: Mapping[str, float], total_steps
         f"({_pct(mm, window['step']):.2f}% of step {window['step'] / n:.3f} ms) = "
         f"alloc {window['alloc'] / n:.3f} + reclaim {window['reclaim'] / n:.3f} + "
         f"free {window['free'] / n:.3f}, policy {window['policy'] / n:.3f} ms/step "
-        f"({_pct(window['policy'], window['step']):.2f}%); "
+        f"({_pct(window['policy'], window['step']):.2f}%){host}; "
         f"total {total_steps} steps: mm {t_mm:.3f} ms ({_pct(t_mm, total['step']):.2f}% of "
         f"{total['step']:.3f} ms), policy {total['policy']:.3f} ms "
         f"({_pct(total['policy'], total['step']):.2f}%)"
@@ -92,7 +100,7 @@ def parse_profile_line(line: str) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {}
     for key, value in m.groupdict().items():
-        if key == "mode":
+        if key == "mode" or value is None:
             out[key] = value
         elif key in ("steps", "total_steps"):
             out[key] = int(value)
@@ -107,12 +115,14 @@ class StepProfiler:
     def __init__(self, device: torch.device | str,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = torch.device(device).type == "cuda"
-        self._clock = clock  # host seconds, off CUDA (injectable so tests need no sleeps)
+        self._clock = clock  # host seconds: ``host``, and spans off CUDA (injectable for tests)
         self._step_start: Any = None
+        self._host_start = 0.0
         self._open: list[tuple[str, Any, Any]] = []  # spans of the step under way
         self._done: list[tuple[str, str, Any, Any]] = []  # (mode, bucket, start, end) unread
         self.window = {m: dict.fromkeys(BUCKETS, 0.0) for m in MODES}
         self.total = {m: dict.fromkeys(BUCKETS, 0.0) for m in MODES}
+        self.window_host = dict.fromkeys(MODES, 0.0)  # host ms of the interval's steps
         self.window_steps = dict.fromkeys(MODES, 0)
         self.total_steps = dict.fromkeys(MODES, 0)
 
@@ -129,6 +139,7 @@ class StepProfiler:
         return self._clock()
 
     def begin_step(self) -> None:
+        self._host_start = self._clock()
         self._step_start = self.mark()
 
     def add(self, bucket: str, start: Any) -> None:
@@ -147,6 +158,7 @@ class StepProfiler:
         if self._step_start is None:
             return
         self._open.append(("step", self._step_start, self.mark()))
+        self.window_host[mode] += (self._clock() - self._host_start) * 1e3
         self._step_start = None
         self._done.extend((mode, b, s, e) for b, s, e in self._open)
         self._open.clear()
@@ -173,8 +185,10 @@ class StepProfiler:
         for mode in MODES:
             if self.window_steps[mode]:
                 out.append(profile_line(mode, self.window_steps[mode], self.window[mode],
-                                        self.total_steps[mode], self.total[mode]))
+                                        self.total_steps[mode], self.total[mode],
+                                        self.window_host[mode]))
             self.window[mode] = dict.fromkeys(BUCKETS, 0.0)
+            self.window_host[mode] = 0.0
             self.window_steps[mode] = 0
         return out
 

@@ -228,3 +228,15 @@ def test_warmup_sends_every_length_alone_then_all_together() -> None:
     assert [s.input_len for s in together] == [*WARMUP_PROMPT_LENS, *WARMUP_PROMPT_LENS[:2]]
     (few, _), (both, _) = warmup_phases(2)
     assert [s.input_len for s in few] == [s.input_len for s in both] == [17, 128]
+
+
+def test_cpu_model_reads_the_first_model_name(tmp_path) -> None:
+    from sglang_diffkv.bench.e2e import cpu_model
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9654 96-Core Processor\n\n"
+                    "processor\t: 1\nmodel name\t: something else\n")
+    assert cpu_model(str(info)) == "AMD EPYC 9654 96-Core Processor"
+    info.write_text("processor\t: 0\n")
+    assert cpu_model(str(info)) is None
+    assert cpu_model(str(tmp_path / "missing")) is None

@@ -62,6 +62,7 @@ def test_buckets_steps_and_free_between_steps():
     assert dec["alloc_ms"] == pytest.approx(4) and dec["free_ms"] == 0
     assert dec["policy_ms"] == pytest.approx(6)
     assert dec["step_ms"] == pytest.approx(4 + 6 + 6)
+    assert dec["host_ms"] == pytest.approx(dec["step_ms"])  # the fake clock is the host's
     assert dec["mm_pct"] == pytest.approx(100 * dec["mm_ms"] / dec["step_ms"], abs=0.01)
     # the free ran before the prefill step began: its mm, and its step time
     assert pre["mode"] == "prefill" and pre["steps"] == 1
@@ -84,14 +85,20 @@ def test_buckets_steps_and_free_between_steps():
 def test_line_format_is_the_documented_one():
     window = {"step": 312.0, "alloc": 1.0, "reclaim": 0.0, "free": 0.2, "policy": 3.0}
     total = {"step": 31200.0, "alloc": 100.0, "reclaim": 0.0, "free": 18.0, "policy": 300.0}
-    line = profile_line("decode", 10, window, 1000, total)
+    line = profile_line("decode", 10, window, 1000, total, host_ms=290.0)
     assert line == (
         "DiffKV profile decode: 10 steps: mm 0.120 ms/step (0.38% of step 31.200 ms) = "
-        "alloc 0.100 + reclaim 0.000 + free 0.020, policy 0.300 ms/step (0.96%); "
+        "alloc 0.100 + reclaim 0.000 + free 0.020, policy 0.300 ms/step (0.96%), "
+        "host 29.000 ms/step; "
         "total 1000 steps: mm 118.000 ms (0.38% of 31200.000 ms), policy 300.000 ms (0.96%)"
     )
     assert PROFILE_LINE_RE.search("[2026-01-01 00:00:00] " + line)
     assert parse_profile_line(line)["total_policy_pct"] == 0.96
+    assert parse_profile_line(line)["host_ms"] == 29.0
+    # a line written before the host field existed still parses, without it
+    old = line.replace(", host 29.000 ms/step", "")
+    assert parse_profile_line(old)["host_ms"] is None
+    assert parse_profile_line(old)["step_ms"] == 31.2
     assert parse_profile_line("DiffKV decode: batch 3, tokens high 30.0%") is None
 
 

@@ -205,6 +205,19 @@ def make_plan(a: argparse.Namespace) -> Plan:
                 a.sharegpt_n, a.sharegpt_trace, rates, absolute, windows)
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The first ``model name`` of ``cpuinfo`` (None where there is none, e.g. off Linux)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return None
+
+
 def environment_info(git_commit: str | None) -> dict[str, Any]:
     def version(pkg: str) -> str | None:
         try:
@@ -219,6 +232,9 @@ def environment_info(git_commit: str | None) -> dict[str, Any]:
         "versions": {p: version(p) for p in ("sglang", "torch", "sglang-kernel", "triton",
                                              "flashinfer-python", "aiohttp", "sglang-diffkv")},
     }
+    # the host CPU matters: eager (prefill) steps are bound by their launches
+    info["cpu"] = cpu_model()
+    info["cpus"] = os.cpu_count()
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
                             "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
@@ -498,7 +514,9 @@ class Harness:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results["environment"] = environment_info(self.a.git_commit)
         self.say(f"fd limit {self.fd_limit}, max in-flight streams {self.max_inflight}; "
-                 f"gpu {self.results['environment'].get('gpu')}")
+                 f"gpu {self.results['environment'].get('gpu')}; "
+                 f"cpu {self.results['environment'].get('cpu')} "
+                 f"x {self.results['environment'].get('cpus')}")
         try:
             for cfg in self.plan.configs:
                 self.run_config(cfg)

@@ -105,6 +105,9 @@ def _profile_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         d: dict[str, float] = {"lines": len(rs), "steps": int(sum(r["steps"] for r in rs))}
         for f in _PROFILE_FIELDS:
             d[f] = float(np.average([r[f] for r in rs], weights=w))
+        timed = [i for i, r in enumerate(rs) if r.get("host_ms") is not None]
+        if timed:  # lines written before the host field have none
+            d["host_ms"] = float(np.average([rs[i]["host_ms"] for i in timed], weights=w[timed]))
         d["mm_pct"] = 100.0 * d["mm_ms"] / d["step_ms"] if d["step_ms"] > 0 else 0.0
         d["policy_pct"] = 100.0 * d["policy_ms"] / d["step_ms"] if d["step_ms"] > 0 else 0.0
         out[mode] = d

@@ -389,14 +389,19 @@ def unpack_keys(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return avg[..., 0], slot[..., 0], avg[..., 1], slot[..., 1]
 
 
+# Tokens per step of the scan's serial walk (a row of n tokens takes ceil(n / BT) dependent
+# page-table -> score/position loads per tier).
+SCAN_BLOCK = 256
+
+
 @functools.lru_cache(maxsize=64)
 def _policy_constexprs(geometry: PageGeometry, row_len: int, window: int,
-                       bench: bool) -> dict[str, int | bool]:
+                       bench: bool, scan_block: int) -> dict[str, int | bool]:
     """The policy kernel's constexprs for one (geometry, row length, window, mode): built
     once, not per layer (the tier dicts and the hash constants cost host time on every
     eager call). Geometry layouts are frozen dataclasses, hence hashable."""
     return dict(PAGE_BYTES=geometry.page_bytes, ROW_LEN=row_len, D=geometry.head_dim,
-                WINDOW=window, BT=256, BENCH=bench, **hash_constexprs(),
+                WINDOW=window, BT=scan_block, BENCH=bench, **hash_constexprs(),
                 **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"))
 
 
@@ -469,6 +474,7 @@ def decode_policy_step(
     argmin_programs: int = ARGMIN_PROGRAMS,
     *,
     step: DecodeStepInputs | None = None,
+    scan_block: int = SCAN_BLOCK,
 ) -> DecodeDecision:
     """Decide and apply one decode step of one layer; updates ``pages`` and the token
     counters in ``counts`` in place. alpha: [B, 2] = (alpha_h, alpha_l) per request.
@@ -476,11 +482,14 @@ def decode_policy_step(
     argmin: "parallel" (``_argmin_kernel`` first, then the policy kernel) or "scan" (the
     policy kernel scans its row itself); same results. argmin_block / argmin_programs: the
     parallel path's tokens per block and target grid size (:func:`argmin_splits`).
+    scan_block: the scan's tokens per step (a power of two >= 16; same results for any).
     step: the step's inputs from :func:`prepare_decode_step` (same ``pages``, ``req_idx``,
     ``positions``, ``alpha`` and ``bench``); then those arguments are not converted again
     (they are only shape-checked) and the decision lands in the step's shared buffers."""
     if argmin not in ("parallel", "scan"):
         raise ValueError(f"argmin must be 'parallel' or 'scan', got {argmin!r}")
+    if scan_block < 16 or scan_block & (scan_block - 1):
+        raise ValueError(f"scan_block must be a power of two >= 16, got {scan_block}")
     _check(geometry, table, counts, req_idx, positions, alpha, key, value)
     b, hkv, d = key.shape
     if step is None:
@@ -504,7 +513,7 @@ def decode_policy_step(
         value.stride(1), step.action, step.hmin, step.lmin, step.seed, layer, step.cut_h,
         step.cut_hl, part, n_split,
         PARALLEL=argmin == "parallel",
-        **_policy_constexprs(geometry, table.shape[-1], window, step.bench),
+        **_policy_constexprs(geometry, table.shape[-1], window, step.bench, scan_block),
         num_warps=4, enable_fp_fusion=False,
     )
     return DecodeDecision(action=step.action, hmin=step.hmin, lmin=step.lmin)

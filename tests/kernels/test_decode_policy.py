@@ -40,7 +40,7 @@ def copy_state(src: CompressedKVCache, device) -> CompressedKVCache:
     return dst
 
 
-def run_steps(device, dtype, steps, lengths=(40, 23, 61), hkv=2, d=64):
+def run_steps(device, dtype, steps, lengths=(40, 23, 61), hkv=2, d=64, scan_block=256):
     """Reference on the CPU (the canonical one), kernel on ``device``, same start state."""
     seen = set()
     a, req_a, lens = prefilled(list(lengths), hkv, d, "cpu", seed=11)
@@ -61,7 +61,8 @@ def run_steps(device, dtype, steps, lengths=(40, 23, 61), hkv=2, d=64):
                                                alpha, CONFIG.window, key, value)
             got = decode_policy_step(b.pages, b.geometry, b.manager.table, b.manager.counts,
                                      req, layer, positions.to(device), alpha.to(device),
-                                     CONFIG.window, key.to(device), value.to(device))
+                                     CONFIG.window, key.to(device), value.to(device),
+                                     scan_block=scan_block)
             assert torch.equal(got.action.cpu(), ref.action.to(torch.int8))
             assert torch.equal(got.hmin.cpu(), ref.hmin) and torch.equal(got.lmin.cpu(), ref.lmin)
             assert torch.equal(a.manager.counts, b.manager.counts.cpu())
@@ -70,9 +71,15 @@ def run_steps(device, dtype, steps, lengths=(40, 23, 61), hkv=2, d=64):
     return seen
 
 
-def test_decode_policy_cpu():
-    seen = run_steps("cpu", torch.bfloat16, steps=3)
+@pytest.mark.parametrize("scan_block", [256, 16])  # one block per row; several (ties across)
+def test_decode_policy_cpu(scan_block):
+    seen = run_steps("cpu", torch.bfloat16, steps=3, scan_block=scan_block)
     assert len(seen) >= 3, f"actions seen: {seen}"  # evict, demote-append, demote-replace
+
+
+def test_scan_block_is_checked():
+    with pytest.raises(ValueError, match="scan_block must be a power of two >= 16, got 24"):
+        decode_policy_step(*[None] * 11, scan_block=24)
 
 
 @pytest.mark.gpu
