@@ -153,7 +153,10 @@ def step_costs_note(res: dict[str, Any], runs: str) -> str:
     k = res["by_kind"]
     parts = [f"{n} {k[n]['rows']} (MAPE {100 * (k[n]['mape_before'] or 0):.1f}% -> "
              f"{100 * (k[n]['mape'] or 0):.1f}%)" for n in k if k[n]["rows"]]
-    return (f"decode attention x{res['decode_attention_scale']:.3f} its grid; "
+    scales = res.get("decode_attention_scale_by_format") or {}
+    attn = (", ".join(f"{f} x{v:.3f}" for f, v in scales.items()) if len(scales) > 1
+            else f"x{res['decode_attention_scale']:.3f}")
+    return (f"decode attention {attn} its grid; "
             f"per step {1e3 * res['step_overhead_s']:.3f} ms, per request "
             f"{1e6 * res['seq_overhead_s']:.2f} us; prefill step "
             f"{1e3 * res['prefill_step_overhead_s']:.2f} ms, per prefill request "

@@ -52,6 +52,8 @@ class CostModel:
         self.mem_rate = calib.eta_mem_gemm * self.bw          # bytes/s GEMM weights stream
         self.comp_rate = calib.eta_comp_gemm * self.flops     # FLOP/s GEMMs
         self.attn_mem_rate = calib.attention_eta(attention_key) * self.bw
+        self.attention_key = attention_key
+        self.attention_scale = calib.attention_scale(attention_key)
         self.attn_comp_rate = calib.eta_comp_decode_attention * self.flops
         self.pf_comp_rate = calib.eta_comp_prefill_attention * self.flops
         self.net_rate = calib.eta_interconnect * gpu.interconnect_bandwidth
@@ -132,14 +134,14 @@ class CostModel:
 
     def decode_attention_time(self, reqs: int, kv_tokens: int, read_bytes: float) -> float:
         """One layer's decode attention for ``reqs`` requests holding ``kv_tokens`` in all,
-        times the calibration's in-server factor ``decode_attention_scale``."""
+        times the calibration's in-server factor for this KV format (``attention_scale``)."""
         if self._decode_grid is not None:
             t = (self.decode_attention_sol(reqs, kv_tokens, read_bytes)
                  / self._decode_grid(reqs, kv_tokens / max(reqs, 1)))
         else:
             nbytes, fl = self.decode_attention_work(reqs, kv_tokens, read_bytes)
             t = max(nbytes / self.attn_mem_rate, fl / self.attn_comp_rate)
-        return t * self.calib.decode_attention_scale
+        return t * self.attention_scale
 
     def prefill_attention_time(self, tokens: int, past_tokens: int, pairs: float,
                                seqs: int) -> float:

@@ -48,6 +48,9 @@ OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
 # server logs where the kernel in a serving step runs slower or faster than its grid measured
 # in isolation (a different split count, caches warm or cold)
 ATTENTION_SCALE_FIELD = "decode_attention_scale"
+# optional: the same factor for one KV format (calibration key) where it differs from the
+# default above, e.g. SGLang's triton backend on an fp8 cache vs a bf16 one
+ATTENTION_SCALES_FIELD = "decode_attention_scale_by_format"
 ATTENTION_SCALE_MAX = 4.0
 # a measured efficiency may exceed 1 where the datasheet peak understates this GPU (boost
 # clocks, an HBM part above spec); more than this is a units error in the calibration file
@@ -221,6 +224,12 @@ class MeasuredGrids:
                 "prefill_attention": {k: v.to_dict() for k, v in self.prefill_attention.items()}}
 
 
+def _attention_scale(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= ATTENTION_SCALE_MAX:
+        raise SimulatorInputError(f"{where}={v!r} must be in (0, {ATTENTION_SCALE_MAX:g}]")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class Calibration:
     gpu: str
@@ -243,9 +252,15 @@ class Calibration:
     prefill_seq_overhead_s: float = 0.0
     prefill_token_overhead_s: float = 0.0
     decode_attention_scale: float = 1.0
+    decode_attention_scales: dict[str, float] = field(default_factory=dict)
     measured: MeasuredGrids = field(default_factory=MeasuredGrids)
     # the "measured" object as read (raw times, masks, provenance): written back unchanged
     measured_raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def attention_scale(self, key: str) -> float:
+        """The in-server decode attention factor of KV format ``key`` (its own where the
+        file gives one, else the default ``decode_attention_scale``)."""
+        return self.decode_attention_scales.get(key, self.decode_attention_scale)
 
     def attention_eta(self, key: str) -> float:
         if key not in self.eta_mem_decode_attention:
@@ -283,17 +298,20 @@ class Calibration:
             v = d.get(f, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise SimulatorInputError(f"{where}.{f}={v!r} must be a number >= 0")
-        scale = d.get(ATTENTION_SCALE_FIELD, 1.0)
-        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                or not 0 < scale <= ATTENTION_SCALE_MAX):
-            raise SimulatorInputError(f"{where}.{ATTENTION_SCALE_FIELD}={scale!r} must be in "
-                                      f"(0, {ATTENTION_SCALE_MAX:g}]")
+        scale = _attention_scale(d.get(ATTENTION_SCALE_FIELD, 1.0),
+                                 f"{where}.{ATTENTION_SCALE_FIELD}")
+        by_format = d.get(ATTENTION_SCALES_FIELD, {})
+        if not isinstance(by_format, dict):
+            raise SimulatorInputError(f"{where}.{ATTENTION_SCALES_FIELD} must map KV formats "
+                                      f"to factors, got {by_format!r}")
+        scales = {str(k): _attention_scale(v, f"{where}.{ATTENTION_SCALES_FIELD}.{k}")
+                  for k, v in by_format.items()}
         raw = d.get("measured", {})
         measured = MeasuredGrids.from_dict(raw, f"{where}.measured")
         return cls(gpu=gpu, eta_mem_decode_attention={k: float(v) for k, v in etas.items()},
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
-                   decode_attention_scale=float(scale),
+                   decode_attention_scale=scale, decode_attention_scales=scales,
                    **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)},
                    **{f: float(d.get(f, 0.0)) for f in OPTIONAL_SECONDS_FIELDS})
 
@@ -304,6 +322,8 @@ class Calibration:
         d.update({f: getattr(self, f) for f in OPTIONAL_SECONDS_FIELDS if getattr(self, f)})
         if self.decode_attention_scale != 1.0:
             d[ATTENTION_SCALE_FIELD] = self.decode_attention_scale
+        if self.decode_attention_scales:
+            d[ATTENTION_SCALES_FIELD] = dict(self.decode_attention_scales)
         d["eta_mem_decode_attention"] = dict(self.eta_mem_decode_attention)
         if self.measured:
             # raw extras (time_s, masks) kept; the parsed grids are the authority for eta

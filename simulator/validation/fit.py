@@ -239,6 +239,13 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
             entry[k] = fit[k]
     if "decode_attention_scale" in fit:
         entry["decode_attention_scale"] = round(fit["decode_attention_scale"], 4)
+        # formats whose own factor differs from the default (the most-sampled format's)
+        others = {f: round(v, 4) for f, v in fit.get("decode_attention_scale_by_format",
+                                                        {}).items()
+                  if round(v, 4) != entry["decode_attention_scale"]}
+        if others:
+            entry["decode_attention_scale_by_format"] = {
+                **cal.decode_attention_scales, **others}
     what = "fixed costs" if fit.get("fixed_only") else "decode efficiencies and fixed costs"
     entry["provenance"] = {
         **cal.provenance,

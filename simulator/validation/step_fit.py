@@ -64,20 +64,24 @@ class StepRows:
     feats: list[list[float]] = field(default_factory=list)
     where: list[str] = field(default_factory=list)
     kind: list[str] = field(default_factory=list)     # decode | prefill-interval | burst
+    fmt: list[str] = field(default_factory=list)      # KV format: whose attention scale
 
-    def add(self, y: float, base: float, feats: list[float], where: str, kind: str) -> None:
+    def add(self, y: float, base: float, feats: list[float], where: str, kind: str,
+            fmt: str) -> None:
         self.y.append(y)
         self.base.append(base)
         self.feats.append(feats)
         self.where.append(where)
         self.kind.append(kind)
+        self.fmt.append(fmt)
 
     def __len__(self) -> int:
         return len(self.y)
 
     def of_kinds(self, *kinds: str) -> StepRows:
         out = StepRows()
-        for row in zip(self.y, self.base, self.feats, self.where, self.kind, strict=True):
+        for row in zip(self.y, self.base, self.feats, self.where, self.kind, self.fmt,
+                       strict=True):
             if row[4] in kinds:
                 out.add(*row)
         return out
@@ -96,7 +100,7 @@ def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float]:
     if shape.decode_reqs:
         attn = cost.layers * cost.decode_attention_time(
             shape.decode_reqs, shape.decode_kv_tokens, shape.decode_read_bytes)
-    return t - attn, attn / cal.decode_attention_scale
+    return t - attn, attn / cost.attention_scale
 
 
 def decode_log_interval(log: ServerLog) -> int:
@@ -113,6 +117,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
     if not 0.0 <= skip_fraction < 1.0:
         raise SimulatorInputError(f"skip_fraction={skip_fraction!r} must be in [0, 1)")
     rows = rows if rows is not None else StepRows()
+    fmt = server.cost.attention_key
     n = decode_log_interval(log)
     pf_no = np.asarray(log.prefill_line_no, dtype=np.int64)
     used: list[tuple[int, int]] = []
@@ -149,7 +154,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             feats[4] += shape.prefill_tokens
         used.append((a, b))
         rows.add(wall, base, feats, f"{name} lines {a}-{b}",
-                 "prefill-interval" if feats[2] else "decode")
+                 "prefill-interval" if feats[2] else "decode", fmt)
     for seqs, tok, cached, secs, no in prefill_samples(log):
         if no < start_line or any(a < no < b for a, b in used):
             continue
@@ -157,7 +162,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         rows.add(float(secs), _kernels(server, shape)[0],
                  [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),
                   0.0],
-                 f"{name} line {int(no)}", "burst")
+                 f"{name} line {int(no)}", "burst", fmt)
     return rows
 
 
@@ -171,30 +176,38 @@ def _solve(x: np.ndarray, y: np.ndarray, base: np.ndarray, given: np.ndarray,
 
 
 def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
-    """The six terms of COSTS over ``rows`` (see the module docstring); ``server`` gives the
-    calibration whose values the terms that cannot be fitted keep."""
+    """The terms of COSTS over ``rows`` (see the module docstring), the attention scale once
+    per KV format in the rows (their fixed costs are shared: one backend); ``server`` gives
+    the calibration whose values the terms that cannot be fitted keep."""
     if len(rows) < MIN_ROWS:
         raise SimulatorInputError(
             f"need at least {MIN_ROWS} timed intervals or prefill steps; the logs have "
             f"{len(rows)}")
     cal = server.deployment.calibration
-    given = np.array([getattr(cal, k) for k in COSTS], dtype=float)
     y, base = np.array(rows.y), np.array(rows.base)
-    x = np.array(rows.feats, dtype=float)
+    x6 = np.array(rows.feats, dtype=float)
+    fmts = np.array(rows.fmt)
+    # decode rows' formats, the most frequent first (its factor becomes the file's default)
+    names, counts = np.unique(fmts[x6[:, 5] > 0], return_counts=True)
+    formats = [str(f) for f in names[np.argsort(-counts, kind="stable")]]
+    attn = 5 + np.arange(len(formats))
+    x = np.column_stack([x6[:, :5]] + [x6[:, 5] * (fmts == f) for f in formats])
+    given = np.array([getattr(cal, k) for k in COSTS[:5]]
+                     + [cal.attention_scale(f) for f in formats], dtype=float)
 
     def spread(v: np.ndarray) -> float:
         return float(np.std(v) / np.mean(v)) if v.size else 0.0
 
-    dec = x[:, 5] > 0
+    dec = x6[:, 5] > 0
     batch_spread = spread(x[dec, 1] / x[dec, 0])
-    free = ([0, 5] + ([1] if batch_spread >= SPREAD_MIN else [])) if dec.any() else []
+    free = ([0, *attn] + ([1] if batch_spread >= SPREAD_MIN else [])) if dec.any() else []
     pf = x[:, 2] > 0
     seq_spread = spread(x[pf, 3] / x[pf, 2])
     tok_spread = spread(x[pf, 4] / x[pf, 2])
     if pf.any():
         varying = [j for j, v in ((3, seq_spread), (4, tok_spread)) if v >= SPREAD_MIN]
         free += [2, *varying] if varying else [4]
-    free.sort()
+    free = sorted(int(j) for j in free)
     keep = np.ones(len(y), dtype=bool)
     for _ in range(2):
         if keep.sum() < MIN_ROWS:
@@ -216,13 +229,18 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
                    "mape": mape(pred, keep & (kinds == k)),
                    "mape_before": mape(before, keep & (kinds == k))}
                for k in ("decode", "prefill-interval", "burst")}
-    return {**{k: float(v) for k, v in zip(COSTS, theta, strict=True)},
-            "fitted": [COSTS[j] for j in free],
-            "kept": [COSTS[j] for j in range(len(COSTS)) if j not in free],
+    scales = {f: float(theta[j]) for f, j in zip(formats, attn, strict=True)}
+    names6 = list(COSTS[:5]) + ["decode_attention_scale"]
+    return {**{k: float(v) for k, v in zip(COSTS[:5], theta[:5], strict=True)},
+            "decode_attention_scale": (scales[formats[0]] if formats
+                                       else cal.decode_attention_scale),
+            "decode_attention_scale_by_format": scales,
+            "fitted": [names6[min(j, 5)] for j in free if j <= 5],
+            "kept": [names6[j] for j in range(6) if j not in free],
             "rows": int(keep.sum()), "by_kind": by_kind,
             "dropped": [f"{w}: {1e3 * m:.1f} ms measured vs {1e3 * p:.1f} ms fitted"
                         for w, m, p, k in zip(rows.where, y, pred, keep, strict=True) if not k],
             "mape": mape(pred, keep), "mape_before": mape(before, keep),
-            "kernel_share": float(np.mean((base[keep] + x[keep, 5] * theta[5]) / y[keep])),
+            "kernel_share": float(np.mean((base[keep] + x[keep, 5:] @ theta[5:]) / y[keep])),
             "decode_batch_spread": batch_spread, "prefill_seqs_per_step_spread": seq_spread,
             "prefill_tokens_per_step_spread": tok_spread}

@@ -6,6 +6,7 @@ the rows cannot determine, and refuses too few rows."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,15 +24,15 @@ TRUE = {"step_overhead_s": 5e-4, "seq_overhead_s": 1e-5, "prefill_step_overhead_
 N = 10  # decode_log_interval
 
 
-def _server(**costs):
+def _server(fmt="bf16", **costs):
     cal = replace(load_calibration("h100"), **costs)
-    return replace(scenario(), calibration=cal).server("bf16")
+    return replace(scenario(), calibration=cal).server(fmt)
 
 
-def _log(tmp_path, intervals, idle_at=None):
+def _log(tmp_path, intervals, idle_at=None, fmt="bf16", **truth_costs):
     """Decode lines every N decode steps, with Prefill lines between them; each interval's
     gen throughput is its decode tokens over the wall time that the true costs give."""
-    truth = _server(**TRUE)
+    truth = _server(fmt, **{**TRUE, **truth_costs})
     lines = ["max_total_num_tokens=400000, chunked_prefill_size=8192",
              f"server_args=ServerArgs(decode_log_interval={N}, chunked_prefill_size=8192)"]
 
@@ -55,7 +56,7 @@ def _log(tmp_path, intervals, idle_at=None):
         if i == idle_at:
             wall *= 3.0      # the server idled inside this interval
         lines.append(decode_line(b, kv, N * mb / wall))
-    p = tmp_path / "server.log"
+    p = tmp_path / f"server-{fmt}.log"
     p.write_text("\n".join(lines) + "\n")
     return parse_server_log(p)
 
@@ -104,3 +105,43 @@ def test_too_few_rows_is_a_clear_error(tmp_path):
     log = _log(tmp_path, _intervals()[:3])
     with pytest.raises(SimulatorInputError, match="at least 8"):
         fit_step_costs(_server(), step_rows(_server(), log, "fit", True))
+
+
+def test_formats_share_fixed_costs_and_get_their_own_attention_scale(tmp_path):
+    """bf16 and fp8 runs of one backend: one step/request cost, one attention factor each;
+    the calibration written from the fit gives each format's cost model its own factor."""
+    from simulator.validation.fit import calibration_file, write_calibration
+
+    start = {**{k: 0.0 for k in TRUE}, "decode_attention_scale": 1.0}
+    rows = step_rows(_server("bf16", **start), _log(tmp_path, _intervals(2, prefill=False)),
+                     "bf16", True)
+    fp8_log = _log(tmp_path, _intervals(3, prefill=False), fmt="fp8",
+                   decode_attention_scale=1.3)
+    step_rows(_server("fp8", **start), fp8_log, "fp8", True, rows)
+    fit = fit_step_costs(_server("bf16", **start), rows)
+    assert fit["decode_attention_scale_by_format"] == {
+        "bf16": pytest.approx(0.85, rel=0.03), "fp8": pytest.approx(1.3, rel=0.03)}
+    assert fit["decode_attention_scale"] == fit["decode_attention_scale_by_format"]["bf16"]
+    assert fit["step_overhead_s"] == pytest.approx(TRUE["step_overhead_s"], rel=0.05)
+    assert fit["seq_overhead_s"] == pytest.approx(TRUE["seq_overhead_s"], rel=0.05)
+    data = calibration_file(_server("bf16", **start), {**fit, "fixed_only": True}, "logs")
+    path = write_calibration(tmp_path / "cal.json", data)
+    cal = load_calibration("h100", path)
+    assert set(cal.decode_attention_scales) == {"fp8"}
+    fp8 = replace(scenario(), calibration=cal).server("fp8")
+    bf16 = replace(scenario(), calibration=cal).server("bf16")
+    assert fp8.cost.attention_scale == pytest.approx(1.3, rel=0.03)
+    assert bf16.cost.attention_scale == pytest.approx(0.85, rel=0.03)
+
+
+def test_a_bad_per_format_scale_is_refused(tmp_path):
+    import json
+
+    data = json.loads((Path(__file__).parents[2] / "simulator" / "calibration"
+                       / "default.json").read_text())
+    data["gpus"]["h100"]["decode_attention_scale_by_format"] = {"fp8": 0}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SimulatorInputError,
+                       match=r"decode_attention_scale_by_format.fp8=0 must be in \(0, 4\]"):
+        load_calibration("h100", path)
