@@ -29,6 +29,7 @@ any synchronisation inside it (``begin_decode`` reads its success flag on the ho
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import time
@@ -125,6 +126,7 @@ class StepProfiler:
         self.window_host = dict.fromkeys(MODES, 0.0)  # host ms of the interval's steps
         self.window_steps = dict.fromkeys(MODES, 0)
         self.total_steps = dict.fromkeys(MODES, 0)
+        self._host_counts = self.host_counts()
 
     @classmethod
     def from_env(cls, device: torch.device | str,
@@ -178,8 +180,25 @@ class StepProfiler:
             self.total[mode][bucket] += ms
         self._done.clear()
 
+    def host_counts(self) -> tuple[int, int]:
+        """(device allocations PyTorch's caching allocator made, Python gen-2 collections)
+        so far: each may stall a host-bound step (a cudaMalloc synchronises the device)."""
+        allocs = 0
+        if self.cuda:
+            allocs = int(torch.cuda.memory_stats().get("num_device_alloc", 0))
+        return allocs, int(gc.get_stats()[2]["collections"])
+
+    def host_line(self) -> str:
+        """What the host did besides issuing work since the last call (one line per log
+        interval: reading the counters costs ~0.1 ms, too much for every step)."""
+        now = self.host_counts()
+        allocs, gcs = (a - b for a, b in zip(now, self._host_counts, strict=True))
+        self._host_counts = now
+        return f"DiffKV host: {allocs} device allocations, {gcs} gen-2 collections"
+
     def lines(self) -> list[str]:
-        """One line per mode that ran since the last call; starts a new interval."""
+        """One line per mode that ran since the last call, then the host line; starts a new
+        interval."""
         self._read()
         out = []
         for mode in MODES:
@@ -190,6 +209,8 @@ class StepProfiler:
             self.window[mode] = dict.fromkeys(BUCKETS, 0.0)
             self.window_host[mode] = 0.0
             self.window_steps[mode] = 0
+        if out:
+            out.append(self.host_line())
         return out
 
 

@@ -29,6 +29,7 @@ WORKLOAD_A = """\
 [2026-01-01 10:00:12 TP0] DiffKV decode: batch 100, tokens high 30.0% / low 50.0% / pruned 20.0%; pages in use 2000/10000 (20.0%; a bf16 cache would need 6000), active requests 100 holding 50000 tokens
 [2026-01-01 10:00:12 TP0] DiffKV profile decode: 50 steps: mm 3.100 ms/step (7.52% of step 41.200 ms) = alloc 1.000 + reclaim 0.100 + free 2.000, policy 5.000 ms/step (12.14%); total 500 steps: mm 1550.000 ms (7.52% of 20600.000 ms), policy 2500.000 ms (12.14%)
 [2026-01-01 10:00:12 TP0] DiffKV profile prefill: 2 steps: mm 8.000 ms/step (8.00% of step 100.000 ms) = alloc 5.000 + reclaim 3.000 + free 0.000, policy 0.000 ms/step (0.00%), host 97.500 ms/step; total 4 steps: mm 16.000 ms (8.00% of 200.000 ms), policy 0.000 ms (0.00%)
+[2026-01-01 10:00:12 TP0] DiffKV host: 3 device allocations, 1 gen-2 collections
 [2026-01-01 10:00:13 TP0] Decode batch, #running-req: 300, #token: 150000, token usage: 0.09, cuda graph: False, gen throughput (token/s): 6000.00, #queue-req: 3,
 [2026-01-01 10:00:13 TP0] KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 1234, #new_token_ratio: 0.4000 -> 0.5000
 [2026-01-01 10:00:14 TP0] DiffKV decode: batch 300, tokens high 40.0% / low 40.0% / pruned 20.0%; pages in use 6000/10000 (60.0%; a bf16 cache would need 15000), active requests 300 holding 150000 tokens
@@ -91,6 +92,7 @@ def test_slice_keeps_only_its_lines(log) -> None:
     # the host field where the lines have it (these decode lines predate it)
     assert s["diffkv_profile"]["prefill"]["host_ms"] == pytest.approx(97.5)
     assert "host_ms" not in dec
+    assert s["diffkv_device_allocs"] == 3 and s["diffkv_gen2_collections"] == 1
     assert mm_ms_per_step(s) == pytest.approx(dec["mm_ms"])
     assert mm_ms_per_step(s, "prefill") == pytest.approx(8.0)
     # a line in another wording still gives its figures; the unknown line is kept raw

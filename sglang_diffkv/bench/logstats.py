@@ -114,7 +114,12 @@ def _profile_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+# step_profile.StepProfiler.host_line
+_HOST = re.compile(r"DiffKV host: (\d+) device allocations, (\d+) gen-2 collections")
+
+
 def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
+    host = np.zeros(2, dtype=np.int64)
     steps: list[tuple[float, ...]] = []
     ms_vals: dict[str, list[float]] = defaultdict(list)
     profile: list[dict[str, Any]] = []
@@ -122,6 +127,9 @@ def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
     for ln in lines:
         if (prof := parse_profile_line(ln)) is not None:
             profile.append(prof)
+            continue
+        if h := _HOST.search(ln):
+            host += [int(h.group(1)), int(h.group(2))]
             continue
         if m := _STEP.search(ln):
             bf = _BF16_PAGES.search(ln)
@@ -161,6 +169,7 @@ def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
             out["diffkv_mean_compression_vs_bf16"] = float(ratio[ok].mean())
     if profile:
         out["diffkv_profile"] = _profile_summary(profile)
+        out["diffkv_device_allocs"], out["diffkv_gen2_collections"] = map(int, host)
     if ms_vals:
         out["diffkv_ms"] = {k: float(np.mean(v)) for k, v in ms_vals.items()}
         out["diffkv_ms_lines"] = max(len(v) for v in ms_vals.values())
