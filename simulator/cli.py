@@ -255,9 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="SGLang server log with 'Decode batch' lines")
     cal.add_argument("--out", required=True, metavar="PATH", help="calibration JSON to write")
     cal.add_argument("--fit", default="auto", choices=("auto", "fixed", "decode"),
-                     help="what to fit: 'fixed' = only the per-step and per-sequence costs "
-                          "(kernel times from the calibration's measured grids, e.g. "
-                          "scripts/calibrate_gpu.py's file given as --calibration); 'decode' = "
+                     help="what to fit: 'fixed' = the fixed step costs (per step and request, "
+                          "per prefill step, request and prompt token) and the decode "
+                          "attention factor, with kernel times from the calibration's measured "
+                          "grids (e.g. scripts/calibrate_gpu.py's file given as --calibration): "
+                          "the joint fit scripts/validate_simulator.py runs; 'decode' = "
                           "also the weight and decode-attention efficiencies; 'auto' = fixed "
                           "when --calibration has measured grids (default: %(default)s)")
     _format_options(cal, many=False)
@@ -515,23 +517,25 @@ def cmd_calibrate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         calibration_file,
         decode_samples,
         fit_decode,
-        fit_fixed_costs,
         write_calibration,
     )
     from simulator.validation.sglang_log import parse_server_log
+    from simulator.validation.step_fit import COSTS, fit_step_costs, step_rows
 
     log = parse_server_log(a.server_log)
     srv = _scenario(a).server(a.format)
     fixed = a.fit == "fixed" or (a.fit == "auto" and bool(srv.deployment.calibration.measured))
     if fixed:
-        graphed = not a.disable_cuda_graph
-        fit = {**fit_fixed_costs(srv, decode_samples(log, graphed)), "fixed_only": True}
-        rows = [["step_overhead_s", fit["step_overhead_s"]],
-                ["seq_overhead_s", fit["seq_overhead_s"]],
-                ["clean decode intervals used", fit["samples"]],
-                ["kernels' share of a step", f"{100 * fit['kernel_share']:.0f}%"],
-                ["fit error (MAPE) before / after",
-                 f"{100 * fit['mape_before']:.1f}% / {100 * fit['mape']:.1f}%"]]
+        # the validation script's joint fit (step_fit), on this one log
+        rows_in = step_rows(srv, log, a.server_log, not a.disable_cuda_graph)
+        fit = {**fit_step_costs(srv, rows_in), "fixed_only": True}
+        fit["samples"] = fit["rows"]
+        rows = [[k, fit[k]] for k in COSTS]
+        rows = [[k + ("" if k in fit["fitted"] else " (kept)"), v] for k, v in rows]
+        rows += [["rows used (dropped)", f"{fit['rows']} ({len(fit['dropped'])})"],
+                 ["kernels' share of a step", f"{100 * fit['kernel_share']:.0f}%"],
+                 ["fit error (MAPE) before / after",
+                  f"{100 * fit['mape_before']:.1f}% / {100 * fit['mape']:.1f}%"]]
     else:
         fit = fit_decode(srv, decode_samples(log))
         rows = [["eta_mem_gemm", fit["eta_mem_gemm"]],

@@ -17,9 +17,9 @@ that is not a valid efficiency, keeps eta_mem_gemm and becomes the per-step cost
 The result is a calibration entry with ``measured_on`` provenance.
 
 When the calibration already carries measured kernel grids (``scripts/calibrate_gpu.py``),
-GEMM and attention times are known per step and only the fixed costs are left:
-``fit_fixed_costs`` fits ``step_overhead_s`` (per step) and ``seq_overhead_s`` (per running
-request) to the part of each measured step the kernels do not explain.
+GEMM and attention times are known per step and only the fixed costs are left: ``step_fit``
+fits them (per step and request, per prefill step, request and prompt token, and a factor on
+the decode attention grid) to the part of each measured interval the kernels do not explain.
 
 What a Decode line's throughput implies: SGLang logs every ``decode_log_interval`` (40) decode
 steps ``gen throughput = (sum of the interval's decode batch sizes) / (wall time since the
@@ -99,44 +99,6 @@ def _shape(server: ResolvedServer, b: float, t: float) -> StepShape:
     kv = np.full(reqs, max(1, int(t // reqs)))
     return StepShape(decode_reqs=reqs, decode_kv_tokens=int(kv.sum()),
                      decode_read_bytes=server.pool.read_bytes_per_layer(kv, None))
-
-
-def fit_fixed_costs(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
-    """Per-step and per-request fixed costs: non-negative least squares, in relative error, of
-    (measured step - modelled step without fixed per-step and per-request costs) on
-    [1, batch]. The kernels' times come from the calibration (its measured grids when it has
-    them), per-layer overheads stay as they are."""
-    if len(samples) < MIN_SAMPLES:
-        raise SimulatorInputError(
-            f"need at least {MIN_SAMPLES} clean decode intervals (a Decode line after a Decode "
-            f"line, no Prefill line between); the log has {len(samples)}")
-    cost, cal = server.cost, server.deployment.calibration
-    base = []
-    for b, t, _ in samples:
-        shape = _shape(server, b, t)
-        base.append(cost.step_time(shape) - cal.step_overhead_s
-                    - cal.seq_overhead_s * shape.decode_reqs)
-    base_arr = np.array(base)
-    y = samples[:, 2]
-    x = np.column_stack([np.ones(len(y)), np.maximum(1, np.round(samples[:, 0]))])
-    # relative residuals: every interval counts alike, whatever its step time
-    spread = float(np.std(x[:, 1]) / np.mean(x[:, 1]))
-    if spread < SPREAD_MIN:
-        # a (nearly) constant batch cannot tell a per-step from a per-request cost; charge it
-        # per step (host launch overheads do not grow with the batch) and keep c_seq
-        xs = x[:, :1] / y[:, None]
-        (const,) = _nnls(xs, (y - base_arr - cal.seq_overhead_s * x[:, 1]) / y)
-        c_seq = cal.seq_overhead_s
-    else:
-        const, c_seq = _nnls(x / y[:, None], (y - base_arr) / y)
-    pred = base_arr + x @ np.array([const, c_seq])
-    before = base_arr + cal.step_overhead_s + cal.seq_overhead_s * x[:, 1]
-    return {"step_overhead_s": float(const), "seq_overhead_s": float(c_seq),
-            "samples": int(len(y)), "mape": float(np.mean(np.abs(pred / y - 1))),
-            "mape_before": float(np.mean(np.abs(before / y - 1))),
-            "kernel_share": float(np.mean(base_arr / y)),
-            "grids": bool(cal.measured), "batch_spread": spread,
-            "per_step_only": spread < SPREAD_MIN}
 
 
 def prefill_samples(log: ServerLog) -> np.ndarray:

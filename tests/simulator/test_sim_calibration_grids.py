@@ -16,8 +16,9 @@ from simulator.calibration.build import build_calibration
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
 from simulator.specs.calibration import EtaGrid1D, EtaGrid2D, load_calibration
-from simulator.validation.fit import decode_samples, fit_fixed_costs
+from simulator.validation.fit import decode_samples, prefill_shape
 from simulator.validation.sglang_log import parse_server_log
+from simulator.validation.step_fit import fit_step_costs, step_rows
 
 
 def _entry_with(measured: dict) -> dict:
@@ -179,7 +180,8 @@ def _fitting_log(srv, step_s: float, seq_s: float, interval: int = 10) -> str:
     interval of ``interval`` steps, with a prefill (whose time lands in the next interval)
     every fourth interval, and a first line whose interval includes start-up."""
     lines = ["[2026-11-22 09:00:00] server_args=ServerArgs(mem_fraction_static=0.85, "
-             "chunked_prefill_size=8192, disable_cuda_graph=False)",
+             "chunked_prefill_size=8192, disable_cuda_graph=False, "
+             f"decode_log_interval={interval})",
              "[2026-11-22 09:00:00] max_total_num_tokens=409907, max_running_requests=4096",
              "[2026-11-22 09:00:01] Decode batch, #running-req: 250, #token: 250000, token "
              "usage: 0.5, cuda graph: True, gen throughput (token/s): 3.00, #queue-req: 0"]
@@ -205,23 +207,49 @@ def _fitting_log(srv, step_s: float, seq_s: float, interval: int = 10) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_fixed_cost_fit_recovers_constants_and_skips_dirty_intervals(tmp_path):
+def test_step_fit_recovers_constants_and_times_prefill_intervals(tmp_path):
     base = load_calibration("h100")
-    zero = replace(base, step_overhead_s=0.0, seq_overhead_s=0.0)
+    zero = replace(base, step_overhead_s=0.0, seq_overhead_s=0.0, prefill_step_overhead_s=0.0,
+                   prefill_seq_overhead_s=0.0, prefill_token_overhead_s=0.0)
     srv = replace(scenario(), calibration=zero).server("bf16")
     p = tmp_path / "server.log"
     p.write_text(_fitting_log(srv, 1.5e-3, 0.0))
     log = parse_server_log(p)
     assert log.server_args["mem_fraction_static"] == "0.85"
-    samples = decode_samples(log, graphed=True)
-    assert len(samples) == 30                  # 40 intervals - 10 after a prefill; start-up
-    fit = fit_fixed_costs(srv, samples)
+    assert len(decode_samples(log, graphed=True)) == 30  # 40 - 10 after a prefill; start-up
+    rows = step_rows(srv, log, "fit", graphed=True)
+    assert rows.kind.count("prefill-interval") == 10 and rows.kind.count("decode") == 30
+    decode_only = fit_step_costs(srv, rows.of_kinds("decode"))
     # (the interval's mean batch is estimated from its two end lines: small error)
+    assert decode_only["step_overhead_s"] == pytest.approx(1.5e-3, rel=0.1)
+    assert decode_only["seq_overhead_s"] < 1e-6
+    assert decode_only["mape"] < 0.01 < 0.05 < decode_only["mape_before"]
+    # with the prefill intervals: each holds a 0.25 s prefill step (one 4000-token prompt
+    # each: nothing varies, so the part the kernels leave is charged per prompt token)
+    fit = fit_step_costs(srv, rows)
+    assert "prefill_token_overhead_s" in fit["fitted"]
+    pf = srv.cost.step_time(prefill_shape(srv, 1, 4000, 0))
+    assert pf + 4000 * fit["prefill_token_overhead_s"] == pytest.approx(0.25, rel=0.05)
     assert fit["step_overhead_s"] == pytest.approx(1.5e-3, rel=0.1)
-    assert fit["seq_overhead_s"] < 1e-6
-    assert fit["mape"] < 0.01 < 0.05 < fit["mape_before"]
-    # the same fit fed every interval (prefill stalls included) would be biased upwards
-    everything = np.array([(b, t, b / g) for b, t, g in zip(
-        log.decode_running[1:], log.decode_tokens[1:], log.decode_gen_throughput[1:],
-        strict=True)])
-    assert fit_fixed_costs(srv, everything)["step_overhead_s"] > 2e-3
+
+
+
+def test_calibrate_fixed_runs_the_joint_step_fit(tmp_path):
+    """``diffkv-sim calibrate --fit fixed``: the same fit as the validation script, written
+    as a calibration the simulator loads."""
+    import io
+
+    from simulator.cli import main
+
+    srv = scenario().server("bf16")
+    cal = srv.deployment.calibration
+    p = tmp_path / "server.log"
+    p.write_text(_fitting_log(srv, 1.5e-3, 0.0))
+    out_cal = tmp_path / "cal.json"
+    text = io.StringIO()
+    assert main(["calibrate", "--server-log", str(p), "--fit", "fixed", "--out",
+                 str(out_cal)], out=text) == 0
+    assert "prefill_token_overhead_s" in text.getvalue()
+    fitted = load_calibration("h100", out_cal)
+    # the log's steps carry 1.5 ms more per step than the calibration it was made with
+    assert fitted.step_overhead_s == pytest.approx(cal.step_overhead_s + 1.5e-3, rel=0.1)

@@ -286,23 +286,6 @@ def test_several_result_folders_are_merged_and_fitting_runs_stay_out(results, tm
     assert "in-sample" in (tmp_path / "d.md").read_text()
 
 
-def test_constant_batch_fit_charges_the_per_step_cost():
-    from simulator.validation.fit import fit_fixed_costs
-
-    srv = scenario().server("bf16")
-    cost, cal = srv.cost, srv.deployment.calibration
-    from simulator.validation.fit import _shape
-
-    rows = []
-    for t in np.linspace(2e5, 4e5, 20):
-        shape = _shape(srv, 300.0, t)
-        rows.append((300.0, t, cost.step_time(shape) + 0.01))   # 10 ms hidden per step
-    res = fit_fixed_costs(srv, np.array(rows))
-    assert res["per_step_only"]
-    assert res["step_overhead_s"] == pytest.approx(cal.step_overhead_s + 0.01, rel=1e-3)
-    assert res["seq_overhead_s"] == cal.seq_overhead_s
-
-
 def _log_with_args(tmp_path: Path, args: str) -> object:
     from simulator.validation.sglang_log import parse_server_log
 

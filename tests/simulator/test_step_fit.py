@@ -145,3 +145,15 @@ def test_a_bad_per_format_scale_is_refused(tmp_path):
     with pytest.raises(SimulatorInputError,
                        match=r"decode_attention_scale_by_format.fp8=0 must be in \(0, 4\]"):
         load_calibration("h100", path)
+
+
+def test_a_constant_batch_charges_the_hidden_cost_per_step(tmp_path):
+    """One batch size throughout (a single long-generation run) cannot tell a per-step cost
+    from a per-request one: the per-request cost is kept and the rest charged per step."""
+    hidden = 0.01
+    intervals = [(300, int(kv), []) for kv in np.linspace(2e5, 4e5, 20)]
+    log = _log(tmp_path, intervals, step_overhead_s=TRUE["step_overhead_s"] + hidden)
+    srv = _server(**TRUE)
+    fit = fit_step_costs(srv, step_rows(srv, log, "fit", True))
+    assert "seq_overhead_s" in fit["kept"] and fit["seq_overhead_s"] == TRUE["seq_overhead_s"]
+    assert fit["step_overhead_s"] == pytest.approx(TRUE["step_overhead_s"] + hidden, rel=0.02)
