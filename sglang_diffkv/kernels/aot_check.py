@@ -17,7 +17,7 @@ import triton
 from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED
 from sglang_diffkv.kernels._tier import tier_constexprs
 from sglang_diffkv.kernels.decode_attention import TRITON_ASM
-from sglang_diffkv.kernels.decode_policy import hash_constexprs
+from sglang_diffkv.kernels.decode_policy import SCAN_BLOCK, hash_constexprs
 from sglang_diffkv.layout import PageGeometry
 
 GEO = PageGeometry.build(128, K8V4_GROUPED, K4V2_GROUPED)
@@ -63,13 +63,13 @@ KERNELS = [
     ("prefill", "_store_prefill_kernel", dict(PAGE_BYTES=GEO.page_bytes, D=128, Q=64, BL=64,
                                               **HI, **LO)),
     *(("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
-                                               WINDOW=64, BT=256, PARALLEL=par, BENCH=bench,
+                                               WINDOW=64, BT=SCAN_BLOCK, PARALLEL=par, BENCH=bench,
                                                **HI, **LO, **hash_constexprs()))
       for bench in (False, True) for par in (False, True)),
     # layer == 1 arrives as a constexpr: the hash must not call tensor methods on it; so
     # does n_split == 1 (one argmin program per row at large batches)
     ("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
-                                             WINDOW=64, BT=256, PARALLEL=True, BENCH=True,
+                                             WINDOW=64, BT=SCAN_BLOCK, PARALLEL=True, BENCH=True,
                                              layer=1, n_split=1, **HI, **LO,
                                              **hash_constexprs())),
     # the parallel argmin, on both geometries (non-power-of-two low tokens per page)

@@ -390,8 +390,10 @@ def unpack_keys(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 # Tokens per step of the scan's serial walk (a row of n tokens takes ceil(n / BT) dependent
-# page-table -> score/position loads per tier).
-SCAN_BLOCK = 256
+# page-table -> score/position loads per tier). 512: on the H100 (30/50/20, graph-replayed,
+# docs/benchmarks.md session 8) 8-12% faster than 256 at 4k contexts (B 305 x 4k: 75 vs
+# 82 us), equal at 1k; 1024 is slower at B 128-305.
+SCAN_BLOCK = 512
 
 
 @functools.lru_cache(maxsize=64)
