@@ -57,6 +57,10 @@ PROFILE_LINE_RE = re.compile(
     rf"\((?P<total_mm_pct>{_F})% of (?P<total_step_ms>{_F}) ms\), "
     rf"policy (?P<total_policy_ms>{_F}) ms \((?P<total_policy_pct>{_F})%\)"
 )
+# the host line (``StepProfiler.host_line`` writes it, this reads it)
+HOST_LINE_RE = re.compile(
+    r"DiffKV host: (?P<device_allocs>\d+) device allocations, "
+    r"(?P<gen2_collections>\d+) gen-2 collections")
 
 
 def profiling_enabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -530,8 +530,7 @@ def cmd_calibrate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         rows_in = step_rows(srv, log, a.server_log, not a.disable_cuda_graph)
         fit = {**fit_step_costs(srv, rows_in), "fixed_only": True}
         fit["samples"] = fit["rows"]
-        rows = [[k, fit[k]] for k in COSTS]
-        rows = [[k + ("" if k in fit["fitted"] else " (kept)"), v] for k, v in rows]
+        rows = [[k if k in fit["fitted"] else f"{k} (kept)", fit[k]] for k in COSTS]
         rows += [["rows used (dropped)", f"{fit['rows']} ({len(fit['dropped'])})"],
                  ["kernels' share of a step", f"{100 * fit['kernel_share']:.0f}%"],
                  ["fit error (MAPE) before / after",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sglang_diffkv.step_profile import (
+    HOST_LINE_RE,
     PROFILE_LINE_RE,
     StepProfiler,
     parse_profile_line,
@@ -60,6 +61,7 @@ def test_buckets_steps_and_free_between_steps():
     lines = p.lines()
     assert len(lines) == 3
     assert lines[2] == "DiffKV host: 0 device allocations, 1 gen-2 collections"
+    assert HOST_LINE_RE.search("[2026-01-01 00:00:00] " + lines[2])["gen2_collections"] == "1"
     pre, dec = (parse_profile_line(x) for x in lines[:2])  # MODES order: prefill, decode
     assert dec["mode"] == "decode" and dec["steps"] == 2 and dec["total_steps"] == 2
     assert dec["alloc_ms"] == pytest.approx(4) and dec["free_ms"] == 0

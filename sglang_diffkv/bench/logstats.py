@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_diffkv.step_profile import parse_profile_line
+from sglang_diffkv.step_profile import HOST_LINE_RE, parse_profile_line
 from simulator.errors import SimulatorInputError
 from simulator.validation.sglang_log import parse_server_log
 
@@ -114,10 +114,6 @@ def _profile_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-# step_profile.StepProfiler.host_line
-_HOST = re.compile(r"DiffKV host: (\d+) device allocations, (\d+) gen-2 collections")
-
-
 def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
     host = np.zeros(2, dtype=np.int64)
     steps: list[tuple[float, ...]] = []
@@ -128,7 +124,7 @@ def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
         if (prof := parse_profile_line(ln)) is not None:
             profile.append(prof)
             continue
-        if h := _HOST.search(ln):
+        if h := HOST_LINE_RE.search(ln):
             host += [int(h.group(1)), int(h.group(2))]
             continue
         if m := _STEP.search(ln):

@@ -235,7 +235,7 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
             "decode_attention_scale": (scales[formats[0]] if formats
                                        else cal.decode_attention_scale),
             "decode_attention_scale_by_format": scales,
-            "fitted": [names6[min(j, 5)] for j in free if j <= 5],
+            "fitted": [names6[j] for j in free if j <= 5],
             "kept": [names6[j] for j in range(6) if j not in free],
             "rows": int(keep.sum()), "by_kind": by_kind,
             "dropped": [f"{w}: {1e3 * m:.1f} ms measured vs {1e3 * p:.1f} ms fitted"
