@@ -134,7 +134,7 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         settings, fmt = server_settings(h.configs[run.config], log)
         backends.add(backend(fmt))
         srv = scenario(model, gpu, calib, settings, h, run.config).server(fmt)
-        step_rows(srv, log, run.key, not settings.disable_cuda_graph, rows,
+        step_rows(srv, log, run.key, None, rows,
                   skip_fraction=OPEN_LOOP_WARMUP_FRACTION if run.workload == "ladder" else 0.0)
     if len(backends) > 1:
         raise SimulatorInputError(f"fitting runs {', '.join(keys)} mix the backends "
@@ -161,7 +161,8 @@ def step_costs_note(res: dict[str, Any], runs: str) -> str:
             f"{1e6 * res['seq_overhead_s']:.2f} us; prefill step "
             f"{1e3 * res['prefill_step_overhead_s']:.2f} ms, per prefill request "
             f"{1e3 * res['prefill_seq_overhead_s']:.3f} ms, per prompt token "
-            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; fitted "
+            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; eager launches "
+            f"{1e6 * res['eager_layer_overhead_s']:.1f} us per layer; fitted "
             f"{', '.join(res['fitted'])}, kept {', '.join(res['kept']) or 'nothing'}; from "
             f"{runs}: rows {'; '.join(parts)}; all {res['rows']} rows MAPE "
             f"{100 * res['mape_before']:.1f}% -> {100 * res['mape']:.1f}%; dropped "
@@ -477,8 +478,11 @@ def kept_findings(doc: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", nargs="+", help="scripts/bench_e2e.py --out directories "
-                                               "(several are merged)")
+    ap.add_argument("results", nargs="+",
+                    help="scripts/bench_e2e.py --out directories (several are merged); "
+                         "DIR#TAG appends #TAG to the labels of DIR's runs, so a workload run "
+                         "again (another lease, another commit) keeps its own key, e.g. "
+                         "--fit-run diffkv-mix/ladder@4rps#s8")
     ap.add_argument("--calibration", default=None,
                     help="calibration JSON (scripts/calibrate_gpu.py's calibration.json); "
                          "default: the shipped one")
@@ -508,8 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     args_used = list(argv if argv is not None else sys.argv[1:])
     try:
-        h = merge_harness([load_harness(d, Path(a.scratch) / Path(d).resolve().name)
-                           for d in a.results])
+        parts = []
+        for arg in a.results:
+            d, _, tag = arg.partition("#")
+            parts.append(load_harness(d, Path(a.scratch) / Path(d).resolve().name,
+                                      tag=tag or None))
+        h = merge_harness(parts)
         calib = load_calibration(load_gpu(a.gpu).key, a.calibration)
         doc = Path(a.doc)
         plot_dir = Path(a.plots) if a.plots else doc.parent / "simulator-validation"

@@ -527,7 +527,7 @@ def cmd_calibrate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     fixed = a.fit == "fixed" or (a.fit == "auto" and bool(srv.deployment.calibration.measured))
     if fixed:
         # the validation script's joint fit (step_fit), on this one log
-        rows_in = step_rows(srv, log, a.server_log, not a.disable_cuda_graph)
+        rows_in = step_rows(srv, log, a.server_log, None)
         fit = {**fit_step_costs(srv, rows_in), "fixed_only": True}
         fit["samples"] = fit["rows"]
         rows = [[k if k in fit["fitted"] else f"{k} (kept)", fit[k]] for k in COSTS]

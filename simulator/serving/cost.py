@@ -170,10 +170,14 @@ class CostModel:
             self._dense_cache[tokens] = t
         return t
 
+    def graphed(self, s: StepShape) -> bool:
+        """Whether a CUDA graph runs the step: decode-only, within the captured sizes."""
+        return (s.prefill_tokens == 0 and self.graphs_enabled
+                and s.decode_reqs <= self.graph_max)
+
     def step_time(self, s: StepShape) -> float:
         c = self.calib
-        decode_only = s.prefill_tokens == 0
-        graphed = decode_only and self.graphs_enabled and s.decode_reqs <= self.graph_max
+        graphed = self.graphed(s)
         tokens = s.decode_reqs + s.prefill_tokens
         lin_tokens = self.padded_batch(s.decode_reqs) if graphed else tokens
         per_layer = self._dense_layer(lin_tokens)

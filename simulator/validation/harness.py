@@ -88,8 +88,13 @@ class HarnessResults:
     sources: list[Path] = field(default_factory=list)   # the harness folders merged here
 
     def run(self, key: str) -> HarnessRun:
+        """The run named ``key``: its exact key (``config/label``), else the first run of
+        ``config/workload``."""
         for r in self.runs:
-            if r.key == key or f"{r.config}/{r.workload}" == key:
+            if r.key == key:
+                return r
+        for r in self.runs:
+            if f"{r.config}/{r.workload}" == key:
                 return r
         raise SimulatorInputError(f"{self.root}: no run {key!r}; runs are "
                                   f"{', '.join(r.key for r in self.runs)}")
@@ -101,10 +106,19 @@ def _need(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def load_harness(root: str | Path, extract_to: str | Path | None = None) -> HarnessResults:
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def load_harness(root: str | Path, extract_to: str | Path | None = None,
+                 tag: str | None = None) -> HarnessResults:
     """One harness ``--out`` folder. ``logs.tar.gz`` (when there is no ``logs/``) is unpacked
     into ``extract_to`` (default: the folder itself), e.g. a scratch folder for committed
-    results that should stay untouched."""
+    results that should stay untouched. ``tag`` is appended to every run's label
+    (``ladder@4rps#s8``): the same workload run again on another lease or commit merges with
+    the first under its own key."""
+    if tag is not None and not TAG_RE.match(tag):
+        raise SimulatorInputError(f"run tag {tag!r}: use letters, digits, '.', '_' or '-' "
+                                  "(starting with a letter or digit)")
     root = Path(root)
     res_path = root / "results.json"
     try:
@@ -149,8 +163,9 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None) -> Harn
         with open(server_logs[cfg], "rb") as f:
             f.seek(int(span[0]))
             text = f.read(int(span[1]) - int(span[0])).decode(errors="replace")
-        runs.append(HarnessRun(cfg, _need(r, "workload", where), r.get("label", r["workload"]),
-                               tf, _need(r, "client", where), text, r.get("rate_req_s"),
+        label = r.get("label", r["workload"]) + (f"#{tag}" if tag else "")
+        runs.append(HarnessRun(cfg, _need(r, "workload", where), label, tf,
+                               _need(r, "client", where), text, r.get("rate_req_s"),
                                r.get("saturation_req_s"), r, server_logs[cfg]))
     return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
                           [root])
@@ -216,8 +231,9 @@ def fill_ladder_saturation(runs: list[HarnessRun]) -> None:
     sharegpt run of the same configuration (the same launch: merge_harness checks command and
     environment), its saturation rate is used, as the harness would have; the run's
     ``raw["saturation_from"]`` names it. Runs that have one keep theirs."""
-    sat = {r.config: (r, v) for r in runs if r.workload == "sharegpt"
-           and (v := sharegpt_saturation_req_s(r)) is not None}
+    # an untagged sharegpt run over a tagged one (a tag marks a repeat, e.g. a fitting run)
+    sat = {r.config: (r, v) for r in sorted(runs, key=lambda r: "#" not in r.label)
+           if r.workload == "sharegpt" and (v := sharegpt_saturation_req_s(r)) is not None}
     for r in runs:
         if r.workload == "ladder" and r.saturation_req_s is None and r.config in sat:
             src, v = sat[r.config]

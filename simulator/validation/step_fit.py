@@ -10,10 +10,14 @@ equation (``fit.py``'s module docstring has the details):
            + s_attn * the model's decode attention time
            + steps * c_step + decode tokens and prefill chunks * c_seq
            + prefill steps * p_step + prefill chunks * p_seq + prompt tokens * p_tok
+           + layers of the steps no CUDA graph runs * c_eager
 
-where the kernel times come from the calibration's grids and the six terms are what is fitted
-(``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``: prefill
-steps only, ``prefill_{step,seq,token}_overhead_s``; ``s_attn``: ``decode_attention_scale``,
+where the kernel times come from the calibration's grids and the seven terms are what is
+fitted (``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``:
+prefill steps only, ``prefill_{step,seq,token}_overhead_s``; ``c_eager``:
+``eager_layer_overhead_s``, the per-layer launch cost of a step outside the CUDA graphs: every
+prefill step and every decode step above the largest captured batch, separable from ``p_step``
+only when the rows hold eager decode steps; ``s_attn``: ``decode_attention_scale``,
 the decode attention kernel in a serving step against its grid measured alone: long contexts
 at a large batch weigh it, short ones at a small batch hardly). An interval's decode tokens are
 approximated by the interval times the mean of its two lines' ``#running-req`` (a prefill adds
@@ -47,7 +51,13 @@ from simulator.validation.fit import SPREAD_MIN, _nnls, _shape, prefill_samples,
 from simulator.validation.sglang_log import ServerLog
 
 COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
-         "prefill_seq_overhead_s", "prefill_token_overhead_s", "decode_attention_scale")
+         "prefill_seq_overhead_s", "prefill_token_overhead_s", "eager_layer_overhead_s",
+         "decode_attention_scale")
+ATTN = len(COSTS) - 1      # the attention column, one per KV format in the fit
+EAGER = ATTN - 1
+# eager and graphed decode intervals needed to fit c_eager apart from the per-step and the
+# prefill-step costs
+MIN_EAGER_ROWS = 3
 MIN_ROWS = 8
 OUTLIER_FACTOR = 1.5
 DEFAULT_DECODE_LOG_INTERVAL = 40
@@ -87,20 +97,22 @@ class StepRows:
         return out
 
 
-def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float]:
-    """The model's step time without any of the fitted terms, and its decode attention time
-    at scale 1."""
+def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float, float]:
+    """The model's step time without any of the fitted terms, its decode attention time at
+    scale 1, and the layers that pay the eager launch cost (0 for a CUDA-graph step)."""
     cal, cost = server.deployment.calibration, server.cost
     t = cost.step_time(shape)
     t -= cal.step_overhead_s + cal.seq_overhead_s * (shape.decode_reqs + shape.prefill_seqs)
     if shape.prefill_tokens:
         t -= (cal.prefill_step_overhead_s + cal.prefill_seq_overhead_s * shape.prefill_seqs
               + cal.prefill_token_overhead_s * shape.prefill_tokens)
+    eager_layers = 0.0 if cost.graphed(shape) else float(cost.layers)
+    t -= eager_layers * cal.eager_layer_overhead_s
     attn = 0.0
     if shape.decode_reqs:
         attn = cost.layers * cost.decode_attention_time(
             shape.decode_reqs, shape.decode_kv_tokens, shape.decode_read_bytes)
-    return t - attn, attn / cost.attention_scale
+    return t - attn, attn / cost.attention_scale, eager_layers
 
 
 def decode_log_interval(log: ServerLog) -> int:
@@ -125,8 +137,8 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
     start_line = log.decode_line_no[first - 1] if log.decode_running else 0
     for i in range(first, len(log.decode_running)):
         a, b = log.decode_line_no[i - 1], log.decode_line_no[i]
-        if graphed is not None and (log.decode_cuda_graph[i - 1] not in (None, graphed)
-                                    or log.decode_cuda_graph[i] not in (None, graphed)):
+        flags = {log.decode_cuda_graph[i - 1], log.decode_cuda_graph[i]} - {None}
+        if graphed is not None and flags - {graphed}:
             continue
         g = log.decode_gen_throughput[i]
         b0, b1 = log.decode_running[i - 1], log.decode_running[i]
@@ -136,9 +148,13 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         kv = 0.5 * (log.decode_tokens[i - 1] + log.decode_tokens[i])
         wall = n * batch / g
         dec = _shape(server, batch, kv)
-        rest, attn = _kernels(server, dec)
+        # the model must run the interval's steps the way the server did (a batch crossing
+        # the largest captured size inside the interval, or a mixed pair of flags, is both)
+        if len(flags) > 1 or (flags and server.cost.graphed(dec) not in flags):
+            continue
+        rest, attn, eager = _kernels(server, dec)
         base = n * rest
-        feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, n * attn]
+        feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, n * eager, n * attn]
         idx = np.nonzero((pf_no > a) & (pf_no < b))[0]
         for j in idx:
             seqs = log.prefill_new_seqs[j]
@@ -146,12 +162,14 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             if seqs <= 0 or tok <= 0:
                 continue
             shape = prefill_shape(server, seqs, tok, log.prefill_cached_tokens[j])
-            base += _kernels(server, shape)[0]
+            p_rest, _, p_eager = _kernels(server, shape)
+            base += p_rest
             feats[0] += 1
             feats[1] += shape.prefill_seqs
             feats[2] += 1
             feats[3] += shape.prefill_seqs
             feats[4] += shape.prefill_tokens
+            feats[EAGER] += p_eager
         used.append((a, b))
         rows.add(wall, base, feats, f"{name} lines {a}-{b}",
                  "prefill-interval" if feats[2] else "decode", fmt)
@@ -159,9 +177,10 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         if no < start_line or any(a < no < b for a, b in used):
             continue
         shape = prefill_shape(server, int(seqs), int(tok), int(cached))
-        rows.add(float(secs), _kernels(server, shape)[0],
+        p_rest, _, p_eager = _kernels(server, shape)
+        rows.add(float(secs), p_rest,
                  [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),
-                  0.0],
+                  p_eager, 0.0],
                  f"{name} line {int(no)}", "burst", fmt)
     return rows
 
@@ -185,20 +204,20 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
             f"{len(rows)}")
     cal = server.deployment.calibration
     y, base = np.array(rows.y), np.array(rows.base)
-    x6 = np.array(rows.feats, dtype=float)
+    xf = np.array(rows.feats, dtype=float)
     fmts = np.array(rows.fmt)
     # decode rows' formats, the most frequent first (its factor becomes the file's default)
-    names, counts = np.unique(fmts[x6[:, 5] > 0], return_counts=True)
+    names, counts = np.unique(fmts[xf[:, ATTN] > 0], return_counts=True)
     formats = [str(f) for f in names[np.argsort(-counts, kind="stable")]]
-    attn = 5 + np.arange(len(formats))
-    x = np.column_stack([x6[:, :5]] + [x6[:, 5] * (fmts == f) for f in formats])
-    given = np.array([getattr(cal, k) for k in COSTS[:5]]
+    attn = ATTN + np.arange(len(formats))
+    x = np.column_stack([xf[:, :ATTN]] + [xf[:, ATTN] * (fmts == f) for f in formats])
+    given = np.array([getattr(cal, k) for k in COSTS[:ATTN]]
                      + [cal.attention_scale(f) for f in formats], dtype=float)
 
     def spread(v: np.ndarray) -> float:
         return float(np.std(v) / np.mean(v)) if v.size else 0.0
 
-    dec = x6[:, 5] > 0
+    dec = xf[:, ATTN] > 0
     batch_spread = spread(x[dec, 1] / x[dec, 0])
     free = ([0, *attn] + ([1] if batch_spread >= SPREAD_MIN else [])) if dec.any() else []
     pf = x[:, 2] > 0
@@ -207,6 +226,12 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
     if pf.any():
         varying = [j for j, v in ((3, seq_spread), (4, tok_spread)) if v >= SPREAD_MIN]
         free += [2, *varying] if varying else [4]
+    # eager decode steps: their launch cost apart from the prefill steps' (which pay it too)
+    # and from the per-step cost (which the graphed decode steps pay without it)
+    eager_dec = dec & (xf[:, EAGER] > server.cost.layers * xf[:, 2] + 0.5)
+    eager_rows = int(eager_dec.sum())
+    if eager_rows >= MIN_EAGER_ROWS and int((dec & ~eager_dec).sum()) >= MIN_EAGER_ROWS:
+        free.append(EAGER)
     free = sorted(int(j) for j in free)
     keep = np.ones(len(y), dtype=bool)
     for _ in range(2):
@@ -230,17 +255,18 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
                    "mape_before": mape(before, keep & (kinds == k))}
                for k in ("decode", "prefill-interval", "burst")}
     scales = {f: float(theta[j]) for f, j in zip(formats, attn, strict=True)}
-    names6 = list(COSTS[:5]) + ["decode_attention_scale"]
-    return {**{k: float(v) for k, v in zip(COSTS[:5], theta[:5], strict=True)},
+    return {**{k: float(v) for k, v in zip(COSTS[:ATTN], theta[:ATTN], strict=True)},
             "decode_attention_scale": (scales[formats[0]] if formats
                                        else cal.decode_attention_scale),
             "decode_attention_scale_by_format": scales,
-            "fitted": [names6[j] for j in free if j <= 5],
-            "kept": [names6[j] for j in range(6) if j not in free],
+            "fitted": [COSTS[j] for j in free if j <= ATTN],
+            "kept": [COSTS[j] for j in range(len(COSTS)) if j not in free],
+            "eager_decode_rows": eager_rows,
             "rows": int(keep.sum()), "by_kind": by_kind,
             "dropped": [f"{w}: {1e3 * m:.1f} ms measured vs {1e3 * p:.1f} ms fitted"
                         for w, m, p, k in zip(rows.where, y, pred, keep, strict=True) if not k],
             "mape": mape(pred, keep), "mape_before": mape(before, keep),
-            "kernel_share": float(np.mean((base[keep] + x[keep, 5:] @ theta[5:]) / y[keep])),
+            "kernel_share": float(np.mean((base[keep] + x[keep, ATTN:] @ theta[ATTN:])
+                                          / y[keep])),
             "decode_batch_spread": batch_spread, "prefill_seqs_per_step_spread": seq_spread,
             "prefill_tokens_per_step_spread": tok_spread}

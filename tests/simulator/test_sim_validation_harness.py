@@ -57,7 +57,8 @@ def _log_lines(res, offset_s: float, window: float) -> list[str]:
         n_dec += 1
         if n_dec % 10 == 0:
             out.append(f"[{ts}] Decode batch, #running-req: {running}, #token: "
-                       f"{int(usage * cap)}, token usage: {usage:.2f}, cuda graph: True, "
+                       f"{int(usage * cap)}, token usage: {usage:.2f}, cuda graph: "
+                       f"{bool(running <= res.server.cost.graph_max)}, "
                        f"gen throughput (token/s): {toks / t_int:.3f}, #queue-req: 0")
             toks, t_int = 0, 0.0
     return out
@@ -344,6 +345,34 @@ def test_same_configuration_in_two_folders_keeps_each_runs_log(results, tmp_path
     (parts[1] / "results.json").write_text(json.dumps(data))
     with pytest.raises(SimulatorInputError, match="different command"):
         merge_harness([load_harness(p) for p in parts])
+
+
+def test_a_tagged_folder_repeats_runs_under_its_own_keys(results, tmp_path):
+    """The same workloads again (another lease): refused as a repeat untagged, merged under
+    DIR#TAG with '#TAG' keys that --fit-run can name; the untagged run keeps the keys it had
+    and stays the ladder's saturation source."""
+    from simulator.validation.harness import merge_harness
+
+    with pytest.raises(SimulatorInputError, match="repeat"):
+        merge_harness([load_harness(results), load_harness(results)])
+    merged = merge_harness([load_harness(results), load_harness(results, tag="s8")])
+    keys = [r.key for r in merged.runs]
+    plain = [r.key for r in load_harness(results).runs]
+    assert keys == plain + [f"{k}#s8" for k in plain]
+    assert merged.run("bf16/sharegpt").key == "bf16/sharegpt"
+    assert merged.run("bf16/sharegpt#s8").key == "bf16/sharegpt#s8"
+    ladder = merged.run("bf16/ladder@0.5x#s8")
+    assert ladder.raw.get("saturation_from", "bf16/sharegpt") == "bf16/sharegpt"
+    with pytest.raises(SimulatorInputError, match="run tag 'a b'"):
+        load_harness(results, tag="a b")
+    out_json = tmp_path / "rows.json"
+    assert _script().main([str(results), f"{results}#s8", "--fit-run", "bf16/longgen#s8",
+                           "--doc", str(tmp_path / "d.md"), "--json", str(out_json),
+                           "--scratch", str(tmp_path / "scratch")]) == 0
+    got = json.loads(out_json.read_text())
+    assert [f["run"] for f in got["fits"]] == ["bf16/longgen#s8"]
+    validated = {r["run"] for r in got["rows"] if r["verdict"] in ("PASS", "MISS")}
+    assert "bf16/longgen" in validated and "bf16/longgen#s8" not in validated
 
 
 def test_a_regenerated_report_keeps_the_hand_written_findings(tmp_path):

@@ -37,8 +37,9 @@ def _log(tmp_path, intervals, idle_at=None, fmt="bf16", **truth_costs):
              f"server_args=ServerArgs(decode_log_interval={N}, chunked_prefill_size=8192)"]
 
     def decode_line(b: int, kv: int, g: float) -> str:
+        graph = b <= truth.cost.graph_max
         return (f"[2026-11-22 12:00:00] Decode batch, #running-req: {b}, #token: {kv}, token "
-                f"usage: 0.05, cuda graph: True, gen throughput (token/s): {g:.4f}, "
+                f"usage: 0.05, cuda graph: {graph}, gen throughput (token/s): {g:.4f}, "
                 f"#queue-req: 0")
 
     pb, pkv = intervals[0][0], intervals[0][1]
@@ -96,9 +97,35 @@ def test_decode_only_rows_keep_the_prefill_costs(tmp_path):
     fit = fit_step_costs(_server(**given), step_rows(_server(**given), log, "fit", True))
     assert fit["prefill_step_overhead_s"] == 0.019
     assert set(fit["kept"]) == {"prefill_step_overhead_s", "prefill_seq_overhead_s",
-                                "prefill_token_overhead_s"}
+                                "prefill_token_overhead_s", "eager_layer_overhead_s"}
     for k in ("step_overhead_s", "seq_overhead_s", "decode_attention_scale"):
         assert fit[k] == pytest.approx(TRUE[k], rel=0.05), k
+
+
+def test_eager_decode_steps_give_the_eager_launch_cost(tmp_path):
+    """Batches above the largest CUDA graph run eagerly: with enough such intervals the
+    per-layer launch cost is fitted apart from the prefill-step cost (both pay it); the
+    intervals whose two lines disagree on the graph are left out (their steps ran both ways)."""
+    eager = 1.5e-4
+    srv0 = _server()
+    top = srv0.cost.graph_max
+    ivs = _intervals(4)
+    ivs += [(b, b * 600, []) for b in (top + 40, top + 90, top + 150, top + 220) for _ in range(3)]
+    ivs += [(top - 20, (top - 20) * 600, [])]            # back under the limit
+    log = _log(tmp_path, ivs, eager_layer_overhead_s=eager)
+    start = {**{k: 0.0 for k in TRUE}, "decode_attention_scale": 1.0,
+             "eager_layer_overhead_s": 0.0}
+    rows = step_rows(_server(**start), log, "fit", None)
+    fit = fit_step_costs(_server(**start), rows)
+    assert fit["eager_decode_rows"] >= 10
+    assert "eager_layer_overhead_s" in fit["fitted"]
+    for k, v in {**TRUE, "eager_layer_overhead_s": eager}.items():
+        if k in fit["fitted"]:
+            assert fit[k] == pytest.approx(v, rel=0.05, abs=2e-7), k
+    assert len(rows) == len(ivs) - 2      # the intervals into and out of the eager batches
+    # graphed-only rows (as before) hold no eager decode step: the cost is kept
+    kept = fit_step_costs(_server(**start), step_rows(_server(**start), log, "fit", True))
+    assert "eager_layer_overhead_s" in kept["kept"]
 
 
 def test_too_few_rows_is_a_clear_error(tmp_path):
@@ -151,7 +178,7 @@ def test_a_constant_batch_charges_the_hidden_cost_per_step(tmp_path):
     """One batch size throughout (a single long-generation run) cannot tell a per-step cost
     from a per-request one: the per-request cost is kept and the rest charged per step."""
     hidden = 0.01
-    intervals = [(300, int(kv), []) for kv in np.linspace(2e5, 4e5, 20)]
+    intervals = [(200, int(kv), []) for kv in np.linspace(2e5, 4e5, 20)]
     log = _log(tmp_path, intervals, step_overhead_s=TRUE["step_overhead_s"] + hidden)
     srv = _server(**TRUE)
     fit = fit_step_costs(srv, step_rows(srv, log, "fit", True))
