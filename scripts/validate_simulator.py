@@ -122,10 +122,11 @@ OPEN_LOOP_WARMUP_FRACTION = 0.5
 
 
 def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibration,
-        out_dir: Path, prefill: bool = True) -> tuple[str, Calibration, dict[str, Any]]:
+        out_dir: Path, prefill: bool = True, decode_only: frozenset[str] = frozenset()
+        ) -> tuple[str, Calibration, dict[str, Any]]:
     """Fixed step costs of one backend from its fitting runs (``step_fit``): (backend,
     fitted calibration, fit info). Without ``prefill`` only the decode-only intervals are
-    used and the prefill costs stay as given."""
+    used and the prefill costs stay as given; the runs in ``decode_only`` give only those."""
     rows = StepRows()
     backends = set()
     for key in keys:
@@ -134,8 +135,12 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         settings, fmt = server_settings(h.configs[run.config], log)
         backends.add(backend(fmt))
         srv = scenario(model, gpu, calib, settings, h, run.config).server(fmt)
-        step_rows(srv, log, run.key, None, rows,
-                  skip_fraction=OPEN_LOOP_WARMUP_FRACTION if run.workload == "ladder" else 0.0)
+        mine = step_rows(srv, log, run.key, None,
+                         skip_fraction=OPEN_LOOP_WARMUP_FRACTION if run.workload == "ladder"
+                         else 0.0)
+        if key in decode_only:
+            mine = mine.of_kinds("decode")
+        rows.extend(mine)
     if len(backends) > 1:
         raise SimulatorInputError(f"fitting runs {', '.join(keys)} mix the backends "
                                   f"{', '.join(sorted(backends))}; give each its own")
@@ -491,6 +496,14 @@ def main(argv: list[str] | None = None) -> int:
                          "fits the fixed step costs of its backend (triton or diffkv); "
                          "repeatable: a backend's runs are fitted together; never validated; "
                          "'none' keeps the file's (default: bf16/longgen)")
+    ap.add_argument("--skip-run", action="append", default=[],
+                    help="CONFIG/LABEL of a run in the given folders to leave out entirely "
+                         "(e.g. one superseded by a run of a later commit); repeatable")
+    ap.add_argument("--fit-decode-run", action="append", default=[],
+                    help="like --fit-run, but only the run's decode-only intervals are "
+                         "fitted: a saturation run whose large and eager decode batches the "
+                         "open-loop runs do not reach, while its prefill bursts (long prompts, "
+                         "full chunks) are left out of the prefill costs; never validated")
     ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
                     help="fixed cost of a DiffKV prefill step beyond the modelled kernels "
                          "(its extend path's scoring/compression launches), from the backend "
@@ -518,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(load_harness(d, Path(a.scratch) / Path(d).resolve().name,
                                       tag=tag or None))
         h = merge_harness(parts)
+        unknown = sorted(set(a.skip_run) - {r.key for r in h.runs})
+        if unknown:
+            raise SimulatorInputError(f"--skip-run {', '.join(unknown)}: no such run; runs "
+                                      f"are {', '.join(r.key for r in h.runs)}")
+        h.runs = [r for r in h.runs if r.key not in a.skip_run]
         calib = load_calibration(load_gpu(a.gpu).key, a.calibration)
         doc = Path(a.doc)
         plot_dir = Path(a.plots) if a.plots else doc.parent / "simulator-validation"
@@ -526,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         fitting: set[str] = set()
         calibs: dict[str, Calibration] = {"base": calib}
         fit_runs = [k for k in (a.fit_run or ["bf16/longgen"]) if k.lower() != "none"]
+        fit_runs += a.fit_decode_run
         by_backend: dict[str, list[str]] = {}
         for key in fit_runs:
             cfg = h.configs.get(h.run(key).config, {})
@@ -536,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.diffkv_prefill_step_ms and be == "diffkv":
                 base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
             be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir,
-                                       prefill=a.prefill_fit == "all")
+                                       prefill=a.prefill_fit == "all",
+                                       decode_only=frozenset(a.fit_decode_run))
             if base is not calib:
                 info["given_prefill_step_s"] = base.prefill_step_overhead_s
                 info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "

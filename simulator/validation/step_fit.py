@@ -88,6 +88,11 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.y)
 
+    def extend(self, other: StepRows) -> None:
+        for row in zip(other.y, other.base, other.feats, other.where, other.kind, other.fmt,
+                       strict=True):
+            self.add(*row)
+
     def of_kinds(self, *kinds: str) -> StepRows:
         out = StepRows()
         for row in zip(self.y, self.base, self.feats, self.where, self.kind, self.fmt,

@@ -373,6 +373,19 @@ def test_a_tagged_folder_repeats_runs_under_its_own_keys(results, tmp_path):
     assert [f["run"] for f in got["fits"]] == ["bf16/longgen#s8"]
     validated = {r["run"] for r in got["rows"] if r["verdict"] in ("PASS", "MISS")}
     assert "bf16/longgen" in validated and "bf16/longgen#s8" not in validated
+    alone = got["fits"][0]["rows"]
+    # a decode-only fitting run, a superseded run left out, an unknown one named
+    args = [str(results), f"{results}#s8", "--fit-run", "bf16/longgen#s8",
+            "--doc", str(tmp_path / "d.md"), "--scratch", str(tmp_path / "scratch")]
+    assert _script().main([*args, "--fit-decode-run", "bf16/sharegpt#s8", "--skip-run",
+                           "bf16/ladder@0.5x#s8", "--json", str(out_json)]) == 0
+    got = json.loads(out_json.read_text())
+    fit = got["fits"][0]
+    assert fit["runs"] == ["bf16/longgen#s8", "bf16/sharegpt#s8"]
+    assert fit["rows"] > alone        # the saturation run's decode intervals joined
+    assert fit["by_kind"]["burst"]["rows"] == fit["by_kind"]["prefill-interval"]["rows"] == 0
+    assert not any("ladder@0.5x#s8" in r["run"] for r in got["rows"])
+    assert _script().main([*args, "--skip-run", "bf16/nope"]) == 2
 
 
 def test_a_regenerated_report_keeps_the_hand_written_findings(tmp_path):
