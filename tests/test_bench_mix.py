@@ -218,6 +218,109 @@ def test_compress_prefill_kernel_follows_the_draw():
     assert torch.equal(pa, pb)
 
 
+def run_draw_inside_the_classifier(device: str, lengths: list[int], hkv: int, d: int,
+                                   max_context: int) -> None:
+    """compress_prefill(bench=...) draws in the classify kernel: the same significance
+    (written over a poisoned buffer), tiers, totals and stored pages, bit for bit, as the
+    draw's own launch (kernels.bench_mix.synthetic_significance) then compress_prefill, for
+    several mixes, layers, seeds and thresholds, with and without the classification's
+    score / pos; the significance also equals the torch draw's."""
+    from sglang_diffkv.kernels import bench_mix as kbm
+
+    g = torch.Generator().manual_seed(41)
+    b, lmax = len(lengths), max(lengths)
+    geo = PageGeometry.for_config(CONFIG, d)
+    per_page = geo.min_tokens_per_page
+    pages_needed = 32 * hkv * sum(-(-n // per_page) + 1 for n in lengths)
+    spec = MemorySpec.from_geometry(geo, num_pages=pages_needed, max_reqs=b + 1,
+                                    num_layers=32, num_kv_heads=hkv, max_context=max_context)
+    m = PageManager(spec, device)
+    req = torch.arange(b, 0, -1, device=device)
+    length = torch.tensor(lengths)
+    m.allocate_prefill(req, length.to(device)).raise_if_failed()
+    k = torch.randn(b, hkv, lmax, d, generator=g).to(torch.bfloat16).to(device)
+    v = torch.randn(b, hkv, lmax, d, generator=g).to(torch.bfloat16).to(device)
+    seed = torch.randint(0, 2**40, (b,), generator=g)
+    ah = torch.rand(b, generator=g) * 20 + 0.5
+    al = torch.where(torch.rand(b, generator=g) < 0.4, 0.0, ah * torch.rand(b, generator=g))
+    poison = torch.randint(0, 256, (pages_needed, geo.page_bytes), generator=g,
+                           dtype=torch.uint8).to(device)
+    dev = {"seed": seed.to(device), "length": length.to(device), "ah": ah.to(device),
+           "al": al.to(device)}
+    for mix, layer, scores in ((MIX, 0, True), ((0.0733, 0.9267, 0.0), 31, False),
+                               ((0.7, 0.0, 0.3), 1, False)):
+        out = []
+        for inside in (False, True):
+            pages = poison.clone()
+            sig = (torch.randn(b, hkv, lmax, generator=g) * 50).to(device)  # stale scores
+            if inside:
+                bench = (dev["seed"], torch.tensor(mix, dtype=torch.float64, device=device))
+            else:
+                sig = kbm.synthetic_significance(dev["seed"], layer, hkv, dev["length"], lmax,
+                                                 dev["ah"], dev["al"], mix, 4, 8, out=sig)
+                bench = None
+            cls = compress_prefill(pages, geo, m.table, req, layer, k, v, sig, dev["length"],
+                                   dev["ah"], dev["al"], 4, 8, scores=scores, bench=bench)
+            out.append((pages, sig, cls))
+        (p0, s0, c0), (p1, s1, c1) = out
+        ref = bm.synthetic_significance(seed, layer, hkv, length, lmax, ah, al, mix, 4, 8)
+        assert torch.equal(s1.cpu(), ref) and torch.equal(s0.cpu(), ref), (mix, layer)
+        assert torch.equal(c1.tier, c0.tier), (mix, layer)
+        assert torch.equal(c1.tier.cpu(), bm.drawn_prompt_tiers(seed, layer, hkv, length, lmax,
+                                                                mix, 4))
+        assert torch.equal(c1.n_high, c0.n_high) and torch.equal(c1.n_low, c0.n_low)
+        if scores:
+            assert torch.equal(c1.score, c0.score) and torch.equal(c1.pos, c0.pos)
+        assert torch.equal(p1, p0), (mix, layer)
+        assert not torch.equal(p1, poison)
+
+
+def test_draw_inside_the_classifier_matches_the_two_step_path():
+    # odd block count (3), blocks past the short prompts' ends
+    run_draw_inside_the_classifier("cpu", [150, 9, 64, 65, 1], hkv=2, d=64, max_context=160)
+
+
+@pytest.mark.gpu
+def test_draw_inside_the_classifier_matches_the_two_step_path_gpu():
+    """The compiled classifier (its float64 cuts under the GPU's rounding) too."""
+    run_draw_inside_the_classifier("cuda", [1, 63, 64, 65, 1000, 4096, 8191], hkv=8, d=128,
+                                   max_context=8192)
+
+
+def test_ops_extend_kernel_and_reference_paths_agree_in_bench_mode():
+    """The backend's packed prefill step (begin_prefill_step, extend_layer per layer,
+    end_prefill_step) through DiffKVOps with the Triton kernels (the draw inside the
+    classifier, the step's reused buffers) leaves the reference path's compressed state."""
+    from sglang_diffkv.prompt_attention import PackedPrompts
+
+    g = torch.Generator().manual_seed(32)
+    caches = []
+    for _ in range(2):
+        c = CompressedKVCache(CONFIG, head_dim=64, num_layers=3, num_kv_heads=2,
+                              num_pages=400, max_reqs=4, max_context=160)
+        c.pages.fill_(0x5A)
+        caches.append(c)
+    ops = [DiffKVOps(caches[0], use_kernels=False), DiffKVOps(caches[1], use_kernels=True)]
+    req = torch.tensor([3, 1, 0])
+    lens = [37, 130, 5]
+    t = sum(lens)
+    layers = [tuple(torch.randn(t, h, 64, generator=g).to(torch.bfloat16) for h in (4, 2, 2))
+              for _ in range(3)]
+    outs = []
+    for c, o in zip(caches, ops, strict=True):
+        c.begin_prefill(req, lens).raise_if_failed()
+        step = o.begin_prefill_step(req, lens)
+        assert isinstance(step.prompts, PackedPrompts)
+        outs.append([o.extend_layer(layer, step, q, k, v, 0.125)
+                     for layer, (q, k, v) in enumerate(layers)])
+        o.end_prefill_step(step)
+    assert torch.equal(caches[0].counts, caches[1].counts)
+    assert torch.equal(caches[0].manager.table, caches[1].manager.table)
+    assert torch.equal(caches[0].pages, caches[1].pages)
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 # ---- decode --------------------------------------------------------------------------------
 
 

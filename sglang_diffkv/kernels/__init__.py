@@ -19,6 +19,7 @@ from sglang_diffkv.kernels.decode_attention import (
 )
 from sglang_diffkv.kernels.decode_policy import decode_policy_step, decode_policy_step_reference
 from sglang_diffkv.kernels.prefill import (
+    PrefillBuffers,
     compress_prefill,
     compress_prefill_reference,
     prefill_scores,
@@ -33,6 +34,7 @@ from sglang_diffkv.kernels.store import (
 
 __all__ = [
     "DecodeAttentionPlan",
+    "PrefillBuffers",
     "ScratchArena",
     "compaction_backend",
     "compress_prefill",

@@ -18,6 +18,7 @@ from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED
 from sglang_diffkv.kernels._tier import tier_constexprs
 from sglang_diffkv.kernels.decode_attention import TRITON_ASM
 from sglang_diffkv.kernels.decode_policy import SCAN_BLOCK, hash_constexprs
+from sglang_diffkv.kernels.prefill import bench_constexprs
 from sglang_diffkv.layout import PageGeometry
 
 GEO = PageGeometry.build(128, K8V4_GROUPED, K4V2_GROUPED)
@@ -26,6 +27,7 @@ T = tier_constexprs(GEO.high, "T_")
 # the benchmarked pair (one quantisation group per token: the p * scale folding path)
 GEO1 = PageGeometry.build(128, K8V4, K4V2)
 HI1, LO1 = tier_constexprs(GEO1.high, "H_"), tier_constexprs(GEO1.low, "L_")
+BENCH_C = bench_constexprs()
 ATTN = dict(PAGE_BYTES=GEO.page_bytes, G=4, BLOCK_G=16, D=128, PPI=1, RS=64)
 POINTERS = {  # pointer arguments and their element types; everything else is an i32 scalar
     "q": "*bf16", "k": "*bf16", "key": "*bf16", "value": "*bf16", "u8": "*u8",
@@ -34,9 +36,9 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "out": "*bf16", "lse_out": "*fp32", "score": "*fp32", "pos": "*i32", "page_ids": "*i32",
     "slots": "*i32", "lengths": "*i32", "lse": "*fp32", "sig": "*fp32", "alpha_h": "*fp32",
     "alpha_l": "*fp32", "tier_out": "*i8", "score_out": "*fp32", "pos_out": "*i32",
-    "block_counts": "*i32", "first_rank": "*i32", "totals": "*i32", "tier_in": "*i8",
-    "n_high": "*i32", "positions": "*i64", "alpha": "*fp32", "action_out": "*i8",
-    "hmin_out": "*i64", "lmin_out": "*i64", "bench_seed": "*i64",
+    "block_counts": "*i32", "totals": "*i32", "tier_in": "*i8", "positions": "*i64",
+    "alpha": "*fp32", "action_out": "*i8", "hmin_out": "*i64", "lmin_out": "*i64",
+    "bench_seed": "*i64",
     "seed": "*i64", "mix": "*fp64", "part": "*i64", "q_start": "*i64", "k_start": "*i64",
     "v_start": "*i64",
 }
@@ -58,10 +60,15 @@ KERNELS = [
     ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False)),
     *(("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False,
                                          LSE_PACKED=packed)) for packed in (False, True)),
-    ("prefill", "_classify_kernel", dict(WINDOW=64, Q=64, BL=64)),
-    ("prefill", "_scan_kernel", dict(BLOCK_NB=128)),
+    # the serving path's (no score / pos outputs; benchmark draw or not) and the tests'
+    # (everything); absent buffers arrive as None, a constexpr
+    *(("prefill", "_classify_kernel",
+       dict(WINDOW=64, Q=64, BL=64, SCORES=scores, BENCH=bench, **BENCH_C,
+            **({} if scores else {"score_out": None, "pos_out": None}),
+            **({} if bench else {"seed": None, "mix": None})))
+      for scores, bench in ((False, False), (False, True), (True, False), (True, True))),
     ("prefill", "_store_prefill_kernel", dict(PAGE_BYTES=GEO.page_bytes, D=128, Q=64, BL=64,
-                                              **HI, **LO)),
+                                              COUNT_TILE=128, **HI, **LO)),
     *(("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
                                                WINDOW=64, BT=SCAN_BLOCK, PARALLEL=par, BENCH=bench,
                                                **HI, **LO, **hash_constexprs()))
@@ -78,8 +85,7 @@ KERNELS = [
             **{k: h[k] for k in ("H_N", "H_SOFF", "H_POFF")},
             **{k: lo[k] for k in ("L_N", "L_SOFF", "L_POFF")}))
       for g, h, lo in ((GEO, HI, LO), (GEO1, HI1, LO1))),
-    *(("bench_mix", "_bench_sig_kernel", dict(WINDOW=64, Q=64, BL=128, HIGH_MEAN=2.0,
-                                              PRUNED_MEAN=-1.0, **hash_constexprs(), **one))
+    *(("bench_mix", "_bench_sig_kernel", dict(WINDOW=64, Q=64, BL=128, **BENCH_C, **one))
       for one in ({}, {"layer": 1})),
 ]
 
@@ -109,7 +115,7 @@ def compile_one(module: str, name: str, constexprs: dict) -> str:
 
 
 def _label(constexprs: dict) -> str:
-    keys = [k for k in ("ASM", "H_VG") if k in constexprs]
+    keys = [k for k in ("ASM", "H_VG", "SCORES", "BENCH") if k in constexprs]
     return f" ({', '.join(f'{k}={constexprs[k]}' for k in keys)})" if keys else ""
 
 

@@ -4,7 +4,9 @@
 at short prompts that host overhead would be a cost the real system does not have and would
 bias a throughput benchmark. This kernel computes the same values, bit for bit: the same
 int64-masked hash (``decode_policy._hash_u24``), the same float64 rescale of the mix per
-prompt, the same fp32 means times the same query counts.
+prompt, the same fp32 means times the same query counts. The arithmetic is
+``prefill._bench_draw``, which the prefill classifier also runs (``compress_prefill``'s
+``bench=``): the serving path draws there, without this launch.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import triton
 import triton.language as tl
 
 from sglang_diffkv import bench_mix
-from sglang_diffkv.kernels.decode_policy import _hash_u24, hash_constexprs
-from sglang_diffkv.kernels.prefill import _threshold
+from sglang_diffkv.kernels.prefill import _bench_draw, _threshold, bench_constexprs
 
 
 @triton.jit(do_not_specialize=("Lmax",))  # a per-step size (as in prefill.py)
@@ -28,28 +29,12 @@ def _bench_sig_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2) * BL + tl.arange(0, BL)
-    inside = i < Lmax
     n = tl.load(lengths + b)
-    # bench_mix.prefill_fractions, float64, same operations in the same order
-    high = tl.load(mix)
-    low = tl.load(mix + 1)
-    rest = low + tl.load(mix + 2)
-    nf = n.to(tl.float64)
-    w = tl.minimum(nf, WINDOW)
-    outside = tl.maximum(nf - w, 1.0)
-    fh = tl.minimum(tl.maximum(high * nf - w, 0.0) / outside, 1.0)
-    fl = tl.where(rest > 0, (1.0 - fh) * (low / tl.where(rest > 0, rest, 1.0)), 0.0)
-    u_range = (1 << U_BITS) * 1.0
-    cut_h = tl.minimum(tl.maximum(tl.floor(fh * u_range + 0.5), 0.0), u_range).to(tl.int64)
-    cut_hl = tl.minimum(tl.maximum(tl.floor((fh + fl) * u_range + 0.5), 0.0),
-                        u_range).to(tl.int64)
-    u = _hash_u24(tl.load(seed + b), layer, h, i, MUL_A, MUL_B, SALT, U_BITS)
     t_h = _threshold(tl.load(alpha_h + b), n)
     t_l = _threshold(tl.load(alpha_l + b), n)
-    low_mean = 0.5 * (t_l + t_h)
-    mean = tl.where(u < cut_h, HIGH_MEAN, tl.where(u < cut_hl, low_mean, PRUNED_MEAN))
-    count = tl.maximum(tl.minimum(tl.maximum(n - i, 0), Q), 1).to(tl.float32)
-    tl.store(sig + (b * tl.num_programs(1) + h) * Lmax + i, mean * count, mask=inside)
+    s = _bench_draw(tl.load(seed + b), layer, h, i, n, mix, t_h, t_l, WINDOW, Q, HIGH_MEAN,
+                    PRUNED_MEAN, MUL_A, MUL_B, SALT, U_BITS)
+    tl.store(sig + (b * tl.num_programs(1) + h) * Lmax + i, s, mask=i < Lmax)
 
 
 def synthetic_significance(
@@ -88,8 +73,7 @@ def synthetic_significance(
         alpha_h.to(device=dev, dtype=torch.float32).contiguous(),
         alpha_l.to(device=dev, dtype=torch.float32).contiguous(),
         mix_tensor, out, layer, max_len,
-        WINDOW=window, Q=score_queries, BL=bl, HIGH_MEAN=bench_mix.HIGH_MEAN,
-        PRUNED_MEAN=bench_mix.PRUNED_MEAN, **hash_constexprs(), num_warps=4,
+        WINDOW=window, Q=score_queries, BL=bl, **bench_constexprs(), num_warps=4,
         enable_fp_fusion=False,
     )
     return out

@@ -8,21 +8,34 @@ recomputes exp(q.k * scale - lse) tile by tile and column-sums it: nothing [Q, L
 reaches HBM and any prompt length works.
 
 Compression (``compress_prefill``): ``_classify_kernel`` decides every token's tier and
-counts each block's members; an exclusive prefix sum over blocks (``_scan_kernel``)
-gives each block its first rank; ``_store_prefill_kernel`` ranks members inside the block
-with a cumsum (a stable compaction: no sort) and quantises them into row pages exactly
-where ``CompressedKVCache.store_prefill`` puts them (high pages [0, hp), low pages right
-after), ready for ``PageManager.reclaim_prefill``.
+counts each block's members; ``_store_prefill_kernel`` sums the counts of the blocks before
+its own (a block's first rank) and of the whole head (n_high: where the low pages start),
+ranks members inside the block with a cumsum (a stable compaction: no sort) and quantises
+them into row pages exactly where ``CompressedKVCache.store_prefill`` puts them (high pages
+[0, hp), low pages right after), ready for ``PageManager.reclaim_prefill``. Two launches a
+layer: at short prompts the host's launch cost (~40-50 us of Python each), not the GPU,
+bounds this step, so every store program recomputes its prefix (2 x NB int32 loads, from
+L2) rather than a scan taking a launch of its own.
+
+Benchmark mode (``bench=``, a constexpr in the classifier) draws each token's significance
+in the classify kernel (``_bench_draw``: ``bench_mix.synthetic_significance``'s arithmetic,
+shared with ``kernels.bench_mix``), stores it as the significance and classifies it, instead
+of a separate launch writing it first.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from sglang_diffkv import bench_mix
 from sglang_diffkv.kernels._quant import quantize_store, store_score_pos
 from sglang_diffkv.kernels._tier import INTERPRET, page_views, tier_constexprs
+from sglang_diffkv.kernels.decode_policy import _hash_u24, hash_constexprs
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.pages import write_tokens
 from sglang_diffkv.policy import (
@@ -34,6 +47,54 @@ from sglang_diffkv.policy import (
 )
 
 LOG2E = 1.4426950408889634
+PREFILL_BLOCK = 64  # tokens per classify / store program (BL)
+COUNT_TILE = 128  # blocks' member counts a store program sums per iteration
+
+
+def prefill_blocks(max_len: int) -> int:
+    """Blocks of ``PREFILL_BLOCK`` tokens per head: ``block_counts``' third dimension."""
+    return triton.cdiv(max_len, PREFILL_BLOCK)
+
+
+@dataclass(frozen=True)
+class PrefillBuffers:
+    """Scratch one prefill step's layers share (``DiffKVOps.begin_prefill_step``): every
+    layer overwrites what the last one read, which stream order makes safe, and no layer
+    pays for allocations."""
+
+    significance: torch.Tensor  # fp32 [B, Hkv, Lmax]: prefill_scores' out
+    tier: torch.Tensor  # int8 [B, Hkv, Lmax]: compress_prefill's tier_out
+    block_counts: torch.Tensor  # int32 [B, Hkv, prefill_blocks(Lmax), 2]
+
+    @classmethod
+    def allocate(cls, batch: int, num_kv_heads: int, max_len: int,
+                 device: torch.device | str) -> PrefillBuffers:
+        shape = (batch, num_kv_heads, max_len)
+        return cls(
+            torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.int8, device=device),
+            torch.empty(*shape[:2], prefill_blocks(max_len), 2, dtype=torch.int32,
+                        device=device),
+        )
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``x`` as a contiguous ``dtype`` tensor on ``device``; ``x`` itself when it already is
+    (a no-op ``.to`` / ``.contiguous`` still costs host time on every layer)."""
+    if x.dtype == dtype and x.device == device and x.is_contiguous():
+        return x
+    return x.to(device=device, dtype=dtype).contiguous()
+
+
+def _check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """A caller's output buffer is written in place: it must be exactly what the kernels
+    address (contiguous, this shape and dtype, on the device)."""
+    if (x.shape != shape or x.dtype != dtype or x.device != device
+            or not x.is_contiguous()):
+        raise ValueError(f"{name} must be a contiguous {dtype} {list(shape)} tensor on "
+                         f"{device}, got {x.dtype} {list(x.shape)} on {x.device}"
+                         + ("" if x.is_contiguous() else " (not contiguous)"))
 
 
 @triton.jit
@@ -199,7 +260,7 @@ def prefill_scores(
     q, q_rows, q_sh, q_sl = _token_rows(q, starts)
     k, k_rows, k_sh, k_sl = _token_rows(k, starts)
     qb = max(16, triton.next_power_of_2(score_queries))
-    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    lengths = _as(lengths, torch.int32, q.device)
     packed_lse = lse is not None and lse.dim() == 2
     if lse is None:
         lse = torch.empty(b, hq, qb, dtype=torch.float32, device=q.device)
@@ -223,9 +284,8 @@ def prefill_scores(
     shape = (b, hkv, lmax)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=q.device)
-    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous fp32 {shape}, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    else:
+        _check_buffer("out", out, shape, torch.float32, q.device)
     bk = 64
     _colsum_kernel[(b, hkv, triton.cdiv(lmax, bk))](
         q, q_rows, q_sh, q_sl, k, k_rows, k_sh, k_sl, lengths, lse, lse_sb, lse_sh, lse_sr,
@@ -264,27 +324,73 @@ def _threshold(alpha, n):
     return tl.minimum(tl.maximum(t, 0.0), 1.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=("Lmax", "NB"))
+@triton.jit
+def _bench_draw(seed, layer, h, i, n, mix, t_h, t_l, WINDOW: tl.constexpr, Q: tl.constexpr,
+                HIGH_MEAN: tl.constexpr, PRUNED_MEAN: tl.constexpr, MUL_A: tl.constexpr,
+                MUL_B: tl.constexpr, SALT: tl.constexpr, U_BITS: tl.constexpr):
+    """``bench_mix.synthetic_significance`` of tokens i, head h, of a prompt of n tokens
+    (seed: the prompt's draw seed; t_h, t_l: its thresholds from ``_threshold``; mix: the
+    float64 (high, low, pruned) mix), bit for bit: the same float64 rescale of the mix, the
+    same int64-masked hash (``decode_policy._hash_u24``), the same fp32 mean times the same
+    query count. Its kernels launch with enable_fp_fusion=False: an FMA would round the
+    float64 cuts differently from torch."""
+    # bench_mix.prefill_fractions, float64, same operations in the same order
+    high = tl.load(mix)
+    low = tl.load(mix + 1)
+    rest = low + tl.load(mix + 2)
+    nf = n.to(tl.float64)
+    w = tl.minimum(nf, WINDOW)
+    outside = tl.maximum(nf - w, 1.0)
+    fh = tl.minimum(tl.maximum(high * nf - w, 0.0) / outside, 1.0)
+    fl = tl.where(rest > 0, (1.0 - fh) * (low / tl.where(rest > 0, rest, 1.0)), 0.0)
+    u_range = (1 << U_BITS) * 1.0
+    cut_h = tl.minimum(tl.maximum(tl.floor(fh * u_range + 0.5), 0.0), u_range).to(tl.int64)
+    cut_hl = tl.minimum(tl.maximum(tl.floor((fh + fl) * u_range + 0.5), 0.0),
+                        u_range).to(tl.int64)
+    u = _hash_u24(seed, layer, h, i, MUL_A, MUL_B, SALT, U_BITS)
+    low_mean = 0.5 * (t_l + t_h)
+    mean = tl.where(u < cut_h, HIGH_MEAN, tl.where(u < cut_hl, low_mean, PRUNED_MEAN))
+    count = tl.maximum(tl.minimum(tl.maximum(n - i, 0), Q), 1).to(tl.float32)
+    return mean * count
+
+
+# layer: with the per-step sizes, not specialised either (it changes every launch)
+@triton.jit(do_not_specialize=("layer", "Lmax", "NB"))
 def _classify_kernel(
-    sig, lengths, alpha_h, alpha_l, tier_out, score_out, pos_out, block_counts, Lmax, NB,
-    WINDOW: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
+    sig, lengths, alpha_h, alpha_l, tier_out, score_out, pos_out, block_counts, seed, mix,
+    layer, Lmax, NB,
+    WINDOW: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr, SCORES: tl.constexpr,
+    BENCH: tl.constexpr, HIGH_MEAN: tl.constexpr, PRUNED_MEAN: tl.constexpr,
+    MUL_A: tl.constexpr, MUL_B: tl.constexpr, SALT: tl.constexpr, U_BITS: tl.constexpr,
 ):
+    """Tiers of one block of BL tokens and its (high, low) member counts. BENCH: the
+    significance is drawn here (``_bench_draw``, seed / mix / layer) and written into sig,
+    where the store kernel reads each token's score. SCORES: also the classification's
+    score (0 past the end) and virtual positions (score_out / pos_out; unused otherwise)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     blk = tl.program_id(2)
     n = tl.load(lengths + b)
     i = blk * BL + tl.arange(0, BL)
     inside = i < Lmax
-    s = tl.load(sig + (b * tl.num_programs(1) + h) * Lmax + i, mask=inside, other=0.0)
-    count = tl.maximum(tl.minimum(n - i, Q), 1).to(tl.float32)
-    mean = tl.math.div_rn(s, count)
     th = _threshold(tl.load(alpha_h + b), n)
     tlow = _threshold(tl.load(alpha_l + b), n)
+    srow = sig + (b * tl.num_programs(1) + h) * Lmax + i
+    if BENCH:
+        s = _bench_draw(tl.load(seed + b), layer, h, i, n, mix, th, tlow, WINDOW, Q,
+                        HIGH_MEAN, PRUNED_MEAN, MUL_A, MUL_B, SALT, U_BITS)
+        tl.store(srow, s, mask=inside)
+    else:
+        s = tl.load(srow, mask=inside, other=0.0)
+    count = tl.maximum(tl.minimum(n - i, Q), 1).to(tl.float32)
+    mean = tl.math.div_rn(s, count)
     valid = i < n
-    tl.store(score_out + (b * tl.num_programs(1) + h) * Lmax + i, tl.where(valid, s, 0.0),
-             mask=inside)
-    if h == 0:  # policy.virtual_positions: L - clamp(L - i, 0, Q)
-        tl.store(pos_out + b * Lmax + i, n - tl.minimum(tl.maximum(n - i, 0), Q), mask=inside)
+    if SCORES:
+        tl.store(score_out + (b * tl.num_programs(1) + h) * Lmax + i, tl.where(valid, s, 0.0),
+                 mask=inside)
+        if h == 0:  # policy.virtual_positions: L - clamp(L - i, 0, Q)
+            tl.store(pos_out + b * Lmax + i, n - tl.minimum(tl.maximum(n - i, 0), Q),
+                     mask=inside)
     high = ((mean >= th) | (i >= n - WINDOW)) & valid
     low = (mean >= tlow) & ~high & valid
     tier = tl.where(high, 0, tl.where(low, 1, 2)).to(tl.int8)
@@ -294,28 +400,33 @@ def _classify_kernel(
     tl.store(cbase + 1, tl.sum(low.to(tl.int32), axis=0))
 
 
-@triton.jit(do_not_specialize=("NB",))
-def _scan_kernel(block_counts, first_rank, totals, NB, BLOCK_NB: tl.constexpr):
-    """Exclusive prefix sum of one head's per-block (high, low) member counts, BLOCK_NB
-    blocks at a time (a fixed tile: one compiled variant for every prompt length)."""
-    head = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    for t in tl.static_range(2):
-        carry = tl.zeros([], tl.int32)
-        for s in range(0, NB, BLOCK_NB):
-            j = s + tl.arange(0, BLOCK_NB)
-            base = (head * NB + j) * 2
-            c = tl.load(block_counts + base + t, mask=j < NB, other=0)
-            inc = tl.cumsum(c, 0)
-            tl.store(first_rank + base + t, carry + inc - c, mask=j < NB)
-            carry += tl.sum(c, 0)
-        tl.store(totals + head * 2 + t, carry)
+@triton.jit
+def _block_prefix(counts, blk, nblk, TILE: tl.constexpr):
+    """One head's per-block (high, low) member counts ([NB, 2] at ``counts``) summed over
+    the blocks before ``blk`` (its members' first ranks) and over the ``nblk`` blocks that
+    hold tokens (the head's totals: later blocks counted no member), TILE blocks per
+    iteration (a fixed tile: one compiled variant for every prompt length)."""
+    h_before = tl.zeros([], tl.int32)
+    l_before = tl.zeros([], tl.int32)
+    h_total = tl.zeros([], tl.int32)
+    l_total = tl.zeros([], tl.int32)
+    for start in range(0, nblk, TILE):
+        j = start + tl.arange(0, TILE)
+        c_h = tl.load(counts + j * 2, mask=j < nblk, other=0)
+        c_l = tl.load(counts + j * 2 + 1, mask=j < nblk, other=0)
+        h_total += tl.sum(c_h, 0)
+        l_total += tl.sum(c_l, 0)
+        h_before += tl.sum(tl.where(j < blk, c_h, 0), 0)
+        l_before += tl.sum(tl.where(j < blk, c_l, 0), 0)
+    return h_before, l_before, h_total, l_total
 
 
 @triton.jit(do_not_specialize=("Lmax", "NB"))
 def _store_prefill_kernel(
     u8, f16, f32, i32, key, k_start, k_sh, k_sl, value, v_start, v_sh, v_sl,
-    sig, tier_in, first_rank, n_high, lengths, table, t_sr, t_sh, req, Lmax, NB,
+    sig, tier_in, block_counts, totals, lengths, table, t_sr, t_sh, req, Lmax, NB,
     PAGE_BYTES: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
+    COUNT_TILE: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
     H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
@@ -323,17 +434,25 @@ def _store_prefill_kernel(
     L_N: tl.constexpr, L_BN: tl.constexpr, L_KOFF: tl.constexpr, L_KMOFF: tl.constexpr,
     L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
 ):
+    """Ranks and stores one block's members of both tiers; block 0's program also writes
+    the head's (n_high, n_low) into totals (so it runs even for an empty prompt, where every
+    store below is masked off)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     blk = tl.program_id(2)
     n = tl.load(lengths + b)
-    if blk * BL < n:
+    if blk * BL < tl.maximum(n, 1):
         head = b * tl.num_programs(1) + h
+        h_first, l_first, n_hi, n_lo = _block_prefix(block_counts + head * NB * 2, blk,
+                                                     tl.cdiv(n, BL), COUNT_TILE)
+        if blk == 0:
+            tl.store(totals + head * 2, n_hi)
+            tl.store(totals + head * 2 + 1, n_lo)
         i = blk * BL + tl.arange(0, BL)
         inside = i < n
         tier = tl.load(tier_in + head * Lmax + i, mask=inside, other=2)
         row = table + tl.load(req + b).to(tl.int64) * t_sr + h * t_sh
-        hp = tl.cdiv(tl.load(n_high + head * 2), H_N)  # n_high: the totals [B, Hkv, 2]
+        hp = tl.cdiv(n_hi, H_N)  # the low tier's first page
         d = tl.arange(0, D)
         kx = tl.load(key + (tl.load(k_start + b) + i[:, None]) * k_sl + h * k_sh + d[None, :],
                      mask=inside[:, None], other=0.0).to(tl.float32)
@@ -343,7 +462,7 @@ def _store_prefill_kernel(
         pos = n - tl.minimum(Q, n - i)  # virtual position (policy.virtual_positions)
         # high tier: rank -> page rank // N_hi at row position rank // N_hi
         member = tier == 0
-        rank = tl.load(first_rank + (head * NB + blk) * 2) + tl.cumsum(member.to(tl.int32), 0) - 1
+        rank = h_first + tl.cumsum(member.to(tl.int32), 0) - 1
         page = tl.load(row + rank // H_N, mask=member, other=0)
         base = page.to(tl.int64) * PAGE_BYTES
         slot = rank % H_N
@@ -352,14 +471,27 @@ def _store_prefill_kernel(
         store_score_pos(f32, i32, base, slot, member, score, pos, H_SOFF, H_POFF)
         # low tier: the pages right after the high ones (reclaim_prefill reverses them later)
         member = tier == 1
-        rank = (tl.load(first_rank + (head * NB + blk) * 2 + 1)
-                + tl.cumsum(member.to(tl.int32), 0) - 1)
+        rank = l_first + tl.cumsum(member.to(tl.int32), 0) - 1
         page = tl.load(row + hp + rank // L_N, mask=member, other=0)
         base = page.to(tl.int64) * PAGE_BYTES
         slot = rank % L_N
         quantize_store(u8, f16, kx, base, slot, member, BL, D, L_KB, L_KG, L_KOFF, L_KMOFF)
         quantize_store(u8, f16, vx, base, slot, member, BL, D, L_VB, L_VG, L_VOFF, L_VMOFF)
         store_score_pos(f32, i32, base, slot, member, score, pos, L_SOFF, L_POFF)
+
+
+@functools.cache
+def bench_constexprs() -> dict[str, float | int]:
+    """``_bench_draw``'s constants (``bench_mix``'s draw means and hash), as constexprs."""
+    return {"HIGH_MEAN": bench_mix.HIGH_MEAN, "PRUNED_MEAN": bench_mix.PRUNED_MEAN,
+            **hash_constexprs()}
+
+
+@functools.lru_cache(maxsize=16)
+def _tier_pair_constexprs(geometry: PageGeometry) -> dict[str, int]:
+    """Both tiers' layout constexprs (H_ high, L_ low) of a geometry, built once (a frozen,
+    hashable dataclass); callers unpack, never mutate, the shared dict."""
+    return {**tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_")}
 
 
 def compress_prefill(
@@ -379,15 +511,31 @@ def compress_prefill(
     *,
     starts: torch.Tensor | None = None,
     totals: torch.Tensor | None = None,
+    tier_out: torch.Tensor | None = None,
+    block_counts: torch.Tensor | None = None,
+    scores: bool = True,
+    bench: tuple[torch.Tensor, torch.Tensor | bench_mix.Mix] | None = None,
 ) -> PromptClassification:
-    """Classify, count and compact one layer's prompts into their row pages.
+    """Classify, count and compact one layer's prompts into their row pages (two launches).
 
     key/value [B, Hkv, Lmax, D], or packed [T, Hkv, D] with ``starts`` (int64 [B], prompt
     b's first row) (fp16/bf16/fp32, contiguous last dim); significance [B, Hkv, Lmax] (from
     :func:`prefill_scores`); lengths, alpha_h, alpha_l [B]; table is the manager's
-    [max_reqs, layers, Hkv, row_len] after ``allocate_prefill``. ``totals``: int32
-    [B, Hkv, 2] to write each head's (n_high, n_low) into. Returns the classification (its
-    n_high / n_low feed ``PageManager.reclaim_prefill``)."""
+    [max_reqs, layers, Hkv, row_len] after ``allocate_prefill``. Returns the classification
+    (its n_high / n_low feed ``PageManager.reclaim_prefill``).
+
+    Outputs to write into instead of allocating (contiguous, on the device; a
+    :class:`PrefillBuffers` holds a step's): ``totals`` int32 [B, Hkv, 2] (each head's
+    (n_high, n_low)), ``tier_out`` int8 [B, Hkv, Lmax], ``block_counts`` int32
+    [B, Hkv, prefill_blocks(Lmax), 2] (scratch). ``scores=False`` skips the
+    classification's score and pos, which nothing on the serving path reads (the store
+    kernel takes each token's score from the significance); they are then None.
+
+    ``bench=(seed, mix)``: benchmark mode. The classifier draws ``layer``'s significance
+    as ``bench_mix.synthetic_significance`` does, bit for bit (seed int64 [B]; mix the
+    ``bench_mix.Mix``, or it as float64 [3] on the device to spare a copy per call), writes
+    it into ``significance`` (which must then be contiguous fp32) and classifies it.
+    """
     b, hkv, lmax = significance.shape
     d = key.shape[-1]
     if value.shape != key.shape or key.dim() != (3 if starts is not None else 4):
@@ -405,42 +553,59 @@ def compress_prefill(
     if starts is not None and starts.shape != (b,):
         raise ValueError(f"starts must be [{b}], got {tuple(starts.shape)}")
     dev = key.device
-    # (three launches and no torch ops in between: at short prompts the host's launch
-    # overhead, not the GPU, bounds this function)
-    key, k_rows, k_sh, k_sl = _token_rows(key, starts)
-    value, v_rows, v_sh, v_sl = _token_rows(value, starts)
-    lengths_i = lengths.to(device=dev, dtype=torch.int32)
-    bl = 64
-    nb = triton.cdiv(lmax, bl)
-    tier = torch.empty(b, hkv, lmax, dtype=torch.int8, device=dev)
-    score = torch.empty(b, hkv, lmax, dtype=torch.float32, device=dev)
-    pos = torch.empty(b, lmax, dtype=torch.int32, device=dev)
-    block_counts = torch.empty(b, hkv, nb, 2, dtype=torch.int32, device=dev)
-    first_rank = torch.empty_like(block_counts)
+    nb = prefill_blocks(lmax)
     if totals is None:
         totals = torch.empty(b, hkv, 2, dtype=torch.int32, device=dev)
-    elif totals.shape != (b, hkv, 2) or totals.dtype != torch.int32 or not totals.is_contiguous():
-        raise ValueError(f"totals must be contiguous int32 [{b}, {hkv}, 2], got "
-                         f"{totals.dtype} {tuple(totals.shape)}")
-    sig = significance if significance.dtype == torch.float32 else significance.float()
-    sig = sig.contiguous()
+    else:
+        _check_buffer("totals", totals, (b, hkv, 2), torch.int32, dev)
+    if tier_out is None:
+        tier_out = torch.empty(b, hkv, lmax, dtype=torch.int8, device=dev)
+    else:
+        _check_buffer("tier_out", tier_out, (b, hkv, lmax), torch.int8, dev)
+    if block_counts is None:
+        block_counts = torch.empty(b, hkv, nb, 2, dtype=torch.int32, device=dev)
+    else:
+        _check_buffer("block_counts", block_counts, (b, hkv, nb, 2), torch.int32, dev)
+    score = pos = seed = mix = None
+    if scores:
+        score = torch.empty(b, hkv, lmax, dtype=torch.float32, device=dev)
+        pos = torch.empty(b, lmax, dtype=torch.int32, device=dev)
+    if bench is None:
+        sig = _as(significance, torch.float32, dev)
+    else:
+        # the draw is written in place: a converted copy would leave the caller's stale
+        _check_buffer("significance (overwritten by the bench draw)", significance,
+                      (b, hkv, lmax), torch.float32, dev)
+        sig = significance
+        seed, mix = bench
+        if seed.shape != (b,):
+            raise ValueError(f"bench seed must be [{b}], got {list(seed.shape)}")
+        seed = _as(seed, torch.int64, dev)
+        if isinstance(mix, torch.Tensor):
+            _check_buffer("bench mix", mix, (3,), torch.float64, dev)
+        else:
+            mix = torch.tensor(mix, dtype=torch.float64, device=dev)
+    # (two launches and no torch op between them on the serving path: at short prompts the
+    # host's launch overhead, not the GPU, bounds this function)
+    key, k_rows, k_sh, k_sl = _token_rows(key, starts)
+    value, v_rows, v_sh, v_sl = _token_rows(value, starts)
+    lengths_i = _as(lengths, torch.int32, dev)
     _classify_kernel[(b, hkv, nb)](
-        sig, lengths_i, alpha_h.to(device=dev, dtype=torch.float32).contiguous(),
-        alpha_l.to(device=dev, dtype=torch.float32).contiguous(), tier, score, pos,
-        block_counts, lmax, nb, WINDOW=window, Q=score_queries, BL=bl, num_warps=2,
+        sig, lengths_i, _as(alpha_h, torch.float32, dev), _as(alpha_l, torch.float32, dev),
+        tier_out, score, pos, block_counts, seed, mix, layer, lmax, nb,
+        WINDOW=window, Q=score_queries, BL=PREFILL_BLOCK, SCORES=scores, BENCH=bench is not None,
+        **bench_constexprs(), num_warps=2, enable_fp_fusion=False,
     )
-    _scan_kernel[(b, hkv)](block_counts, first_rank, totals, nb, BLOCK_NB=128, num_warps=1)
-    n_high = totals[..., 0]
     u8, f16, f32, i32 = page_views(pages)
     tab = table[:, layer]
     _store_prefill_kernel[(b, hkv, nb)](
-        u8, f16, f32, i32, key, k_rows, k_sh, k_sl, value, v_rows, v_sh, v_sl, sig, tier,
-        first_rank, totals, lengths_i, tab, tab.stride(0), tab.stride(1), req_idx, lmax, nb,
-        PAGE_BYTES=geometry.page_bytes, D=d, Q=score_queries, BL=bl,
-        **tier_constexprs(geometry.high, "H_"), **tier_constexprs(geometry.low, "L_"),
-        num_warps=4, enable_fp_fusion=False,
+        u8, f16, f32, i32, key, k_rows, k_sh, k_sl, value, v_rows, v_sh, v_sl, sig, tier_out,
+        block_counts, totals, lengths_i, tab, tab.stride(0), tab.stride(1), req_idx, lmax, nb,
+        PAGE_BYTES=geometry.page_bytes, D=d, Q=score_queries, BL=PREFILL_BLOCK,
+        COUNT_TILE=COUNT_TILE, **_tier_pair_constexprs(geometry), num_warps=4,
+        enable_fp_fusion=False,
     )
-    return PromptClassification(tier=tier, score=score, pos=pos, n_high=n_high,
+    return PromptClassification(tier=tier_out, score=score, pos=pos, n_high=totals[..., 0],
                                 n_low=totals[..., 1])
 
 

@@ -10,8 +10,9 @@ Both paths act on the same ``CompressedKVCache`` state (pages, page table, count
 ``1`` (kernels everywhere; on CPU only under ``TRITON_INTERPRET=1``) or ``0`` (reference).
 
 Benchmark mode (``config.bench_mix``) is the same on both paths: the scores are computed,
-then replaced by the draw's (``CompressedKVCache.bench_significance``); the decode step
-takes the drawn actions (``bench_mix.forced_actions``, in-kernel on the Triton path).
+then replaced by the draw's (``CompressedKVCache.bench_significance``; on the Triton path
+drawn inside the classify kernel); the decode step takes the drawn actions
+(``bench_mix.forced_actions``, in-kernel on the Triton path).
 """
 
 from __future__ import annotations
@@ -77,14 +78,16 @@ class PrefillStep:
     """One prefill step's shared inputs (``DiffKVOps.begin_prefill_step``), read by every
     layer: the requests, where their prompts sit in the packed tokens, their thresholds
     and benchmark seeds, and (kernel path) each layer's kept (n_high, n_low) per head,
-    which ``end_prefill_step`` hands to the reclaim in one copy."""
+    which ``end_prefill_step`` hands to the reclaim in one copy, and the scratch every
+    layer reuses (significance, tiers, block counts: no allocation per layer)."""
 
     req: torch.Tensor  # int64 [B]
     prompts: PackedPrompts
-    alpha_h: torch.Tensor  # fp32 [B]
-    alpha_l: torch.Tensor  # fp32 [B]
+    alpha_h: torch.Tensor  # fp32 [B], contiguous
+    alpha_l: torch.Tensor  # fp32 [B], contiguous
     seed: torch.Tensor | None  # int64 [B], benchmark mode only
     totals: torch.Tensor | None  # int32 [layers, B, Hkv, 2], kernel path only
+    buffers: Any = None  # kernels.prefill.PrefillBuffers, kernel path only
 
 
 @dataclass
@@ -113,11 +116,9 @@ class DiffKVOps:
         self._bench_mix_t: torch.Tensor | None = None
         if use_kernels:
             from sglang_diffkv import kernels
-            from sglang_diffkv.kernels import bench_mix as bench_kernels
             from sglang_diffkv.kernels import decode_policy as policy_kernels
 
             self.k = kernels
-            self.bench_k = bench_kernels
             self.policy_k = policy_kernels
             cache.decode_room = functools.partial(kernels.decode_compaction, cache.manager)
             # Build (or load) the CUDA compaction library now, at server start: built lazily,
@@ -143,14 +144,17 @@ class DiffKVOps:
         c = self.cache
         prompts = PackedPrompts.from_lengths(lengths, c.device, lengths_dev)
         alpha = c.alpha[req]
-        totals = None
+        totals = buffers = None
         if self.use_kernels:
             totals = torch.empty(c.spec.num_layers, prompts.batch, c.spec.num_kv_heads, 2,
                                  dtype=torch.int32, device=c.device)
+            buffers = self.k.PrefillBuffers.allocate(prompts.batch, c.spec.num_kv_heads,
+                                                     prompts.max_len, c.device)
         return PrefillStep(
             req=req, prompts=prompts, alpha_h=alpha[:, 0].contiguous(),
             alpha_l=alpha[:, 1].contiguous(),
             seed=None if c.config.bench_mix is None else c.bench_seed[req], totals=totals,
+            buffers=buffers,
         )
 
     def extend_layer(self, layer: int, step: PrefillStep, q: torch.Tensor, k: torch.Tensor,
@@ -167,7 +171,8 @@ class DiffKVOps:
             out, lse = self.prompt_attention.run(q, k, v, p, scale)
             self._score_and_compress(layer, step.req, p.lengths, q, k, v, scale, step.alpha_h,
                                      step.alpha_l, step.seed, lse=lse, starts=p.starts,
-                                     max_len=p.max_len, totals=step.totals[layer])
+                                     max_len=p.max_len, totals=step.totals[layer],
+                                     buffers=step.buffers)
         if out.shape[0] == q.shape[0]:
             return out
         full = out.new_zeros(q.shape[0], *out.shape[1:])
@@ -204,26 +209,31 @@ class DiffKVOps:
                             alpha_h: torch.Tensor, alpha_l: torch.Tensor,
                             seed: torch.Tensor | None, *, lse: torch.Tensor | None = None,
                             starts: torch.Tensor | None = None, max_len: int | None = None,
-                            totals: torch.Tensor | None = None) -> Any:
+                            totals: torch.Tensor | None = None, buffers: Any = None) -> Any:
         """Kernel path of one layer, padded or packed (lse / starts / max_len / totals as
-        ``prefill_scores`` and ``compress_prefill`` take them)."""
+        ``prefill_scores`` and ``compress_prefill`` take them; ``buffers``: the step's
+        ``PrefillBuffers``, or None to allocate). Three launches, benchmark mode included:
+        scores (plus the LSE pass when no ``lse`` is given), classify, store. The
+        classification's score / pos are not produced (nothing here reads them)."""
         c = self.cache
         cfg = c.config
         sig = self.k.prefill_scores(q, k, lengths, scale, cfg.score_queries, lse=lse,
-                                    starts=starts, max_len=max_len)
+                                    starts=starts, max_len=max_len,
+                                    out=None if buffers is None else buffers.significance)
+        bench = None
         if cfg.bench_mix is not None:
             # the scoring kernels above ran for their cost; the draw decides the tiers
-            # (one launch: CompressedKVCache.bench_significance, bit for bit)
+            # (in the classify kernel: CompressedKVCache.bench_significance, bit for bit)
             if self._bench_mix_t is None:
                 self._bench_mix_t = torch.tensor(cfg.bench_mix, dtype=torch.float64,
                                                  device=c.device)
-            sig = self.bench_k.synthetic_significance(
-                seed, layer, c.spec.num_kv_heads, lengths, sig.shape[2], alpha_h, alpha_l,
-                cfg.bench_mix, cfg.window, cfg.score_queries, self._bench_mix_t, out=sig,
-            )
+            bench = (seed, self._bench_mix_t)
         return self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
             alpha_h, alpha_l, cfg.window, cfg.score_queries, starts=starts, totals=totals,
+            tier_out=None if buffers is None else buffers.tier,
+            block_counts=None if buffers is None else buffers.block_counts, scores=False,
+            bench=bench,
         )
 
     # ---- decode -----------------------------------------------------------------------

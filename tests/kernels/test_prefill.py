@@ -1,20 +1,26 @@
-"""Prefill scoring (LSE + column sums) and compression (count + compact + store) kernels
-against the dense oracle and CompressedKVCache's placement."""
+"""Prefill scoring (LSE + column sums) and compression (classify + count, then prefix +
+compact + store) kernels against the dense oracle and CompressedKVCache's placement."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.kernels.prefill import (
+    PrefillBuffers,
+    _block_prefix,
     compress_prefill,
     compress_prefill_reference,
+    prefill_blocks,
     prefill_scores,
     prefill_scores_reference,
 )
 from sglang_diffkv.kernels.testing import rel_err
+from sglang_diffkv.policy import contributing_queries
 
 
 def prompts(lengths, hq, hkv, d, dtype, device, seed):
@@ -171,20 +177,199 @@ def test_packed_prompts_compress_like_padded_ones_cpu():
         prefill_scores(pack(q, lens), pack(k, lens), lengths, 0.125, 16)
 
 
-@pytest.mark.parametrize("nb", [1, 4, 11])
-def test_block_scan_over_several_tiles_cpu(nb):
-    """The scan walks the blocks BLOCK_NB at a time with a carry: with tiles of 4, 11
-    blocks take three (compress_prefill's tile is 128 blocks: prompts over 8k tokens)."""
-    from sglang_diffkv.kernels.prefill import _scan_kernel
+@triton.jit
+def _prefix_probe(counts, out, nblk, NB, TILE: tl.constexpr):
+    """_block_prefix of every (head, block), as the store kernel calls it, into out [.., 4]."""
+    head = tl.program_id(0)
+    blk = tl.program_id(1)
+    h_first, l_first, n_hi, n_lo = _block_prefix(counts + head * NB * 2, blk,
+                                                 tl.load(nblk + head), TILE)
+    base = out + (head * NB + blk) * 4
+    tl.store(base, h_first)
+    tl.store(base + 1, l_first)
+    tl.store(base + 2, n_hi)
+    tl.store(base + 3, n_lo)
 
+
+@pytest.mark.parametrize("nb", [1, 4, 11])
+def test_block_prefix_over_several_tiles_cpu(nb):
+    """The store kernel's prefix walks the blocks TILE at a time with a carry: with tiles of
+    4, 11 blocks take three (compress_prefill's tile is 128 blocks: prompts over 8k tokens).
+    Only a head's first nblk blocks count (later ones hold no token)."""
     g = torch.Generator().manual_seed(nb)
-    counts = torch.randint(0, 65, (2, 3, nb, 2), generator=g, dtype=torch.int32)
-    first = torch.full_like(counts, -1)
-    totals = torch.full((2, 3, 2), -1, dtype=torch.int32)
-    _scan_kernel[(2, 3)](counts, first, totals, nb, BLOCK_NB=4, num_warps=1)
-    inc = counts.cumsum(2, dtype=torch.int32)
-    assert torch.equal(first, inc - counts)
-    assert torch.equal(totals, inc[:, :, -1])
+    heads = 6
+    counts = torch.randint(0, 65, (heads, nb, 2), generator=g, dtype=torch.int32)
+    nblk = torch.randint(1, nb + 1, (heads,), generator=g, dtype=torch.int32)
+    nblk[0] = nb
+    out = torch.full((heads, nb, 4), -1, dtype=torch.int32)
+    _prefix_probe[(heads, nb)](counts, out, nblk, nb, TILE=4)
+    live = torch.arange(nb)[None, :, None] < nblk[:, None, None].long()
+    inc = (counts * live).cumsum(1, dtype=torch.int32)
+    assert torch.equal(out[..., :2], inc - counts * live)
+    assert torch.equal(out[..., 2:], inc[:, -1:].expand(-1, nb, -1))
+
+
+def poisoned_cache(config, lengths, max_context, seed, num_layers=2, num_kv_heads=2):
+    """A cache whose pages are random bytes, with ``lengths``' prompts allocated."""
+    cache = CompressedKVCache(config, head_dim=64, num_layers=num_layers,
+                              num_kv_heads=num_kv_heads, num_pages=400, max_reqs=6,
+                              max_context=max_context, device="cpu")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cache.pages.copy_(torch.randint(0, 256, cache.pages.shape, generator=g, dtype=torch.uint8))
+    req = torch.tensor([3, 0, 5, 1, 4][: len(lengths)])
+    cache.begin_prefill(req, lengths).raise_if_failed()
+    return cache, req
+
+
+def random_significance(lengths, hkv, score_queries, seed):
+    """Significance sums whose means fall around the thresholds of alpha (2, 0.5) (every
+    tier occurs), and random garbage past each prompt's end (the kernels must ignore it)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lengths)
+    lmax = max(lengths)
+    count = contributing_queries(lens, lmax, score_queries).clamp_min(1).float()
+    sig = torch.rand(len(lengths), hkv, lmax, generator=g) * 3 * count[:, None] / lens[
+        :, None, None]
+    past = torch.arange(lmax)[None, None, :] >= lens[:, None, None]
+    return torch.where(past, torch.rand(sig.shape, generator=g) * 100, sig)
+
+
+# odd NB (3, 5) and NB 1; blocks of the short prompts past their end
+@pytest.mark.parametrize("lengths", [[150, 9, 64, 65, 1], [300, 130, 2], [64]])
+def test_fused_store_matches_the_reference_cpu(lengths):
+    """The store kernel's own prefix sum over the block counts (no scan launch) places
+    every token where the reference does, and block 0 writes the totals; all outputs are
+    poisoned first."""
+    config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 2.0, "alpha_l": 0.5,
+                                     "window": 8, "score_queries": 16})
+    b, hkv, d = len(lengths), 2, 64
+    lmax = max(lengths)
+    lens = torch.tensor(lengths)
+    g = torch.Generator().manual_seed(len(lengths))
+    k = torch.randn(b, hkv, lmax, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, hkv, lmax, d, generator=g).to(torch.bfloat16)
+    sig = random_significance(lengths, hkv, 16, seed=lmax)
+    alpha_h = 2.0 * (1 + torch.rand(b, generator=g) * 0.5)
+    alpha_l = 0.5 * torch.rand(b, generator=g)
+    got, want = [poisoned_cache(config, lengths, 320, seed=9) for _ in range(2)]
+    nb = prefill_blocks(lmax)
+    totals = torch.full((b, hkv, 2), -5, dtype=torch.int32)
+    tier = torch.full((b, hkv, lmax), 7, dtype=torch.int8)
+    counts = torch.full((b, hkv, nb, 2), -3, dtype=torch.int32)
+    kc = compress_prefill(got[0].pages, got[0].geometry, got[0].manager.table, got[1], 1, k,
+                          v, sig, lens, alpha_h, alpha_l, 8, 16, totals=totals, tier_out=tier,
+                          block_counts=counts)
+    rc = compress_prefill_reference(want[0].pages, want[0].geometry, want[0].manager.table,
+                                    want[1], 1, k, v, sig, lens, alpha_h, alpha_l, 8, 16)
+    assert kc.tier is tier and torch.equal(tier, rc.tier)
+    assert torch.equal(totals, torch.stack([rc.n_high, rc.n_low], -1))
+    assert torch.equal(kc.score, rc.score) and torch.equal(kc.pos, rc.pos)
+    assert torch.equal(got[0].pages, want[0].pages)
+    big = int(lens.argmax())
+    assert {0, 1, 2} <= set(tier[big].flatten().tolist())  # every tier occurs
+    assert int(rc.n_high[big].min()) > 0 and int(rc.n_low[big].min()) > 0
+
+
+@pytest.mark.gpu
+def test_fused_store_over_several_count_tiles_gpu():
+    """Prompts of more than COUNT_TILE (128) blocks: the store programs' prefix walks two or
+    three tiles of block counts; the reference runs on the CPU."""
+    config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 2.0, "alpha_l": 0.5,
+                                     "window": 64, "score_queries": 64})
+    lengths = [20000, 300, 8193]
+    b, hkv, d, lmax = 3, 2, 128, 20000
+    lens = torch.tensor(lengths)
+    g = torch.Generator().manual_seed(13)
+    k = torch.randn(b, hkv, lmax, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, hkv, lmax, d, generator=g).to(torch.bfloat16)
+    sig = random_significance(lengths, hkv, 64, seed=14)
+    alpha_h, alpha_l = torch.full((b,), 2.0), torch.full((b,), 0.5)
+    caches = []
+    for fn, dev in ((compress_prefill, "cuda"), (compress_prefill_reference, "cpu")):
+        cache = CompressedKVCache(config, head_dim=d, num_layers=1, num_kv_heads=hkv,
+                                  num_pages=2000, max_reqs=4, max_context=20480, device=dev)
+        cache.pages.copy_(torch.randint(0, 256, cache.pages.shape, generator=g.manual_seed(15),
+                                        dtype=torch.uint8))
+        req = torch.tensor([2, 0, 3], device=dev)
+        cache.begin_prefill(req, lengths).raise_if_failed()
+        cls = fn(cache.pages, cache.geometry, cache.manager.table, req, 0, k.to(dev),
+                 v.to(dev), sig.to(dev), lens.to(dev), alpha_h.to(dev), alpha_l.to(dev), 64, 64)
+        caches.append((cache, cls))
+    (kc, kcls), (rc, rcls) = caches
+    assert torch.equal(kcls.tier.cpu(), rcls.tier)
+    assert torch.equal(kcls.n_high.cpu(), rcls.n_high)
+    assert torch.equal(kcls.n_low.cpu(), rcls.n_low)
+    assert torch.equal(kc.pages.cpu(), rc.pages)
+
+
+def run_compress(cache, req, layer, k, v, sig, lens, starts=None, **kw):
+    a = cache.alpha[req]
+    return compress_prefill(cache.pages, cache.geometry, cache.manager.table, req, layer, k,
+                            v, sig, lens, a[:, 0], a[:, 1], cache.config.window,
+                            cache.config.score_queries, starts=starts, **kw)
+
+
+def test_step_buffers_are_reused_across_layers_cpu():
+    """Two layers through one step's PrefillBuffers (prefill_scores' out, tier and block
+    counts, no score / pos) leave what fresh buffers leave, per layer: pages, tiers, totals.
+    The second layer has fewer members per block, so stale counts would misplace tokens."""
+    config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 2.0, "alpha_l": 0.5,
+                                     "window": 8, "score_queries": 16})
+    lens = [150, 9, 131]
+    lengths = torch.tensor(lens)
+    starts = torch.tensor([0, 150, 159])
+    fresh, reused = [poisoned_cache(config, lens, 256, seed=10) for _ in range(2)]
+    bufs = PrefillBuffers.allocate(3, 2, 150, "cpu")
+    bufs.significance.fill_(float("nan"))
+    bufs.tier.fill_(9)
+    bufs.block_counts.fill_(-4)
+    for layer, alpha_scale in ((0, 1.0), (1, 4.0)):
+        q, k, v = prompts(lens, 4, 2, 64, torch.bfloat16, "cpu", seed=20 + layer)
+        qp, kp, vp = pack(q, lens), pack(k, lens), pack(v, lens)
+        for c in (fresh, reused):
+            c[0].alpha[c[1]] = torch.tensor([2.0, 0.5]) * alpha_scale
+        sig = prefill_scores(qp, kp, lengths, 0.125, 16, starts=starts, max_len=150)
+        want_totals = torch.full((3, 2, 2), -1, dtype=torch.int32)
+        want = run_compress(*fresh, layer, kp, vp, sig, lengths, starts, totals=want_totals)
+        got_sig = prefill_scores(qp, kp, lengths, 0.125, 16, starts=starts, max_len=150,
+                                 out=bufs.significance)
+        assert got_sig is bufs.significance
+        got_totals = torch.full((3, 2, 2), -1, dtype=torch.int32)
+        got = run_compress(*reused, layer, kp, vp, got_sig, lengths, starts, totals=got_totals,
+                           tier_out=bufs.tier, block_counts=bufs.block_counts, scores=False)
+        assert got.score is None and got.pos is None
+        assert got.tier is bufs.tier and torch.equal(got.tier, want.tier)
+        assert torch.equal(got_totals, want_totals), layer
+        assert torch.equal(reused[0].pages, fresh[0].pages), layer
+    assert int(want_totals[..., 1].sum()) > 0
+
+
+def test_buffer_checks_name_the_bad_value_cpu():
+    config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 2.0, "alpha_l": 0.5,
+                                     "window": 8, "score_queries": 16})
+    lens = [70, 9]
+    lengths = torch.tensor(lens)
+    q, k, v = prompts(lens, 4, 2, 64, torch.bfloat16, "cpu", seed=12)
+    cache = poisoned_cache(config, lens, 256, seed=11)
+    sig = prefill_scores(q, k, lengths, 0.125, 16)
+    bad = {
+        "tier_out": {"tier_out": torch.empty(2, 2, 71, dtype=torch.int8)},
+        "block_counts": {"block_counts": torch.empty(2, 2, 2, 2, dtype=torch.int64)},
+        "totals": {"totals": torch.empty(2, 2, 2, dtype=torch.int32).transpose(0, 1)},
+        "bench seed": {"bench": (torch.zeros(3, dtype=torch.int64), (0.3, 0.5, 0.2))},
+        "bench mix": {"bench": (torch.zeros(2, dtype=torch.int64),
+                                torch.tensor([0.3, 0.5, 0.2]))},
+    }
+    for name, kw in bad.items():
+        with pytest.raises(ValueError, match=name):
+            run_compress(*cache, 0, k, v, sig, lengths, **kw)
+    with pytest.raises(ValueError, match="not contiguous"):
+        run_compress(*cache, 0, k, v, sig, lengths, **bad["totals"])
+    with pytest.raises(ValueError, match="significance"):  # the draw is written in place
+        run_compress(*cache, 0, k, v, sig.double(), lengths,
+                     bench=(torch.zeros(2, dtype=torch.int64), (0.3, 0.5, 0.2)))
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float32 \\[2, 2, 70\\]"):
+        prefill_scores(q, k, lengths, 0.125, 16, out=torch.empty(2, 2, 64))
 
 
 @pytest.mark.gpu
