@@ -287,6 +287,19 @@ def test_draw_inside_the_classifier_matches_the_two_step_path_gpu():
                                    max_context=8192)
 
 
+def _reference_and_kernel_ops(num_layers: int, num_pages: int, poison: int):
+    """Two poisoned caches of one shape, and DiffKVOps on each: the torch reference path
+    first, the Triton kernel path second."""
+    caches = []
+    for _ in range(2):
+        c = CompressedKVCache(CONFIG, head_dim=64, num_layers=num_layers, num_kv_heads=2,
+                              num_pages=num_pages, max_reqs=4, max_context=160)
+        c.pages.fill_(poison)
+        caches.append(c)
+    return caches, [DiffKVOps(caches[0], use_kernels=False),
+                    DiffKVOps(caches[1], use_kernels=True)]
+
+
 def test_ops_extend_kernel_and_reference_paths_agree_in_bench_mode():
     """The backend's packed prefill step (begin_prefill_step, extend_layer per layer,
     end_prefill_step) through DiffKVOps with the Triton kernels (the draw inside the
@@ -294,13 +307,7 @@ def test_ops_extend_kernel_and_reference_paths_agree_in_bench_mode():
     from sglang_diffkv.prompt_attention import PackedPrompts
 
     g = torch.Generator().manual_seed(32)
-    caches = []
-    for _ in range(2):
-        c = CompressedKVCache(CONFIG, head_dim=64, num_layers=3, num_kv_heads=2,
-                              num_pages=400, max_reqs=4, max_context=160)
-        c.pages.fill_(0x5A)
-        caches.append(c)
-    ops = [DiffKVOps(caches[0], use_kernels=False), DiffKVOps(caches[1], use_kernels=True)]
+    caches, ops = _reference_and_kernel_ops(num_layers=3, num_pages=400, poison=0x5A)
     req = torch.tensor([3, 1, 0])
     lens = [37, 130, 5]
     t = sum(lens)
@@ -462,13 +469,7 @@ def test_ops_kernel_and_reference_paths_agree_in_bench_mode():
     """DiffKVOps with Triton kernels (interpreter) and with the torch reference leave the
     same compressed state after a bench-mode prefill and decode steps."""
     g = torch.Generator().manual_seed(31)
-    caches = []
-    for _ in range(2):
-        c = CompressedKVCache(CONFIG, head_dim=64, num_layers=2, num_kv_heads=2,
-                              num_pages=300, max_reqs=4, max_context=160)
-        c.pages.fill_(0xA5)
-        caches.append(c)
-    ops = [DiffKVOps(caches[0], use_kernels=False), DiffKVOps(caches[1], use_kernels=True)]
+    caches, ops = _reference_and_kernel_ops(num_layers=2, num_pages=300, poison=0xA5)
     req = torch.tensor([3, 1])
     lengths = torch.tensor([37, 52])
     q = torch.randn(2, 4, 52, 64, generator=g).to(torch.bfloat16)
