@@ -222,9 +222,6 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
             rows.append(r)
         mb = _mean(log.decode_running)
         pk = float(max(log.decode_running)) if log.decode_running else None
-        mb = float(sum(log.decode_running) / len(log.decode_running)) \
-            if log.decode_running else None
-        pk = float(max(log.decode_running)) if log.decode_running else None
         if run.workload == "sharegpt" and not c.get("time_limited"):
             # every request finished inside the window: bench_serving's whole-run rates
             # (tokens / duration, each side its own duration); the second half of a window

@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from sglang_diffkv import bench_mix
-from sglang_diffkv.kernels.prefill import _bench_draw, _threshold, bench_constexprs
+from sglang_diffkv.kernels.prefill import (
+    _as,
+    _bench_draw,
+    _check_buffer,
+    _threshold,
+    bench_constexprs,
+)
 
 
 @triton.jit(do_not_specialize=("Lmax",))  # a per-step size (as in prefill.py)
@@ -63,15 +69,12 @@ def synthetic_significance(
     shape = (b, num_kv_heads, max_len)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=dev)
-    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous fp32 {shape}, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    else:
+        _check_buffer("out", out, shape, torch.float32, dev)
     bl = 128
     _bench_sig_kernel[(b, num_kv_heads, triton.cdiv(max_len, bl))](
-        seed.to(device=dev, dtype=torch.int64).contiguous(),
-        length.to(device=dev, dtype=torch.int32).contiguous(),
-        alpha_h.to(device=dev, dtype=torch.float32).contiguous(),
-        alpha_l.to(device=dev, dtype=torch.float32).contiguous(),
+        _as(seed, torch.int64, dev), _as(length, torch.int32, dev),
+        _as(alpha_h, torch.float32, dev), _as(alpha_l, torch.float32, dev),
         mix_tensor, out, layer, max_len,
         WINDOW=window, Q=score_queries, BL=bl, **bench_constexprs(), num_warps=4,
         enable_fp_fusion=False,

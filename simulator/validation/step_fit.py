@@ -88,15 +88,17 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.y)
 
+    def rows(self) -> zip:
+        """Each row as ``add``'s arguments."""
+        return zip(self.y, self.base, self.feats, self.where, self.kind, self.fmt, strict=True)
+
     def extend(self, other: StepRows) -> None:
-        for row in zip(other.y, other.base, other.feats, other.where, other.kind, other.fmt,
-                       strict=True):
+        for row in other.rows():
             self.add(*row)
 
     def of_kinds(self, *kinds: str) -> StepRows:
         out = StepRows()
-        for row in zip(self.y, self.base, self.feats, self.where, self.kind, self.fmt,
-                       strict=True):
+        for row in self.rows():
             if row[4] in kinds:
                 out.add(*row)
         return out
