@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_diffkv.config import K4V2, K8V4  # noqa: E402
 from sglang_diffkv.kernels import (  # noqa: E402
     DecodeAttentionPlan,
+    PrefillBuffers,
     compaction_backend,
     compress_prefill,
     decode_compaction,
@@ -53,6 +54,7 @@ from sglang_diffkv.kernels.decode_policy import (  # noqa: E402
 from sglang_diffkv.kernels.testing import random_decode_case  # noqa: E402
 from sglang_diffkv.layout import PageGeometry  # noqa: E402
 from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
+from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention  # noqa: E402
 
 DEV = "cuda"
 HQ, HKV, D = 32, 8, 128
@@ -413,6 +415,94 @@ def prefill_rows(quick: bool) -> list[dict]:
     return rows
 
 
+# (prompts, length) of the served-prefill section: single prompts at the issue's lengths,
+# and the same token counts split into several prompts, as a prefill step packs them
+SERVED_PREFILL_CASES = ((1, 1024), (1, 4096), (1, 16384), (16, 1024), (4, 4096))
+
+
+def served_prefill_rows(cases=SERVED_PREFILL_CASES) -> list[dict]:
+    """One layer of a prefill step as the server runs it (``DiffKVOps.extend_layer``): the
+    packed prompts' attention (``choose_prompt_attention``: flash varlen with its LSE), then
+    scoring given that LSE, classify and store into the step's ``PrefillBuffers``
+    (``scores=False``); plus the step's one reclaim for all LAYERS layers, counted as
+    1/LAYERS. Eager (what a prefill step pays: it runs without CUDA graphs) and
+    graph-replayed (GPU time alone)."""
+    geo = PageGeometry.build(D, K8V4, K4V2)
+    attention = choose_prompt_attention(DEV)
+    return [served_prefill_case(geo, attention, nb, n) for nb, n in cases]
+
+
+def served_prefill_case(geo: PageGeometry, attention, nb: int, n: int) -> dict:
+    t, scale = nb * n, D**-0.5
+    q = torch.randn(t, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16)
+    prompts = PackedPrompts.from_lengths([n] * nb, DEV)
+    attn = partial(attention.run, q, k, v, prompts, scale)
+    _, lse = attn()
+    spec = MemorySpec.from_geometry(geo, num_pages=nb * LAYERS * HKV * (n // 32 + 2) + 8,
+                                    max_reqs=nb, num_layers=LAYERS, num_kv_heads=HKV,
+                                    max_context=n)
+    pages = torch.empty(spec.num_pages, geo.page_bytes, dtype=torch.uint8, device=DEV)
+    req = torch.arange(nb, device=DEV)
+    lens = prompts.lengths
+    m = fresh_manager(spec, req, lens)
+    buffers = PrefillBuffers.allocate(nb, HKV, n, DEV)
+    totals = torch.empty(nb, HKV, 2, dtype=torch.int32, device=DEV)
+    ah = torch.full((nb,), 1.0, device=DEV)
+    al = torch.full((nb,), 0.02, device=DEV)
+
+    def work():
+        sig = prefill_scores(q, k, lens, scale, 64, lse=lse, starts=prompts.starts,
+                             max_len=n, out=buffers.significance)
+        return compress_prefill(pages, geo, m.table, req, 0, k, v, sig, lens, ah, al, 64, 64,
+                                starts=prompts.starts, totals=totals, tier_out=buffers.tier,
+                                block_counts=buffers.block_counts, scores=False)
+
+    cls = work()
+    kept = [x.view(nb, 1, HKV).expand(nb, LAYERS, HKV) for x in (cls.n_high, cls.n_low)]
+    times = []
+    for _ in range(20):
+        fresh = fresh_manager(spec, req, lens)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fresh.reclaim_prefill(req, *kept)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    reclaim = sorted(times)[len(times) // 2] / LAYERS
+    # (padded SDPA returns no LSE: prefill_scores then runs its own LSE pass, as served)
+    r = dict(prompts=nb, length=n, attention=attention.name, lse_given=lse is not None,
+             attn_ms=bench(attn),
+             attn_graph_ms=bench_graph(attn), work_ms=bench(work),
+             work_graph_ms=bench_graph(work), reclaim_per_layer_ms=reclaim)
+    r["frac"] = (r["work_ms"] + reclaim) / r["attn_ms"]
+    r["frac_graph"] = (r["work_graph_ms"] + reclaim) / r["attn_graph_ms"]
+    print(f"served prefill {nb}x{n}: attn {r['attn_ms']:.3f} (graph {r['attn_graph_ms']:.3f}) "
+          f"ms, score+compress {r['work_ms']:.3f} (graph {r['work_graph_ms']:.3f}), "
+          f"reclaim/layer {reclaim:.3f} -> {r['frac']:.1%} eager, {r['frac_graph']:.1%} graph",
+          flush=True)
+    return r
+
+
+def served_prefill_table(rows: list[dict]) -> str:
+    lines = [f"Prefill as served, per layer ({HQ}/{HKV} heads, D {D}, bf16; attention "
+             f"{rows[0]['attention']}; scoring "
+             f"{'given its LSE' if rows[0]['lse_given'] else 'with its own LSE pass'} + "
+             f"classify + store; "
+             f"the step's reclaim for all {LAYERS} layers counted as 1/{LAYERS}):", "",
+             "| prompts x length | attention eager / graph (ms) | score + compress eager / "
+             "graph (ms) | reclaim per layer (ms) | overhead / attention, eager | graph |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['prompts']} x {r['length']} | {r['attn_ms']:.3f} / "
+                     f"{r['attn_graph_ms']:.3f} | {r['work_ms']:.3f} / "
+                     f"{r['work_graph_ms']:.3f} | {r['reclaim_per_layer_ms']:.3f} | "
+                     f"{r['frac']:.1%} | {r['frac_graph']:.1%} |")
+    return "\n".join(lines)
+
+
 def compaction_rows() -> list[dict]:
     b, layers, heads = 128, 32, 8
     spec = MemorySpec(num_pages=b * layers * heads * 12, max_reqs=b, num_layers=layers,
@@ -616,8 +706,9 @@ def main() -> int:
     ap.add_argument("--sweep-case", action="append", default=[],
                     help="sweep case MIX:BATCHxCONTEXT (repeatable; replaces the default "
                          "K8V4 and K4V2 at 32x16384), e.g. 30/50/20:384x2048")
-    ap.add_argument("--only", default="sweep,decode,prefill,compaction",
-                    help="sections: sweep, decode, stages, prefill, compaction, policy")
+    ap.add_argument("--only", default="sweep,decode,prefill,served-prefill,compaction",
+                    help="sections: sweep, decode, stages, prefill, served-prefill, "
+                         "compaction, policy")
     ap.add_argument("--variants", default="base",
                     help=f"decode attention variants, comma-separated: NAME[@REGS] with NAME "
                          f"in {', '.join(VARIANTS)} and REGS a register cap (0: none)")
@@ -662,6 +753,7 @@ def main() -> int:
     stages = (stage_rows(meta["copy_tbs"] * 1e12, variants, stage_cases) if "stages" in only
               else [])
     prefill = prefill_rows(args.quick) if "prefill" in only else []
+    served = served_prefill_rows() if "served-prefill" in only else []
     compaction = compaction_rows() if "compaction" in only else []
     policy = policy_rows() if "policy" in only else []
     meta["seconds"] = time.time() - t0
@@ -675,6 +767,8 @@ def main() -> int:
                    f"| {r['variant']} | {r['mix']} | {r['batch']} x {r['context']} | "
                    f"{r['ms'] * 1e3:.0f} | {r['partition_ms'] * 1e3:.0f} | "
                    f"{r['merge_ms'] * 1e3:.0f} | {r['bw_frac']:.0%} |" for r in stages))
+    if served:
+        md += "\n\n" + served_prefill_table(served)
     if policy:
         md += "\n\n" + policy_table(policy)
     (out / "bench.md").write_text(md + "\n")
@@ -682,6 +776,7 @@ def main() -> int:
                                                     decode=decode, prefill=prefill,
                                                     compaction=compaction, stages=stages,
                                                     variants=variants, policy=policy,
+                                                    served_prefill=served,
                                                     sweep=sweep_rows), indent=1))
     print("\n" + md)
     print(f"total {meta['seconds']:.0f} s")
