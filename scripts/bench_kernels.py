@@ -519,15 +519,22 @@ def compaction_rows() -> list[dict]:
     snap = m.snapshot()
     tiers = torch.ones(b, 2, dtype=torch.bool, device=DEV)
     out = []
-    def coop(m, req, tiers):
-        os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "1"
-        try:
-            return decode_compaction(m, req, tiers)
-        finally:
-            os.environ.pop("SGLANG_DIFFKV_COOP_COMPACTION")
+    def launch(flag):
+        # SGLANG_DIFFKV_COOP_COMPACTION picks the kernel (the cooperative grid by default)
+        def fn(m, req, tiers):
+            before = os.environ.get("SGLANG_DIFFKV_COOP_COMPACTION")
+            os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = flag
+            try:
+                return decode_compaction(m, req, tiers)
+            finally:
+                if before is None:
+                    os.environ.pop("SGLANG_DIFFKV_COOP_COMPACTION")
+                else:
+                    os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = before
+        return fn
 
-    for name, fn in (("cuda single block", decode_compaction),
-                     ("cuda cooperative grid", coop),
+    for name, fn in (("cuda single block", launch("0")),
+                     ("cuda cooperative grid", launch("1")),
                      ("torch reference", decode_compaction_reference)):
         times, kernel_us = [], []
         for i in range(60):
