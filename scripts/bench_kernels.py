@@ -357,6 +357,23 @@ def fresh_manager(spec: MemorySpec, req: torch.Tensor, lens: torch.Tensor) -> Pa
     return m
 
 
+def reclaim_ms(spec: MemorySpec, req: torch.Tensor, lens: torch.Tensor, n_high: torch.Tensor,
+               n_low: torch.Tensor, reps: int = 20) -> float:
+    """Median milliseconds (CUDA events) of ``PageManager.reclaim_prefill`` on a manager
+    freshly through ``allocate_prefill`` each time (a reclaim consumes its state)."""
+    times = []
+    for _ in range(reps):
+        m = fresh_manager(spec, req, lens)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        m.reclaim_prefill(req, n_high, n_low)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return sorted(times)[len(times) // 2]
+
+
 def prefill_rows(quick: bool) -> list[dict]:
     rows = []
     geo = PageGeometry.build(D, K8V4, K4V2)
@@ -382,17 +399,8 @@ def prefill_rows(quick: bool) -> list[dict]:
         compress = bench(partial(compress_prefill, pages, geo, m.table, req, 0, k, v, sig, lens,
                                  ah, al, 64, 64))
         cls = compress_prefill(pages, geo, m.table, req, 0, k, v, sig, lens, ah, al, 64, 64)
-        times = []
-        for _ in range(20):
-            m = fresh_manager(spec, req, lens)
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            m.reclaim_prefill(req, cls.n_high.view(1, 1, HKV), cls.n_low.view(1, 1, HKV))
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1))
-        reclaim = sorted(times)[len(times) // 2]
+        reclaim = reclaim_ms(spec, req, lens, cls.n_high.view(1, 1, HKV),
+                             cls.n_low.view(1, 1, HKV))
         # per layer: scoring and compression run every layer, reclaim once per request for
         # all LAYERS layers (PageManager.reclaim_prefill takes every layer's counts at once)
         score_g = bench_graph(partial(prefill_scores, q, k, lens, D**-0.5, 64))
@@ -461,17 +469,7 @@ def served_prefill_case(geo: PageGeometry, attention, nb: int, n: int) -> dict:
 
     cls = work()
     kept = [x.view(nb, 1, HKV).expand(nb, LAYERS, HKV) for x in (cls.n_high, cls.n_low)]
-    times = []
-    for _ in range(20):
-        fresh = fresh_manager(spec, req, lens)
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fresh.reclaim_prefill(req, *kept)
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1))
-    reclaim = sorted(times)[len(times) // 2] / LAYERS
+    reclaim = reclaim_ms(spec, req, lens, *kept) / LAYERS
     # (padded SDPA returns no LSE: prefill_scores then runs its own LSE pass, as served)
     r = dict(prompts=nb, length=n, attention=attention.name, lse_given=lse is not None,
              attn_ms=bench(attn),
