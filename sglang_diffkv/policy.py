@@ -84,8 +84,11 @@ def virtual_positions(length: torch.Tensor, max_len: int, score_queries: int) ->
 @dataclass(frozen=True)
 class PromptClassification:
     tier: torch.Tensor  # int8 [B, Hkv, Lmax] (Tier); padding positions are PRUNED
-    score: torch.Tensor  # fp32 [B, Hkv, Lmax]: the summed significance s_i
-    pos: torch.Tensor  # int32 [B, Lmax]: virtual positions
+    # score fp32 [B, Hkv, Lmax] (the summed significance s_i) and pos int32 [B, Lmax] (virtual
+    # positions); None only from kernels.compress_prefill(scores=False), the serving path,
+    # which reads neither (classify_prompt always fills them)
+    score: torch.Tensor | None
+    pos: torch.Tensor | None
     n_high: torch.Tensor  # int32 [B, Hkv]
     n_low: torch.Tensor  # int32 [B, Hkv]
 
