@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import os
 import re
 import sys
 import time
@@ -517,22 +516,8 @@ def compaction_rows() -> list[dict]:
     snap = m.snapshot()
     tiers = torch.ones(b, 2, dtype=torch.bool, device=DEV)
     out = []
-    def launch(flag):
-        # SGLANG_DIFFKV_COOP_COMPACTION picks the kernel (the cooperative grid by default)
-        def fn(m, req, tiers):
-            before = os.environ.get("SGLANG_DIFFKV_COOP_COMPACTION")
-            os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = flag
-            try:
-                return decode_compaction(m, req, tiers)
-            finally:
-                if before is None:
-                    os.environ.pop("SGLANG_DIFFKV_COOP_COMPACTION")
-                else:
-                    os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = before
-        return fn
-
-    for name, fn in (("cuda single block", launch("0")),
-                     ("cuda cooperative grid", launch("1")),
+    for name, fn in (("cuda single block", partial(decode_compaction, cooperative=False)),
+                     ("cuda cooperative grid", partial(decode_compaction, cooperative=True)),
                      ("torch reference", decode_compaction_reference)):
         times, kernel_us = [], []
         for i in range(60):

@@ -11,7 +11,6 @@ non-zero if any check fails.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import time
@@ -320,7 +319,7 @@ def policy_large_check(batch, ctx_lo, ctx_hi, hkv, seed):
     return run
 
 
-def compaction_check(batch, layers, heads, want_kernel=""):
+def compaction_check(batch, layers, heads, cooperative):
     def run():
         spec = MemorySpec(num_pages=batch * layers * heads * 8, max_reqs=batch,
                           num_layers=layers, num_kv_heads=heads, high_tokens_per_page=32,
@@ -346,7 +345,7 @@ def compaction_check(batch, layers, heads, want_kernel=""):
         # the launcher falls back to the single-block kernel silently when a cooperative
         # launch is refused: the profiler says which kernel actually ran
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            k = decode_compaction(ms[1], req.to(DEV), tiers)
+            k = decode_compaction(ms[1], req.to(DEV), tiers, cooperative=cooperative)
             torch.cuda.synchronize()
         ran = sorted({m for e in prof.events()
                       if e.device_type == torch.autograd.DeviceType.CUDA
@@ -355,7 +354,8 @@ def compaction_check(batch, layers, heads, want_kernel=""):
         same = all(torch.equal(sa[x], sb[x]) for x in sa) and all(
             torch.equal(getattr(r, f), getattr(k, f)) for f in ("ok", "needed", "free",
                                                               "rows_ok"))
-        if want_kernel and want_kernel not in ran:
+        want_kernel = "decode_room_coop_kernel" if cooperative else "decode_room_kernel"
+        if want_kernel not in ran:
             return f"state equal={same}, but ran {ran}, not {want_kernel}", False
         return (f"state equal={same}, pages taken {int(r.needed)} ({compaction_backend()}: "
                 f"{','.join(ran)})", same)
@@ -411,16 +411,13 @@ def main() -> int:
           policy_large_check(305, 1000, 3000, 8, seed=3))
     check("decode_policy", "B7 Hkv8 D128 ctx 20-200, random state",
           policy_large_check(7, 20, 200, 8, seed=4))
-    os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "0"
     check("compaction(cuda)", "B128 x 32 layers x 8 heads",
-          compaction_check(128, 32, 8, "decode_room_kernel"))
+          compaction_check(128, 32, 8, cooperative=False))
     check("compaction(cuda)", "B7 x 3 layers x 2 heads",
-          compaction_check(7, 3, 2, "decode_room_kernel"))
-    os.environ["SGLANG_DIFFKV_COOP_COMPACTION"] = "1"
+          compaction_check(7, 3, 2, cooperative=False))
     for b, lyr, h in ((128, 32, 8), (7, 3, 2), (1, 1, 1), (300, 32, 8)):
         check("compaction(coop)", f"B{b} x {lyr} layers x {h} heads",
-              compaction_check(b, lyr, h, "decode_room_coop_kernel"))
-    os.environ.pop("SGLANG_DIFFKV_COOP_COMPACTION")
+              compaction_check(b, lyr, h, cooperative=True))
 
     print("\n| check | config | result | pass | s |\n|---|---|---|---|---|")
     for name, cfg, metric, ok, sec in ROWS:

@@ -50,10 +50,13 @@ def compaction_backend() -> str:
 
 
 def decode_compaction(
-    manager: PageManager, req_idx: torch.Tensor, tiers: torch.Tensor
+    manager: PageManager, req_idx: torch.Tensor, tiers: torch.Tensor, *,
+    cooperative: bool | None = None,
 ) -> AllocResult:
     """``manager.ensure_decode_room(req_idx, tiers)`` in one launch; same state changes and
-    result. With ``manager.validate`` the same host checks run (and sync)."""
+    result. With ``manager.validate`` the same host checks run (and sync). ``cooperative``:
+    the grid kernel (True) or the single-block one (False); None reads
+    SGLANG_DIFFKV_COOP_COMPACTION (default the grid kernel)."""
     lib = LIBRARY.get() if manager.device.type == "cuda" else None
     if lib is None:
         return manager.ensure_decode_room(req_idx, tiers)
@@ -77,7 +80,8 @@ def decode_compaction(
         fl.free_pages.data_ptr(), fl.head.data_ptr(), fl.tail.data_ptr(), result.data_ptr(),
         req.shape[0], s.num_layers * s.num_kv_heads, s.row_len, s.num_pages,
         s.high_tokens_per_page, s.low_tokens_per_page, scratch.data_ptr(), SCRATCH,
-        int(os.environ.get("SGLANG_DIFFKV_COOP_COMPACTION", COOPERATIVE_DEFAULT)),
+        int(os.environ.get("SGLANG_DIFFKV_COOP_COMPACTION", COOPERATIVE_DEFAULT)
+            if cooperative is None else cooperative),
         torch.cuda.current_stream(manager.device).cuda_stream,
     )
     if rc != 0:

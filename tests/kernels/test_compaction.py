@@ -59,12 +59,13 @@ def assert_same(a: PageManager, b: PageManager) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("free_left", [None, 50])  # plenty / too few pages (a no-op)
-def test_decode_compaction_gpu(free_left):
+@pytest.mark.parametrize("cooperative", [None, False, True])  # default / one block / grid
+def test_decode_compaction_gpu(free_left, cooperative):
     assert compaction_backend() == "cuda"
     (ref, ker), req, tiers = random_manager(37, 4, 8, 200_000, seed=3, free_left=free_left)
     for step in range(3):
         r = decode_compaction_reference(ref, req, tiers)
-        k = decode_compaction(ker, req, tiers)
+        k = decode_compaction(ker, req, tiers, cooperative=cooperative)
         for f in ("ok", "needed", "free", "rows_ok"):
             assert torch.equal(getattr(r, f).cpu(), getattr(k, f).cpu()), (step, f)
         assert_same(ref, ker)
