@@ -166,8 +166,8 @@ def step_costs_note(res: dict[str, Any], runs: str) -> str:
             f"{1e6 * res['seq_overhead_s']:.2f} us; prefill step "
             f"{1e3 * res['prefill_step_overhead_s']:.2f} ms, per prefill request "
             f"{1e3 * res['prefill_seq_overhead_s']:.3f} ms, per prompt token "
-            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; eager launches "
-            f"{1e6 * res['eager_layer_overhead_s']:.1f} us per layer; fitted "
+            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; eager decode "
+            f"{1e6 * res['eager_decode_layer_overhead_s']:.1f} us per layer; fitted "
             f"{', '.join(res['fitted'])}, kept {', '.join(res['kept']) or 'nothing'}; from "
             f"{runs}: rows {'; '.join(parts)}; all {res['rows']} rows MAPE "
             f"{100 * res['mape_before']:.1f}% -> {100 * res['mape']:.1f}%; dropped "
@@ -478,6 +478,13 @@ def kept_findings(doc: Path) -> str:
     return "" if at < 0 else "\n" + text[at:].rstrip() + "\n"
 
 
+def scratch_name(results_dir: str) -> str:
+    """Where a folder's packed logs are unpacked under --scratch: its parent's name and its
+    own, so two folders called alike (e2e-s10-longgen/diffkv, e2e-s11/diffkv) do not share."""
+    p = Path(results_dir).resolve()
+    return f"{p.parent.name}--{p.name}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+",
@@ -525,8 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = []
         for arg in a.results:
             d, _, tag = arg.partition("#")
-            parts.append(load_harness(d, Path(a.scratch) / Path(d).resolve().name,
-                                      tag=tag or None))
+            parts.append(load_harness(d, Path(a.scratch) / scratch_name(d), tag=tag or None))
         h = merge_harness(parts)
         unknown = sorted(set(a.skip_run) - {r.key for r in h.runs})
         if unknown:

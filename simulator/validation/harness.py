@@ -171,10 +171,23 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
                           [root])
 
 
+# launch_server flags that only add log lines: a server started with them serves the same
+# way, so its runs merge with those of a server started without them
+LOG_ONLY_FLAGS = ("--enable-request-time-stats-logging",)
+
+
+def same_launch(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two configurations are one launch: equal environment, and equal commands
+    once the log-only flags are left out."""
+    def cmd(c: dict[str, Any]) -> list[str]:
+        return [w for w in str(c.get("command", "")).split() if w not in LOG_ONLY_FLAGS]
+    return a.get("env") == b.get("env") and cmd(a) == cmd(b)
+
+
 def merge_harness(parts: list[HarnessResults]) -> HarnessResults:
     """Several harness folders (one per GPU call) as one: configurations, runs and server
     logs joined. A configuration name may appear in several folders when it is the same
-    launch (equal command and environment, e.g. one server re-run on other workloads) and its
+    launch (``same_launch``, e.g. one server re-run on other workloads) and its
     run keys do not repeat; each run keeps its own folder's server log (``run.server_log``),
     whose start-up lines give its server settings."""
     if not parts:
@@ -188,7 +201,7 @@ def merge_harness(parts: list[HarnessResults]) -> HarnessResults:
     for h in parts:
         for name, cfg in h.configs.items():
             if name in configs:
-                same = all(cfg.get(k) == configs[name].get(k) for k in ("command", "env"))
+                same = same_launch(cfg, configs[name])
                 clash = {r.key for r in h.runs if r.config == name} & keys
                 if not same or clash:
                     why = (f"runs {', '.join(sorted(clash))} repeat" if same

@@ -396,3 +396,15 @@ def test_a_regenerated_report_keeps_the_hand_written_findings(tmp_path):
     assert mod.kept_findings(doc) == "\n## Findings (hand-written, today)\n\nWhy X.\n"
     doc.write_text("# a report without findings\n")
     assert mod.kept_findings(doc) == ""
+
+
+def test_a_log_only_flag_is_the_same_launch():
+    """A server re-run with SGLang's per-request time stats on (log lines only) merges with
+    its runs without; any other difference in the command, or in the environment, does not."""
+    from simulator.validation.harness import same_launch
+
+    base = {"command": "python -m sglang.launch_server --attention-backend triton", "env": {}}
+    logged = {**base, "command": base["command"] + " --enable-request-time-stats-logging"}
+    assert same_launch(base, logged)
+    assert not same_launch(base, {**base, "command": base["command"] + " --kv-cache-dtype fp8"})
+    assert not same_launch(base, {**logged, "env": {"X": "1"}})
