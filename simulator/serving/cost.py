@@ -175,6 +175,14 @@ class CostModel:
         return (s.prefill_tokens == 0 and self.graphs_enabled
                 and s.decode_reqs <= self.graph_max)
 
+    def layer_overhead(self, s: StepShape) -> float:
+        """Fixed cost per layer: launches from a CUDA graph, or eager ones (a prefill step's,
+        or a decode step's above the largest captured batch, which may differ)."""
+        c = self.calib
+        if self.graphed(s):
+            return c.layer_overhead_s
+        return c.eager_layer_overhead_s if s.prefill_tokens else c.eager_decode_layer_s
+
     def step_time(self, s: StepShape) -> float:
         c = self.calib
         graphed = self.graphed(s)
@@ -187,7 +195,7 @@ class CostModel:
         if s.prefill_tokens:
             per_layer += self.prefill_attention_time(s.prefill_tokens, s.prefill_past_tokens,
                                                      s.prefill_pairs, s.prefill_seqs)
-        per_layer += c.layer_overhead_s if graphed else c.eager_layer_overhead_s
+        per_layer += self.layer_overhead(s)
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self.lm_head_time(sampled)
         if s.prefill_tokens:

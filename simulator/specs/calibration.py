@@ -47,6 +47,11 @@ OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
 # optional: a factor on the modelled decode attention time (1 when absent), fitted from
 # server logs where the kernel in a serving step runs slower or faster than its grid measured
 # in isolation (a different split count, caches warm or cold)
+# optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
+# largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
+# a backend's eager decode path launches other kernels, and more host work, than its extend
+# path. Absent: the same as ``eager_layer_overhead_s``
+EAGER_DECODE_FIELD = "eager_decode_layer_overhead_s"
 ATTENTION_SCALE_FIELD = "decode_attention_scale"
 # optional: the same factor for one KV format (calibration key) where it differs from the
 # default above, e.g. SGLang's triton backend on an fp8 cache vs a bf16 one
@@ -253,9 +258,16 @@ class Calibration:
     prefill_token_overhead_s: float = 0.0
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
+    eager_decode_layer_overhead_s: float | None = None
     measured: MeasuredGrids = field(default_factory=MeasuredGrids)
     # the "measured" object as read (raw times, masks, provenance): written back unchanged
     measured_raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def eager_decode_layer_s(self) -> float:
+        """Per-layer cost of a decode step outside the CUDA graphs."""
+        v = self.eager_decode_layer_overhead_s
+        return self.eager_layer_overhead_s if v is None else v
 
     def attention_scale(self, key: str) -> float:
         """The in-server decode attention factor of KV format ``key`` (its own where the
@@ -306,12 +318,20 @@ class Calibration:
                                       f"to factors, got {by_format!r}")
         scales = {str(k): _attention_scale(v, f"{where}.{ATTENTION_SCALES_FIELD}.{k}")
                   for k, v in by_format.items()}
+        eager_decode = d.get(EAGER_DECODE_FIELD)
+        if eager_decode is not None and (isinstance(eager_decode, bool)
+                                         or not isinstance(eager_decode, (int, float))
+                                         or eager_decode < 0):
+            raise SimulatorInputError(f"{where}.{EAGER_DECODE_FIELD}={eager_decode!r} must be "
+                                      "a number >= 0 (or absent: eager_layer_overhead_s)")
         raw = d.get("measured", {})
         measured = MeasuredGrids.from_dict(raw, f"{where}.measured")
         return cls(gpu=gpu, eta_mem_decode_attention={k: float(v) for k, v in etas.items()},
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    decode_attention_scale=scale, decode_attention_scales=scales,
+                   eager_decode_layer_overhead_s=(None if eager_decode is None
+                                                  else float(eager_decode)),
                    **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)},
                    **{f: float(d.get(f, 0.0)) for f in OPTIONAL_SECONDS_FIELDS})
 
@@ -320,6 +340,8 @@ class Calibration:
         d: dict[str, Any] = {"provenance": dict(self.provenance)}
         d.update({f: getattr(self, f) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)})
         d.update({f: getattr(self, f) for f in OPTIONAL_SECONDS_FIELDS if getattr(self, f)})
+        if self.eager_decode_layer_overhead_s is not None:
+            d[EAGER_DECODE_FIELD] = self.eager_decode_layer_overhead_s
         if self.decode_attention_scale != 1.0:
             d[ATTENTION_SCALE_FIELD] = self.decode_attention_scale
         if self.decode_attention_scales:

@@ -200,6 +200,8 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
               "eager_layer_overhead_s"):
         if k in fit:
             entry[k] = fit[k]
+    if "eager_decode_layer_overhead_s" in fit.get("fitted", ()):
+        entry["eager_decode_layer_overhead_s"] = fit["eager_decode_layer_overhead_s"]
     if "decode_attention_scale" in fit:
         entry["decode_attention_scale"] = round(fit["decode_attention_scale"], 4)
         # formats whose own factor differs from the default (the most-sampled format's)

@@ -10,14 +10,16 @@ equation (``fit.py``'s module docstring has the details):
            + s_attn * the model's decode attention time
            + steps * c_step + decode tokens and prefill chunks * c_seq
            + prefill steps * p_step + prefill chunks * p_seq + prompt tokens * p_tok
-           + layers of the steps no CUDA graph runs * c_eager
+           + layers of the decode steps no CUDA graph runs * c_eager
 
 where the kernel times come from the calibration's grids and the seven terms are what is
 fitted (``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``:
 prefill steps only, ``prefill_{step,seq,token}_overhead_s``; ``c_eager``:
-``eager_layer_overhead_s``, the per-layer launch cost of a step outside the CUDA graphs: every
-prefill step and every decode step above the largest captured batch, separable from ``p_step``
-only when the rows hold eager decode steps; ``s_attn``: ``decode_attention_scale``,
+``eager_decode_layer_overhead_s``, the per-layer cost of a decode step above the largest
+captured batch, which runs outside the CUDA graphs: its launches and host work, fitted when the
+rows hold enough eager and graphed decode intervals; a prefill step keeps the calibration's
+``eager_layer_overhead_s`` in its kernel time and its own terms absorb the rest; ``s_attn``:
+``decode_attention_scale``,
 the decode attention kernel in a serving step against its grid measured alone: long contexts
 at a large batch weigh it, short ones at a small batch hardly). An interval's decode tokens are
 approximated by the interval times the mean of its two lines' ``#running-req`` (a prefill adds
@@ -51,7 +53,7 @@ from simulator.validation.fit import SPREAD_MIN, _nnls, _shape, prefill_samples,
 from simulator.validation.sglang_log import ServerLog
 
 COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
-         "prefill_seq_overhead_s", "prefill_token_overhead_s", "eager_layer_overhead_s",
+         "prefill_seq_overhead_s", "prefill_token_overhead_s", "eager_decode_layer_overhead_s",
          "decode_attention_scale")
 ATTN = len(COSTS) - 1      # the attention column, one per KV format in the fit
 EAGER = ATTN - 1
@@ -106,15 +108,17 @@ class StepRows:
 
 def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float, float]:
     """The model's step time without any of the fitted terms, its decode attention time at
-    scale 1, and the layers that pay the eager launch cost (0 for a CUDA-graph step)."""
+    scale 1, and the layers that pay the eager decode launch cost (0 for a CUDA-graph step
+    and for a prefill step, whose own eager cost stays in the time: the prefill-step terms
+    absorb any difference)."""
     cal, cost = server.deployment.calibration, server.cost
     t = cost.step_time(shape)
     t -= cal.step_overhead_s + cal.seq_overhead_s * (shape.decode_reqs + shape.prefill_seqs)
     if shape.prefill_tokens:
         t -= (cal.prefill_step_overhead_s + cal.prefill_seq_overhead_s * shape.prefill_seqs
               + cal.prefill_token_overhead_s * shape.prefill_tokens)
-    eager_layers = 0.0 if cost.graphed(shape) else float(cost.layers)
-    t -= eager_layers * cal.eager_layer_overhead_s
+    eager_layers = 0.0 if cost.graphed(shape) or shape.prefill_tokens else float(cost.layers)
+    t -= eager_layers * cal.eager_decode_layer_s
     attn = 0.0
     if shape.decode_reqs:
         attn = cost.layers * cost.decode_attention_time(
@@ -169,14 +173,13 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             if seqs <= 0 or tok <= 0:
                 continue
             shape = prefill_shape(server, seqs, tok, log.prefill_cached_tokens[j])
-            p_rest, _, p_eager = _kernels(server, shape)
+            p_rest, _, _ = _kernels(server, shape)
             base += p_rest
             feats[0] += 1
             feats[1] += shape.prefill_seqs
             feats[2] += 1
             feats[3] += shape.prefill_seqs
             feats[4] += shape.prefill_tokens
-            feats[EAGER] += p_eager
         used.append((a, b))
         rows.add(wall, base, feats, f"{name} lines {a}-{b}",
                  "prefill-interval" if feats[2] else "decode", fmt)
@@ -184,10 +187,10 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         if no < start_line or any(a < no < b for a, b in used):
             continue
         shape = prefill_shape(server, int(seqs), int(tok), int(cached))
-        p_rest, _, p_eager = _kernels(server, shape)
+        p_rest, _, _ = _kernels(server, shape)
         rows.add(float(secs), p_rest,
                  [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),
-                  p_eager, 0.0],
+                  0.0, 0.0],
                  f"{name} line {int(no)}", "burst", fmt)
     return rows
 
@@ -218,7 +221,8 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
     formats = [str(f) for f in names[np.argsort(-counts, kind="stable")]]
     attn = ATTN + np.arange(len(formats))
     x = np.column_stack([xf[:, :ATTN]] + [xf[:, ATTN] * (fmts == f) for f in formats])
-    given = np.array([getattr(cal, k) for k in COSTS[:ATTN]]
+    given = np.array([cal.eager_decode_layer_s if j == EAGER else getattr(cal, k)
+                      for j, k in enumerate(COSTS[:ATTN])]
                      + [cal.attention_scale(f) for f in formats], dtype=float)
 
     def spread(v: np.ndarray) -> float:
@@ -233,9 +237,9 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
     if pf.any():
         varying = [j for j, v in ((3, seq_spread), (4, tok_spread)) if v >= SPREAD_MIN]
         free += [2, *varying] if varying else [4]
-    # eager decode steps: their launch cost apart from the prefill steps' (which pay it too)
-    # and from the per-step cost (which the graphed decode steps pay without it)
-    eager_dec = dec & (xf[:, EAGER] > server.cost.layers * xf[:, 2] + 0.5)
+    # eager decode steps: their per-layer cost apart from the per-step cost (which the graphed
+    # decode steps pay without it)
+    eager_dec = dec & (xf[:, EAGER] > 0.5)
     eager_rows = int(eager_dec.sum())
     if eager_rows >= MIN_EAGER_ROWS and int((dec & ~eager_dec).sum()) >= MIN_EAGER_ROWS:
         free.append(EAGER)

@@ -97,14 +97,15 @@ def test_decode_only_rows_keep_the_prefill_costs(tmp_path):
     fit = fit_step_costs(_server(**given), step_rows(_server(**given), log, "fit", True))
     assert fit["prefill_step_overhead_s"] == 0.019
     assert set(fit["kept"]) == {"prefill_step_overhead_s", "prefill_seq_overhead_s",
-                                "prefill_token_overhead_s", "eager_layer_overhead_s"}
+                                "prefill_token_overhead_s", "eager_decode_layer_overhead_s"}
     for k in ("step_overhead_s", "seq_overhead_s", "decode_attention_scale"):
         assert fit[k] == pytest.approx(TRUE[k], rel=0.05), k
 
 
 def test_eager_decode_steps_give_the_eager_launch_cost(tmp_path):
-    """Batches above the largest CUDA graph run eagerly: with enough such intervals the
-    per-layer launch cost is fitted apart from the prefill-step cost (both pay it); the
+    """Batches above the largest CUDA graph run eagerly: with enough such intervals their
+    per-layer cost is fitted, apart from the prefill steps' (which keep the calibration's
+    eager_layer_overhead_s, here a wrong one that the prefill-step cost absorbs); the
     intervals whose two lines disagree on the graph are left out (their steps ran both ways)."""
     eager = 1.5e-4
     srv0 = _server()
@@ -112,20 +113,25 @@ def test_eager_decode_steps_give_the_eager_launch_cost(tmp_path):
     ivs = _intervals(4)
     ivs += [(b, b * 600, []) for b in (top + 40, top + 90, top + 150, top + 220) for _ in range(3)]
     ivs += [(top - 20, (top - 20) * 600, [])]            # back under the limit
-    log = _log(tmp_path, ivs, eager_layer_overhead_s=eager)
+    log = _log(tmp_path, ivs, eager_decode_layer_overhead_s=eager)
     start = {**{k: 0.0 for k in TRUE}, "decode_attention_scale": 1.0,
-             "eager_layer_overhead_s": 0.0}
+             "eager_decode_layer_overhead_s": 0.0, "eager_layer_overhead_s": 0.0}
+    prefill_eager = srv0.deployment.calibration.eager_layer_overhead_s * srv0.cost.layers
     rows = step_rows(_server(**start), log, "fit", None)
     fit = fit_step_costs(_server(**start), rows)
     assert fit["eager_decode_rows"] >= 10
-    assert "eager_layer_overhead_s" in fit["fitted"]
-    for k, v in {**TRUE, "eager_layer_overhead_s": eager}.items():
-        if k in fit["fitted"]:
+    assert "eager_decode_layer_overhead_s" in fit["fitted"]
+    for k, v in {**TRUE, "eager_decode_layer_overhead_s": eager}.items():
+        if k in fit["fitted"] and k != "prefill_step_overhead_s":
             assert fit[k] == pytest.approx(v, rel=0.05, abs=2e-7), k
+    # the prefill steps' true eager launches (the start calibration has none) land in p_step
+    assert prefill_eager > 0
+    assert fit["prefill_step_overhead_s"] == pytest.approx(
+        TRUE["prefill_step_overhead_s"] + prefill_eager, rel=0.05)
     assert len(rows) == len(ivs) - 2      # the intervals into and out of the eager batches
     # graphed-only rows (as before) hold no eager decode step: the cost is kept
     kept = fit_step_costs(_server(**start), step_rows(_server(**start), log, "fit", True))
-    assert "eager_layer_overhead_s" in kept["kept"]
+    assert "eager_decode_layer_overhead_s" in kept["kept"]
 
 
 def test_too_few_rows_is_a_clear_error(tmp_path):
