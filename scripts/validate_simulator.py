@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import math
 import subprocess
@@ -279,17 +280,23 @@ def _rate(sim: dict[str, Any], measured: bool) -> float:
                   else sim["summary"]["steady_output_throughput"]) or 0)
 
 
+def _trace_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def ratio_rows(sims: dict[str, Any]) -> list[dict]:
-    """DiffKV / bf16 output tok/s on the same workload, every DiffKV configuration against
-    every bf16 one: the window's steady (second-half) rate, or bench_serving's whole-run
-    rate for a run that completed inside its window; a target only when neither run is a
-    fitting run."""
+    """DiffKV / bf16 output tok/s on the same workload and the same trace (equal request
+    files: a run on another trace under the same workload name is not paired), every DiffKV
+    configuration against every bf16 one: the window's steady (second-half) rate, or
+    bench_serving's whole-run rate for a run that completed inside its window; a target only
+    when neither run is a fitting run."""
     out = []
-    for wl in ("longgen", "sharegpt"):
-        by_fmt: dict[str, list[tuple[str, dict]]] = {}
-        for key, s in sims.items():
-            if s["run"].workload == wl:
-                by_fmt.setdefault(s["format"], []).append((key, s))
+    groups: dict[tuple[str, str], dict[str, list[tuple[str, dict]]]] = {}
+    for key, s in sims.items():
+        if s["run"].workload in ("longgen", "sharegpt"):
+            group = (s["run"].workload, _trace_digest(s["run"].trace_path))
+            groups.setdefault(group, {}).setdefault(s["format"], []).append((key, s))
+    for by_fmt in groups.values():
         for dkey, d in by_fmt.get("diffkv", []):
             for bkey, b in by_fmt.get("bf16", []):
                 m = _rate(d, measured=True) / max(_rate(b, measured=True), 1e-9)

@@ -408,3 +408,25 @@ def test_a_log_only_flag_is_the_same_launch():
     assert same_launch(base, logged)
     assert not same_launch(base, {**base, "command": base["command"] + " --kv-cache-dtype fp8"})
     assert not same_launch(base, {**logged, "env": {"X": "1"}})
+
+
+def test_the_ratio_pairs_runs_of_one_trace_only(tmp_path):
+    """DiffKV / bf16 is a ratio of two runs of the same requests: two traces under one
+    workload name (ShareGPT and a drain trace, both run as 'sharegpt') are not paired."""
+    from types import SimpleNamespace
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"timestamp": 0, "input_length": 5, "output_length": 7}\n')
+    b.write_text('{"timestamp": 0, "input_length": 6, "output_length": 7}\n')
+
+    def sim(fmt, trace, rate):
+        run = SimpleNamespace(workload="sharegpt", trace_path=trace,
+                              client={"output_throughput": rate})
+        return {"run": run, "format": fmt, "in_sample": False,
+                "full": {"output_throughput": rate * 1.1}}
+
+    sims = {"diffkv/sharegpt#x": sim("diffkv", a, 200.0), "bf16/sharegpt": sim("bf16", a, 100.0),
+            "bf16/sharegpt#y": sim("bf16", b, 50.0)}
+    rows = _script().ratio_rows(sims)
+    assert [r["run"] for r in rows] == ["diffkv/sharegpt#x : bf16/sharegpt"]
+    assert rows[0]["measured"] == pytest.approx(2.0)
