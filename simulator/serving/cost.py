@@ -175,13 +175,18 @@ class CostModel:
         return (s.prefill_tokens == 0 and self.graphs_enabled
                 and s.decode_reqs <= self.graph_max)
 
+    def eager_decode(self, s: StepShape) -> bool:
+        """Whether the step is a decode step that no CUDA graph runs (above the largest
+        captured batch): it pays the calibration's ``eager_decode_layer_s`` per layer."""
+        return s.prefill_tokens == 0 and not self.graphed(s)
+
     def layer_overhead(self, s: StepShape) -> float:
         """Fixed cost per layer: launches from a CUDA graph, or eager ones (a prefill step's,
         or a decode step's above the largest captured batch, which may differ)."""
         c = self.calib
         if self.graphed(s):
             return c.layer_overhead_s
-        return c.eager_layer_overhead_s if s.prefill_tokens else c.eager_decode_layer_s
+        return c.eager_decode_layer_s if self.eager_decode(s) else c.eager_layer_overhead_s
 
     def step_time(self, s: StepShape) -> float:
         c = self.calib

@@ -44,14 +44,14 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # and compression (per prefill step, per prompt chunk in it, per prompt token in it)
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s")
-# optional: a factor on the modelled decode attention time (1 when absent), fitted from
-# server logs where the kernel in a serving step runs slower or faster than its grid measured
-# in isolation (a different split count, caches warm or cold)
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
 # path. Absent: the same as ``eager_layer_overhead_s``
 EAGER_DECODE_FIELD = "eager_decode_layer_overhead_s"
+# optional: a factor on the modelled decode attention time (1 when absent), fitted from
+# server logs where the kernel in a serving step runs slower or faster than its grid measured
+# in isolation (a different split count, caches warm or cold)
 ATTENTION_SCALE_FIELD = "decode_attention_scale"
 # optional: the same factor for one KV format (calibration key) where it differs from the
 # default above, e.g. SGLang's triton backend on an fp8 cache vs a bf16 one
@@ -229,6 +229,12 @@ class MeasuredGrids:
                 "prefill_attention": {k: v.to_dict() for k, v in self.prefill_attention.items()}}
 
 
+def _optional_seconds(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise SimulatorInputError(f"{where}={v!r} must be a number >= 0")
+    return float(v)
+
+
 def _attention_scale(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= ATTENTION_SCALE_MAX:
         raise SimulatorInputError(f"{where}={v!r} must be in (0, {ATTENTION_SCALE_MAX:g}]")
@@ -306,10 +312,8 @@ class Calibration:
                 raise SimulatorInputError(f"{where}.{f}={v!r} must be a number >= 0")
         if not isinstance(d["provenance"], dict) or "source" not in d["provenance"]:
             raise SimulatorInputError(f"{where}.provenance must be an object with a 'source'")
-        for f in OPTIONAL_SECONDS_FIELDS:
-            v = d.get(f, 0.0)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise SimulatorInputError(f"{where}.{f}={v!r} must be a number >= 0")
+        optional = {f: _optional_seconds(d.get(f, 0.0), f"{where}.{f}")
+                    for f in OPTIONAL_SECONDS_FIELDS}
         scale = _attention_scale(d.get(ATTENTION_SCALE_FIELD, 1.0),
                                  f"{where}.{ATTENTION_SCALE_FIELD}")
         by_format = d.get(ATTENTION_SCALES_FIELD, {})
@@ -319,21 +323,17 @@ class Calibration:
         scales = {str(k): _attention_scale(v, f"{where}.{ATTENTION_SCALES_FIELD}.{k}")
                   for k, v in by_format.items()}
         eager_decode = d.get(EAGER_DECODE_FIELD)
-        if eager_decode is not None and (isinstance(eager_decode, bool)
-                                         or not isinstance(eager_decode, (int, float))
-                                         or eager_decode < 0):
-            raise SimulatorInputError(f"{where}.{EAGER_DECODE_FIELD}={eager_decode!r} must be "
-                                      "a number >= 0 (or absent: eager_layer_overhead_s)")
+        if eager_decode is not None:
+            eager_decode = _optional_seconds(eager_decode, f"{where}.{EAGER_DECODE_FIELD}")
         raw = d.get("measured", {})
         measured = MeasuredGrids.from_dict(raw, f"{where}.measured")
         return cls(gpu=gpu, eta_mem_decode_attention={k: float(v) for k, v in etas.items()},
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    decode_attention_scale=scale, decode_attention_scales=scales,
-                   eager_decode_layer_overhead_s=(None if eager_decode is None
-                                                  else float(eager_decode)),
+                   eager_decode_layer_overhead_s=eager_decode,
                    **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)},
-                   **{f: float(d.get(f, 0.0)) for f in OPTIONAL_SECONDS_FIELDS})
+                   **optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The GPU entry as JSON (the schema ``from_dict`` reads)."""

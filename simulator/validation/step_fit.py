@@ -12,23 +12,23 @@ equation (``fit.py``'s module docstring has the details):
            + prefill steps * p_step + prefill chunks * p_seq + prompt tokens * p_tok
            + layers of the decode steps no CUDA graph runs * c_eager
 
-where the kernel times come from the calibration's grids and the seven terms are what is
-fitted (``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``:
-prefill steps only, ``prefill_{step,seq,token}_overhead_s``; ``c_eager``:
+where the kernel times come from the calibration's grids and the seven terms are what is fitted
+(``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``: prefill
+steps only, ``prefill_{step,seq,token}_overhead_s``; ``c_eager``:
 ``eager_decode_layer_overhead_s``, the per-layer cost of a decode step above the largest
 captured batch, which runs outside the CUDA graphs: its launches and host work, fitted when the
 rows hold enough eager and graphed decode intervals; a prefill step keeps the calibration's
 ``eager_layer_overhead_s`` in its kernel time and its own terms absorb the rest; ``s_attn``:
-``decode_attention_scale``,
-the decode attention kernel in a serving step against its grid measured alone: long contexts
-at a large batch weigh it, short ones at a small batch hardly). An interval's decode tokens are
-approximated by the interval times the mean of its two lines' ``#running-req`` (a prefill adds
-its requests somewhere inside). Back-to-back Prefill lines outside any used interval (a burst
-of whole prompts before decoding starts) each give one more equation with a single prefill step
-(``fit.prefill_samples``). Under the overlap scheduler every line is logged one step late,
-which shifts an interval by one step but keeps its step count; a burst's first gap is the step
-before it, and an interval that spans idle time is no step time at all: rows off the fit by
-more than ``OUTLIER_FACTOR`` are dropped (two passes, named in the result).
+``decode_attention_scale``, the decode attention kernel in a serving step against its grid
+measured alone: long contexts at a large batch weigh it, short ones at a small batch hardly).
+An interval's decode tokens are approximated by the interval times the mean of its two lines'
+``#running-req`` (a prefill adds its requests somewhere inside). Back-to-back Prefill lines
+outside any used interval (a burst of whole prompts before decoding starts) each give one more
+equation with a single prefill step (``fit.prefill_samples``). Under the overlap scheduler
+every line is logged one step late, which shifts an interval by one step but keeps its step
+count; a burst's first gap is the step before it, and an interval that spans idle time is no
+step time at all: rows off the fit by more than ``OUTLIER_FACTOR`` are dropped (two passes,
+named in the result).
 
 Non-negative least squares in relative error, so a short decode interval and a long prefill
 burst count alike. A term whose column is zero on every row (no prefill rows: the prefill
@@ -117,7 +117,7 @@ def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float, fl
     if shape.prefill_tokens:
         t -= (cal.prefill_step_overhead_s + cal.prefill_seq_overhead_s * shape.prefill_seqs
               + cal.prefill_token_overhead_s * shape.prefill_tokens)
-    eager_layers = 0.0 if cost.graphed(shape) or shape.prefill_tokens else float(cost.layers)
+    eager_layers = float(cost.layers) if cost.eager_decode(shape) else 0.0
     t -= eager_layers * cal.eager_decode_layer_s
     attn = 0.0
     if shape.decode_reqs:
