@@ -15,22 +15,17 @@ import logging
 from typing import Any
 
 from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.capacity import EXTRA_CONTEXT, CapacityPlan, cache_rows, capacity_report
 from sglang_diffkv.config import ConfigError, DiffKVConfig
 from sglang_diffkv.sglang.args import forced_settings
 from sglang_diffkv.sglang.pool import (
-    CapacityPlan,
     DiffKVPoolError,
     DiffKVReqToTokenPool,
     DiffKVTokenToKVPool,
     DiffKVTokenToKVPoolAllocator,
-    cache_rows,
-    capacity_report,
 )
 
 logger = logging.getLogger("sglang_diffkv")
-
-# SGLang's req_to_token rows are context_len + 4 long (model_runner_kv_cache_mixin).
-EXTRA_CONTEXT = 4
 
 
 def check_model(runner: Any) -> None:
@@ -71,9 +66,13 @@ def _load_config() -> DiffKVConfig:
 
 def plan_for(runner: Any, num_layers: int) -> CapacityPlan:
     check_model(runner)
-    return CapacityPlan.build(
-        _load_config(), runner.model_config.head_dim, num_layers, _num_kv_heads(runner)
-    )
+    config = _load_config()
+    try:
+        return CapacityPlan.build(
+            config, runner.model_config.head_dim, num_layers, _num_kv_heads(runner)
+        )
+    except ConfigError as e:
+        raise DiffKVPoolError(f"--attention-backend diffkv: {e}") from e
 
 
 def cell_size_per_token(runner: Any, num_layers: int) -> int:
@@ -90,7 +89,7 @@ def init_pools(runner: Any) -> None:
     context_len = runner.model_config.context_len
     max_context = context_len + EXTRA_CONTEXT
     budget = runner.max_total_num_tokens * plan.cell_bytes
-    num_pages = plan.num_pages(budget, cache_rows(max_reqs), max_context)
+    num_pages, slots = plan.size_pool(runner.max_total_num_tokens, max_reqs, context_len)
     if num_pages < plan.rows_per_request * 4:
         raise DiffKVPoolError(
             f"--attention-backend diffkv: the KV budget of {budget / 2**30:.2f} GiB leaves "
@@ -98,7 +97,6 @@ def init_pools(runner: Any) -> None:
             f"needs at least {plan.rows_per_request * 4}. Raise --mem-fraction-static or lower "
             "--max-running-requests / --context-length"
         )
-    slots = plan.logical_slots(num_pages)
     cache = CompressedKVCache(
         plan.config,
         head_dim=plan.geometry.head_dim,

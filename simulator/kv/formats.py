@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sglang_diffkv.capacity import CapacityPlan
 from sglang_diffkv.config import K4V2, K8V4, ConfigError, DiffKVConfig, TierConfig
 from sglang_diffkv.layout import (
     PageGeometry,
@@ -35,14 +36,17 @@ class UniformFormat:
     page_size: int
     calibration_key: str
 
-    def build_pool(self, model: ModelSpec, tp: int, rest_bytes: float) -> KVPool:
+    def max_total_num_tokens(self, model: ModelSpec, tp: int, rest_bytes: float) -> int:
+        """SGLang's profile_max_num_token: ``rest // cell_size``, aligned down to the page."""
+        cell = model.num_layers * model.kv_heads_per_rank(tp) * self.bytes_per_token_head
+        tokens = int(max(rest_bytes, 0) // cell)
+        return tokens // self.page_size * self.page_size
+
+    def build_pool(self, model: ModelSpec, tp: int, max_total_num_tokens: int,
+                   max_running_requests: int, context_len: int) -> KVPool:
         heads = model.kv_heads_per_rank(tp)
-        return TokenPool.from_rest_bytes(
-            rest_bytes=rest_bytes,
-            cell_bytes=model.num_layers * heads * self.bytes_per_token_head,
-            page_size=self.page_size,
-            read_bytes_per_token_layer=heads * self.bytes_per_token_head,
-        )
+        return TokenPool(max_total_num_tokens // self.page_size * self.page_size,
+                         self.page_size, heads * self.bytes_per_token_head)
 
     def describe(self) -> str:
         page = "" if self.page_size == 1 else f", pages of {self.page_size} tokens"
@@ -59,16 +63,34 @@ class DiffKVFormat:
     geometry: PageGeometry
     calibration_key: str = "diffkv"
 
-    def build_pool(self, model: ModelSpec, tp: int, rest_bytes: float) -> KVPool:
-        return DiffKVPool.from_rest_bytes(
-            rest_bytes=rest_bytes,
-            geometry=self.geometry,
-            window=self.config.window,
-            mix=self.mix,
-            layers=model.num_layers,
-            heads_per_rank=model.kv_heads_per_rank(tp),
-            score_queries=self.config.score_queries,
-        )
+    def capacity_plan(self, model: ModelSpec, tp: int) -> CapacityPlan:
+        """The backend's own sizing (``sglang_diffkv.capacity``), planned at this format's mean
+        mix: the server's planning mix (``SGLANG_DIFFKV_PLANNING_MIX``) is assumed to be the
+        mix the deployment expects, so its logical slots are the pool's tokens at that mix."""
+        return CapacityPlan(self.config, self.geometry, model.num_layers,
+                            model.kv_heads_per_rank(tp), (self.mix.high, self.mix.low))
+
+    def max_total_num_tokens(self, model: ModelSpec, tp: int, rest_bytes: float) -> int:
+        """SGLang's profile_max_num_token with the backend's cell size (bytes per logical
+        token at the planning mix), before the backend takes its per-request state."""
+        return int(max(rest_bytes, 0) // self.capacity_plan(model, tp).cell_bytes)
+
+    def build_pool(self, model: ModelSpec, tp: int, max_total_num_tokens: int,
+                   max_running_requests: int, context_len: int) -> KVPool:
+        """The pages the backend builds from SGLang's token budget: page tables for every
+        request row come off the top, as in ``sglang_diffkv.sglang.runner.init_pools``."""
+        plan = self.capacity_plan(model, tp)
+        size = plan.size_pool(max_total_num_tokens, max_running_requests, context_len)
+        if size.num_pages < plan.rows_per_request * 4:
+            raise SimulatorInputError(
+                f"the DiffKV pool gets {size.num_pages} pages from {max_total_num_tokens} "
+                f"profiled tokens after the page tables of {max_running_requests} requests "
+                f"(context {context_len}); one request needs at least "
+                f"{plan.rows_per_request * 4}: lower max_running_requests or context_len, or "
+                "give the KV cache more memory")
+        return DiffKVPool(size.num_pages, self.geometry, self.config.window, self.mix,
+                          model.num_layers, model.kv_heads_per_rank(tp),
+                          self.config.score_queries)
 
     def describe(self) -> str:
         g = self.geometry

@@ -91,13 +91,6 @@ class TokenPool(KVPool):
                 "KV cache on this GPU; use a bigger GPU, more tensor parallelism or another format"
             )
 
-    @classmethod
-    def from_rest_bytes(cls, rest_bytes: float, cell_bytes: float, page_size: int,
-                        read_bytes_per_token_layer: float) -> TokenPool:
-        # SGLang: max_total_num_tokens = rest // cell_size, aligned down to the page size
-        tokens = int(max(rest_bytes, 0) // cell_bytes)
-        return cls(tokens // page_size * page_size, page_size, read_bytes_per_token_layer)
-
     @property
     def token_capacity(self) -> int:
         return self.capacity
@@ -176,13 +169,6 @@ class DiffKVPool(KVPool):
         # grown lazily, a pure cache (results never depend on how far it has grown)
         self._pages_tab = np.zeros(0, dtype=np.int64)
         self._read_tab = np.zeros(0, dtype=np.float64)
-
-    @classmethod
-    def from_rest_bytes(cls, rest_bytes: float, geometry: PageGeometry, window: int,
-                        mix: TierMix, layers: int, heads_per_rank: int,
-                        score_queries: int = 0) -> DiffKVPool:
-        pages = int(max(rest_bytes, 0) // geometry.page_bytes)
-        return cls(pages, geometry, window, mix, layers, heads_per_rank, score_queries)
 
     def compression_pairs(self, prompt_tokens: int) -> float:
         """DiffKV scores each prompt token with the last ``score_queries`` queries (an extra

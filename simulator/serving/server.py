@@ -57,17 +57,18 @@ class ResolvedServer:
             s.enable_piecewise_cuda_graph)
         self.budget: MemoryBudget = kv_memory_budget(gpu, model, s.tp, self.mem_fraction_static,
                                                      d.calibration)
-        rest = self.budget.kv_rest
-        pool = d.kv_format.build_pool(model, s.tp, rest)
-        if s.max_total_tokens is not None and s.max_total_tokens < pool.token_capacity:
-            # --max-total-tokens caps the pool: shrink the bytes it may use proportionally
-            pool = d.kv_format.build_pool(model, s.tp, rest * s.max_total_tokens
-                                          / pool.token_capacity)
-        self.pool: KVPool = pool
+        # SGLang's order: the profiled token count (capped by --max-total-tokens) sets the
+        # default request limit, then the pool is built from it (DiffKV's pages lose the
+        # per-request page tables there, so the pool's own token count can be lower)
+        profiled = d.kv_format.max_total_num_tokens(model, s.tp, self.budget.kv_rest)
+        if s.max_total_tokens is not None:
+            profiled = min(profiled, s.max_total_tokens)
         self.context_len = s.context_len or model.context_len
-        tokens = pool.token_capacity
         self.max_running_requests = s.max_running_requests or default_max_running_requests(
-            tokens, self.context_len)
+            profiled, self.context_len)
+        self.pool: KVPool = d.kv_format.build_pool(model, s.tp, profiled,
+                                                   self.max_running_requests, self.context_len)
+        tokens = self.pool.token_capacity
         self.limits = SchedulerLimits(
             chunked_prefill_size=self.chunked_prefill_size,
             max_prefill_tokens=s.max_prefill_tokens,
@@ -79,7 +80,7 @@ class ResolvedServer:
             ignore_eos_admission=s.disable_radix_cache and s.ignore_eos,
         )
         self.graph_sizes = cuda_graph_batch_sizes(self.cuda_graph_max_bs)
-        self.cost = CostModel(model, gpu, d.calibration, pool, d.kv_format.calibration_key,
+        self.cost = CostModel(model, gpu, d.calibration, self.pool, d.kv_format.calibration_key,
                               s.tp, self.graph_sizes, not s.disable_cuda_graph)
 
     @property

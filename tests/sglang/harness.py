@@ -77,8 +77,8 @@ class ModelShape:
 def budget_for_pages(shape: ModelShape, pages: int, max_reqs: int) -> int:
     """A KV memory budget that gives the DiffKV pool exactly ``pages`` pages for ``shape``
     under the current SGLANG_DIFFKV_CONFIG."""
+    from sglang_diffkv.capacity import CapacityPlan, cache_rows
     from sglang_diffkv.config import DiffKVConfig
-    from sglang_diffkv.sglang.pool import CapacityPlan, cache_rows
 
     plan = CapacityPlan.build(DiffKVConfig.from_env(), shape.head_dim, shape.num_layers,
                               shape.num_kv_heads)

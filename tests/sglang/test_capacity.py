@@ -7,9 +7,9 @@ import math
 import harness  # noqa: F401  (sglang importable on CPU)
 import pytest
 
+from sglang_diffkv.capacity import CapacityPlan, capacity_report, planning_mix
 from sglang_diffkv.config import ConfigError, DiffKVConfig, preset
 from sglang_diffkv.layout import fp16_bytes_per_token
-from sglang_diffkv.sglang.pool import CapacityPlan, capacity_report, planning_mix
 
 
 def test_cell_size_and_slots_agree_for_an_8b_shape():

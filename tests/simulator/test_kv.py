@@ -11,7 +11,7 @@ import pytest
 from sglang_diffkv.config import K4V2, K8V4, preset
 from sglang_diffkv.layout import PageGeometry, TierLayout, fp16_bytes_per_token, search_page_bytes
 from simulator.errors import SimulatorInputError
-from simulator.kv.formats import make_format
+from simulator.kv.formats import DiffKVFormat, make_format
 from simulator.kv.mix import TierMix
 from simulator.kv.pool import DiffKVPool
 from simulator.specs.model import load_model
@@ -30,12 +30,14 @@ def test_uniform_formats_use_layout_bytes():
         lay = TierLayout.build(tier, 128, page)
         assert f.page_size == lay.tokens_per_page
         assert f.bytes_per_token_head == lay.bytes_per_token
-        pool = f.build_pool(m, 1, 10 * GIB)
+        pool = f.build_pool(m, 1, f.max_total_num_tokens(m, 1, 10 * GIB), 2048, 8192)
         # whole pages per (layer, head): tokens = pages * tokens_per_page
         pages = int(10 * GIB // (page * m.num_layers * m.num_kv_heads))
         assert pool.capacity == pages * lay.tokens_per_page
-    pool = bf16.build_pool(m, 1, 10 * GIB)
-    assert pool.capacity == 10 * GIB // (32 * 8 * 512)
+    tokens = bf16.max_total_num_tokens(m, 1, 10 * GIB)
+    assert tokens == 10 * GIB // (32 * 8 * 512)
+    pool = bf16.build_pool(m, 1, tokens, 2048, 8192)
+    assert pool.capacity == tokens
     assert pool.read_bytes_per_layer(np.array([100, 50]), None) == 150 * 8 * 512
 
 
@@ -79,15 +81,53 @@ def test_diffkv_pages_hand_computed():
                                       + low * geo.low.bytes_per_token))
 
 
+def _diffkv_pool_for(f: DiffKVFormat, rest_bytes: float, max_reqs: int = 2048) -> DiffKVPool:
+    m = load_model("llama-3-8b")
+    pool = f.build_pool(m, 1, f.max_total_num_tokens(m, 1, rest_bytes), max_reqs, 8192)
+    assert isinstance(pool, DiffKVPool)
+    return pool
+
+
 def test_diffkv_pool_capacity_in_pages_and_tokens():
     m = load_model("llama-3-8b")
     f = make_format("diffkv", 128)
-    pool = f.build_pool(m, 1, 10 * GIB)
-    assert pool.capacity == 10 * GIB // f.geometry.page_bytes
+    assert isinstance(f, DiffKVFormat)
+    plan = f.capacity_plan(m, 1)
+    pool = _diffkv_pool_for(f, 10 * GIB)
+    # the backend's sizing: SGLang's token budget back to bytes, minus the page tables of
+    # 2048 + 1 request rows (each row ceil(8196 / 32) + 2 int32 entries + counters), and a
+    # 4-byte free-list entry per page
+    tokens = int(10 * GIB // plan.cell_bytes)
+    rows = 2049 * 32 * 8
+    state = rows * ((math.ceil(8196 / f.geometry.min_tokens_per_page) + 2) * 4 + 32) + 2049 * 9
+    assert pool.capacity == (tokens * plan.cell_bytes - state) // (f.geometry.page_bytes + 4)
+    # fewer request rows leave more pages
+    assert _diffkv_pool_for(f, 10 * GIB, max_reqs=64).capacity > pool.capacity
     # tokens at the mean mix: fewer bytes per token than bf16 by the mix and the tiers' sizes
     bytes_per_token = (m.num_layers * m.num_kv_heads
                        * f.geometry.bytes_per_token(0.3, 0.5))
-    assert pool.token_capacity == pytest.approx(10 * GIB / bytes_per_token, rel=0.01)
+    assert pool.token_capacity == pytest.approx(
+        pool.capacity * f.geometry.page_bytes / bytes_per_token, rel=1e-4)
+    # and equal to the slots the SGLang backend logs for those pages at that planning mix
+    assert pool.token_capacity == plan.logical_slots(pool.capacity)
+
+
+def test_diffkv_pool_matches_the_h100_server_log():
+    # session 3-11 H100 runs (docs/data/h100-2026-11-22/*/results.json): bf16 profiled
+    # 423,862 tokens of 131,072 B; the diffkv-mix server built 8,173,613 pages and logged
+    # 1,774,212 logical slots with max_running_requests 4096 and context 8192
+    m = load_model("llama-3-8b")
+    f = make_format("diffkv", 128)
+    pool = f.build_pool(m, 1, f.max_total_num_tokens(m, 1, 423_862 * 131_072), 4096, 8192)
+    assert abs(pool.capacity - 8_173_613) <= 8
+    assert abs(pool.token_capacity - 1_774_212) <= 2
+
+
+def test_diffkv_pool_too_small_for_its_page_tables():
+    m = load_model("llama-3-8b")
+    f = make_format("diffkv", 128)
+    with pytest.raises(SimulatorInputError, match="page tables of 4096 requests"):
+        f.build_pool(m, 1, f.max_total_num_tokens(m, 1, 0.5 * GIB), 4096, 8192)
 
 
 def test_page_granularity_rounds_each_tier_up():
@@ -118,11 +158,11 @@ def test_mix_parsing_and_distributions():
 
 
 def test_diffkv_prompt_scoring_pairs():
-    pool = make_format("diffkv", 128).build_pool(load_model("llama-3-8b"), 1, 10 * GIB)
+    pool = _diffkv_pool_for(make_format("diffkv", 128), 10 * GIB)
     assert pool.compression_pairs(1000) == 64 * 1000      # 64 scoring queries x 1000 keys
     assert pool.compression_pairs(10) == 10 * 10
-    assert make_format("bf16", 128).build_pool(load_model("llama-3-8b"), 1,
-                                               GIB).compression_pairs(1000) == 0
+    assert make_format("bf16", 128).build_pool(load_model("llama-3-8b"), 1, 10_000, 2048,
+                                               8192).compression_pairs(1000) == 0
 
 
 def test_measured_per_head_mix(tmp_path):
