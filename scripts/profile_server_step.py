@@ -9,8 +9,16 @@ trace it writes. Prints and writes (``--out``/profile.md, profile.json):
   their difference is time the GPU waited for the host;
 - kernel time per kernel name, largest first, with its share of the busy time.
 
+``--requests`` may list several cumulative totals (``128,256,450``): each stage adds requests
+up to its total, waits ``--warm-s``, profiles, and writes ``profile-<total>.{md,json}`` with
+the last ``Decode batch`` line before the profile (running batch and tokens held), so one
+server start profiles several batch sizes. ``--prompt-len`` sets the prompt range (short
+prompts keep contexts short at a large batch).
+
     python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config diffkv-mix \\
         --out /tmp/prof --requests 400 --warm-s 60 --steps 20
+    python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config bf16 \\
+        --out /tmp/prof --requests 128,256,450 --prompt-len 16,256 --warm-s 8 --steps 10
 """
 
 from __future__ import annotations
@@ -46,9 +54,13 @@ def post(url: str, body: dict, timeout: float = 600.0) -> bytes:
         return r.read()
 
 
-def send_requests(base: str, n: int, out_len: int, seed: int, stop: threading.Event) -> None:
+def send_requests(base: str, ids: range, prompt_len: tuple[int, int], out_len: int,
+                  seed: int, stop: threading.Event) -> None:
+    lo, hi = prompt_len
+    span_len = hi - lo + 1
+
     def one(i: int) -> None:
-        body = {"input_ids": prompt_ids(seed, i, 256 + (i * 97) % 512),
+        body = {"input_ids": prompt_ids(seed, i, lo + (i * 97) % span_len),
                 "sampling_params": {"max_new_tokens": out_len, "temperature": 0.0,
                                     "ignore_eos": True}}
         try:
@@ -56,10 +68,25 @@ def send_requests(base: str, n: int, out_len: int, seed: int, stop: threading.Ev
         except Exception:  # noqa: BLE001 - the server is stopped under them at the end
             pass
 
-    for i in range(n):
+    for i in ids:
         if stop.is_set():
             return
         threading.Thread(target=one, args=(i,), daemon=True).start()
+
+
+def last_decode_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "Decode batch" in ln]
+    return lines[-1].strip() if lines else ""
+
+
+def int_list(text: str, what: str, n: int | None = None) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{what} {text!r}: expected comma-separated integers") from None
+    if any(v < 1 for v in vals) or (n is not None and len(vals) != n):
+        raise SystemExit(f"{what} {text!r}: expected {n or 'one or more'} positive integers")
+    return vals
 
 
 def union_ms(intervals: list[tuple[float, float]]) -> float:
@@ -107,13 +134,23 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--config", default="diffkv-mix", help="bf16, fp8, diffkv-mix")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--requests", default="400",
+                    help="requests in flight when profiling; a comma list of cumulative "
+                         "totals profiles once per stage")
+    ap.add_argument("--prompt-len", default="256,767", help="prompt lengths MIN,MAX")
     ap.add_argument("--output-len", type=int, default=4096)
-    ap.add_argument("--warm-s", type=float, default=60.0, help="load time before profiling")
+    ap.add_argument("--warm-s", type=float, default=60.0,
+                    help="load time before each stage's profile")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--server-args", default="", help="extra launch_server arguments")
     a = ap.parse_args()
+    stages = int_list(a.requests, "--requests")
+    if stages != sorted(stages):
+        raise SystemExit(f"--requests {a.requests!r}: cumulative totals must not decrease")
+    lo, hi = int_list(a.prompt_len, "--prompt-len", 2)
+    if lo > hi:
+        raise SystemExit(f"--prompt-len {a.prompt_len!r}: MIN > MAX")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = make_config(a.config, {"diffkv-mix": MIX_30_50_20})
@@ -123,30 +160,43 @@ def main() -> int:
     server.start(port=a.port)
     try:
         print(f"ready after {server.wait_ready(400):.0f} s", flush=True)
-        threading.Thread(target=send_requests, daemon=True,
-                         args=(opts.base_url, a.requests, a.output_len, 0, stop)).start()
-        time.sleep(a.warm_s)
-        trace_dir = out / "trace"
-        post(f"{opts.base_url}/start_profile",
-             {"output_dir": str(trace_dir), "num_steps": a.steps, "activities": ["GPU"]})
-        deadline = time.monotonic() + 180
-        traces: list[Path] = []
-        while time.monotonic() < deadline and not traces:
-            time.sleep(2)
-            traces = sorted(trace_dir.glob("*.trace.json*"))
-        if not traces:
-            print("no trace written within 180 s", flush=True)
-            return 1
-        time.sleep(5)  # the file is written in one go; let it finish
-        s = summarize(traces[-1], a.steps)
-        (out / "profile.json").write_text(json.dumps(s, indent=1))
-        text = report(s)
-        (out / "profile.md").write_text(text + "\n")
-        print(text, flush=True)
+        sent = 0
+        for total in stages:
+            threading.Thread(target=send_requests, daemon=True,
+                             args=(opts.base_url, range(sent, total), (lo, hi), a.output_len,
+                                   0, stop)).start()
+            sent = total
+            time.sleep(a.warm_s)
+            name = "" if len(stages) == 1 else f"-{total}"
+            if profile_stage(opts.base_url, out, name, a.steps, server.log_path) != 0:
+                return 1
         return 0
     finally:
         stop.set()
         server.stop()
+
+
+def profile_stage(base: str, out: Path, name: str, steps: int, log: Path) -> int:
+    trace_dir = out / f"trace{name}"
+    decode_line = last_decode_line(log)
+    post(f"{base}/start_profile",
+         {"output_dir": str(trace_dir), "num_steps": steps, "activities": ["GPU"]})
+    deadline = time.monotonic() + 180
+    traces: list[Path] = []
+    while time.monotonic() < deadline and not traces:
+        time.sleep(2)
+        traces = sorted(trace_dir.glob("*.trace.json*"))
+    if not traces:
+        print(f"profile{name}: no trace written within 180 s", flush=True)
+        return 1
+    time.sleep(5)  # the file is written in one go; let it finish
+    s = summarize(traces[-1], steps)
+    s["decode_line_before"] = decode_line
+    (out / f"profile{name}.json").write_text(json.dumps(s, indent=1))
+    text = f"{decode_line}\n\n{report(s)}"
+    (out / f"profile{name}.md").write_text(text + "\n")
+    print(f"== profile{name}\n{text}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

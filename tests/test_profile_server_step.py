@@ -37,3 +37,18 @@ def test_busy_time_is_the_union_of_kernel_intervals(prof, tmp_path):
     assert s["kernels"][1]["ms"] == pytest.approx(0.7)
     text = prof.report(s)
     assert "0.75 ms/step" in text and "75.0%" in text and "| `attn` | 0.350 |" in text
+
+
+def test_stage_arguments_and_the_last_decode_line(prof, tmp_path):
+    assert prof.int_list("128,256,450", "--requests") == [128, 256, 450]
+    with pytest.raises(SystemExit, match="--prompt-len '16': expected 2 positive integers"):
+        prof.int_list("16", "--prompt-len", 2)
+    with pytest.raises(SystemExit, match="--requests '1,x': expected comma-separated"):
+        prof.int_list("1,x", "--requests")
+    log = tmp_path / "server.log"
+    log.write_text("[x] Decode batch, #running-req: 10, #token: 900\n"
+                   "[y] Prefill batch, #new-seq: 3\n"
+                   "[z] Decode batch, #running-req: 12, #token: 1100\n")
+    assert prof.last_decode_line(log) == "[z] Decode batch, #running-req: 12, #token: 1100"
+    log.write_text("nothing yet\n")
+    assert prof.last_decode_line(log) == ""
