@@ -55,14 +55,14 @@ def post(url: str, body: dict, timeout: float = 600.0) -> bytes:
 
 
 def send_requests(base: str, ids: range, prompt_len: tuple[int, int], out_len: int,
-                  seed: int, stop: threading.Event) -> None:
+                  seed: int, stop: threading.Event, stream: bool = False) -> None:
     lo, hi = prompt_len
     span_len = hi - lo + 1
 
     def one(i: int) -> None:
         body = {"input_ids": prompt_ids(seed, i, lo + (i * 97) % span_len),
                 "sampling_params": {"max_new_tokens": out_len, "temperature": 0.0,
-                                    "ignore_eos": True}}
+                                    "ignore_eos": True}, "stream": stream}
         try:
             post(f"{base}/generate", body, timeout=3600)
         except Exception:  # noqa: BLE001 - the server is stopped under them at the end
@@ -141,6 +141,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=4096)
     ap.add_argument("--warm-s", type=float, default=60.0,
                     help="load time before each stage's profile")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream the outputs, as the serving benchmarks do (the scheduler then "
+                         "sends every request's tokens each --stream-interval steps)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--server-args", default="", help="extra launch_server arguments")
@@ -164,7 +167,7 @@ def main() -> int:
         for total in stages:
             threading.Thread(target=send_requests, daemon=True,
                              args=(opts.base_url, range(sent, total), (lo, hi), a.output_len,
-                                   0, stop)).start()
+                                   0, stop, a.stream)).start()
             sent = total
             time.sleep(a.warm_s)
             name = "" if len(stages) == 1 else f"-{total}"
