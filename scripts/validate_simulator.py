@@ -154,6 +154,10 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
 
 
+def _gain(g: float | None) -> str:
+    return "" if g is None else f" (it cuts the decode rows' error by {100 * g:.0f}%)"
+
+
 def step_costs_note(res: dict[str, Any], runs: str) -> str:
     """One line on a step-cost fit: the costs, what they were fitted on, how well."""
     k = res["by_kind"]
@@ -167,7 +171,9 @@ def step_costs_note(res: dict[str, Any], runs: str) -> str:
             f"{1e6 * res['seq_overhead_s']:.2f} us; prefill step "
             f"{1e3 * res['prefill_step_overhead_s']:.2f} ms, per prefill request "
             f"{1e3 * res['prefill_seq_overhead_s']:.3f} ms, per prompt token "
-            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; eager decode "
+            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; per released request "
+            f"{1e3 * res['release_overhead_s']:.2f} ms{_gain(res.get('release_gain'))}; "
+            "eager decode "
             f"{1e6 * res['eager_decode_layer_overhead_s']:.1f} us per layer; fitted "
             f"{', '.join(res['fitted'])}, kept {', '.join(res['kept']) or 'nothing'}; from "
             f"{runs}: rows {'; '.join(parts)}; all {res['rows']} rows MAPE "

@@ -39,6 +39,7 @@ class StepShape:
     prefill_pairs: float = 0.0        # sum over chunks of C * past + C^2 / 2
     prefill_past_tokens: int = 0
     prefill_seqs: int = 0             # chunks in the batch (each samples one position)
+    released_reqs: int = 0            # requests released since the previous step
 
 
 class CostModel:
@@ -206,4 +207,5 @@ class CostModel:
         if s.prefill_tokens:
             t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
                   + c.prefill_token_overhead_s * s.prefill_tokens)
-        return t + c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)
+        return (t + c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)
+                + c.release_overhead_s * s.released_reqs)

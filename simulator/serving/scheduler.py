@@ -100,6 +100,9 @@ class Scheduler:
         self.batch_is_full = False
         self._visible_until = math.inf
         self.retractions = 0
+        # requests released (finished, aborted, retracted) since the last batch was built:
+        # the next step pays the backend's per-release cost (calibration release_overhead_s)
+        self.released = 0
         self.aborted: list[SimRequest] = []
         # the running (decoding) batch, structure of arrays aligned with run_reqs
         self.run_reqs: list[SimRequest] = []
@@ -209,8 +212,12 @@ class Scheduler:
         read = (self.pool.read_bytes_for_tokens(kv_total) if self._linear_read
                 else self._read_bytes)
         b.shape = StepShape(decode_reqs=len(self.run_reqs), decode_kv_tokens=kv_total,
-                            decode_read_bytes=read)
+                            decode_read_bytes=read, released_reqs=self._take_released())
         return b
+
+    def _take_released(self) -> int:
+        n, self.released = self.released, 0
+        return n
 
     def _prefill_batch(self) -> Batch | None:
         lim = self.lim
@@ -424,7 +431,7 @@ class Scheduler:
         b.shape = StepShape(decode_reqs=dec_reqs, decode_kv_tokens=dec_kv,
                             decode_read_bytes=dec_bytes, prefill_tokens=tokens,
                             prefill_pairs=pairs, prefill_past_tokens=past,
-                            prefill_seqs=len(chunks))
+                            prefill_seqs=len(chunks), released_reqs=self._take_released())
         return b
 
     # ---- decode memory -------------------------------------------------------------------
@@ -482,6 +489,7 @@ class Scheduler:
             self.waiting.append(r)
         self.used -= freed
         self.retractions += len(popped)
+        self.released += len(popped)
         self._filter(keep)
         if len(order) == 1 and self.pool.decode_step_need(self.kv) > self._free():
             r = self.run_reqs[0]               # out of memory even after retracting
@@ -489,6 +497,7 @@ class Scheduler:
             self.used -= int(self.held[0])
             self._drop_prefix(r)
             self.aborted.append(r)
+            self.released += 1
             self._filter(np.zeros(1, dtype=bool))
         if self.run_reqs:
             total_gen = float(self.gen.sum())
@@ -559,6 +568,7 @@ class Scheduler:
                 joined.append(r)
         if joined:
             self._join(joined)
+        self.released += len(finished)
         return finished
 
     def _join(self, reqs: list[SimRequest]) -> None:

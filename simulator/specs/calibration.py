@@ -41,9 +41,11 @@ SECONDS_FIELDS = ("allreduce_latency_s", "layer_overhead_s", "eager_layer_overhe
 GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # optional seconds (0 when absent, so older files load unchanged): costs of a step that
 # computes prompt tokens beyond its modelled kernels, e.g. the DiffKV extend path's scoring
-# and compression (per prefill step, per prompt chunk in it, per prompt token in it)
+# and compression (per prefill step, per prompt chunk in it, per prompt token in it); and the
+# cost a step pays per request released (finished, aborted or retracted) since the previous
+# step, beyond the kernels (the DiffKV server's steps grow by ~3 ms per finished request)
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
-                           "prefill_token_overhead_s")
+                           "prefill_token_overhead_s", "release_overhead_s")
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -262,6 +264,7 @@ class Calibration:
     prefill_step_overhead_s: float = 0.0
     prefill_seq_overhead_s: float = 0.0
     prefill_token_overhead_s: float = 0.0
+    release_overhead_s: float = 0.0
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     eager_decode_layer_overhead_s: float | None = None

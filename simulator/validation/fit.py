@@ -197,7 +197,7 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
     entry["step_overhead_s"] = fit["step_overhead_s"]
     entry["seq_overhead_s"] = fit["seq_overhead_s"]
     for k in ("prefill_step_overhead_s", "prefill_seq_overhead_s", "prefill_token_overhead_s",
-              "eager_layer_overhead_s"):
+              "release_overhead_s", "eager_layer_overhead_s"):
         if k in fit:
             entry[k] = fit[k]
     if "eager_decode_layer_overhead_s" in fit.get("fitted", ()):

@@ -10,11 +10,15 @@ equation (``fit.py``'s module docstring has the details):
            + s_attn * the model's decode attention time
            + steps * c_step + decode tokens and prefill chunks * c_seq
            + prefill steps * p_step + prefill chunks * p_seq + prompt tokens * p_tok
+           + requests released in the interval * c_rel
            + layers of the decode steps no CUDA graph runs * c_eager
 
-where the kernel times come from the calibration's grids and the seven terms are what is fitted
+where the kernel times come from the calibration's grids and the eight terms are what is fitted
 (``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``: prefill
-steps only, ``prefill_{step,seq,token}_overhead_s``; ``c_eager``:
+steps only, ``prefill_{step,seq,token}_overhead_s``; ``c_rel``: ``release_overhead_s``, per
+request that finished (left the batch: the earlier line's batch plus the interval's new
+prompts minus the later line's), fitted when enough decode intervals have releases and enough
+have none; ``c_eager``:
 ``eager_decode_layer_overhead_s``, the per-layer cost of a decode step above the largest
 captured batch, which runs outside the CUDA graphs: its launches and host work, fitted when the
 rows hold enough eager and graphed decode intervals; a prefill step keeps the calibration's
@@ -53,13 +57,16 @@ from simulator.validation.fit import SPREAD_MIN, _nnls, _shape, prefill_samples,
 from simulator.validation.sglang_log import ServerLog
 
 COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
-         "prefill_seq_overhead_s", "prefill_token_overhead_s", "eager_decode_layer_overhead_s",
-         "decode_attention_scale")
+         "prefill_seq_overhead_s", "prefill_token_overhead_s", "release_overhead_s",
+         "eager_decode_layer_overhead_s", "decode_attention_scale")
 ATTN = len(COSTS) - 1      # the attention column, one per KV format in the fit
 EAGER = ATTN - 1
-# eager and graphed decode intervals needed to fit c_eager apart from the per-step and the
-# prefill-step costs
-MIN_EAGER_ROWS = 3
+RELEASE = EAGER - 1
+# decode intervals on each side (eager and graphed; with and without releases) needed to fit
+# c_eager, or c_rel, apart from the per-step and the prefill-step costs
+MIN_SPLIT_ROWS = 3
+# relative cut in the decode rows' error that c_rel must bring to be fitted
+RELEASE_GAIN = 0.05
 MIN_ROWS = 8
 OUTLIER_FACTOR = 1.5
 DEFAULT_DECODE_LOG_INTERVAL = 40
@@ -114,6 +121,7 @@ def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float, fl
     cal, cost = server.deployment.calibration, server.cost
     t = cost.step_time(shape)
     t -= cal.step_overhead_s + cal.seq_overhead_s * (shape.decode_reqs + shape.prefill_seqs)
+    t -= cal.release_overhead_s * shape.released_reqs
     if shape.prefill_tokens:
         t -= (cal.prefill_step_overhead_s + cal.prefill_seq_overhead_s * shape.prefill_seqs
               + cal.prefill_token_overhead_s * shape.prefill_tokens)
@@ -165,8 +173,10 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             continue
         rest, attn, eager = _kernels(server, dec)
         base = n * rest
-        feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, n * eager, n * attn]
+        feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, 0.0, n * eager, n * attn]
         idx = np.nonzero((pf_no > a) & (pf_no < b))[0]
+        if not idx.size:
+            feats[RELEASE] = float(max(0, b0 - b1))
         for j in idx:
             seqs = log.prefill_new_seqs[j]
             tok = log.prefill_new_tokens[j]
@@ -190,7 +200,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         p_rest, _, _ = _kernels(server, shape)
         rows.add(float(secs), p_rest,
                  [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),
-                  0.0, 0.0],
+                  0.0, 0.0, 0.0],
                  f"{name} line {int(no)}", "burst", fmt)
     return rows
 
@@ -202,6 +212,22 @@ def _solve(x: np.ndarray, y: np.ndarray, base: np.ndarray, given: np.ndarray,
     theta = given.copy()
     theta[free] = _nnls(x[:, free] / y[:, None], target / y)
     return theta
+
+
+def _fit_dropping_outliers(x: np.ndarray, y: np.ndarray, base: np.ndarray, given: np.ndarray,
+                           free: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(theta, rows kept, prediction): two passes that drop rows off the fit by more than
+    OUTLIER_FACTOR, then the fit on the rest."""
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(2):
+        if keep.sum() < MIN_ROWS:
+            raise SimulatorInputError(
+                f"need at least {MIN_ROWS} rows within a factor {OUTLIER_FACTOR:g} of the "
+                f"fit; {int(keep.sum())} of {len(y)} are")
+        theta = _solve(x[keep], y[keep], base[keep], given, free)
+        keep = np.abs(np.log(y / (base + x @ theta))) <= np.log(OUTLIER_FACTOR)
+    theta = _solve(x[keep], y[keep], base[keep], given, free)
+    return theta, keep, base + x @ theta
 
 
 def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
@@ -241,25 +267,30 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
     # decode steps pay without it)
     eager_dec = dec & (xf[:, EAGER] > 0.5)
     eager_rows = int(eager_dec.sum())
-    if eager_rows >= MIN_EAGER_ROWS and int((dec & ~eager_dec).sum()) >= MIN_EAGER_ROWS:
+    if eager_rows >= MIN_SPLIT_ROWS and int((dec & ~eager_dec).sum()) >= MIN_SPLIT_ROWS:
         free.append(EAGER)
     free = sorted(int(j) for j in free)
-    keep = np.ones(len(y), dtype=bool)
-    for _ in range(2):
-        if keep.sum() < MIN_ROWS:
-            raise SimulatorInputError(
-                f"need at least {MIN_ROWS} rows within a factor {OUTLIER_FACTOR:g} of the "
-                f"fit; {int(keep.sum())} of {len(y)} are")
-        theta = _solve(x[keep], y[keep], base[keep], given, free)
-        pred = base + x @ theta
-        keep = np.abs(np.log(y / pred)) <= np.log(OUTLIER_FACTOR)
-    theta = _solve(x[keep], y[keep], base[keep], given, free)
-    pred = base + x @ theta
-    before = base + x @ given
-    kinds = np.array(rows.kind)
 
     def mape(p: np.ndarray, m: np.ndarray) -> float | None:
         return float(np.mean(np.abs(p[m] / y[m] - 1))) if m.any() else None
+
+    theta, keep, pred = _fit_dropping_outliers(x, y, base, given, free)
+    # c_rel only where it earns its place: releases come with prefills and batch changes, so
+    # a backend whose releases cost nothing still gets a value from noise (which then moves
+    # the prefill terms); keep it when it cuts the decode rows' error by RELEASE_GAIN
+    releasing = dec & (xf[:, RELEASE] > 0)
+    release_gain = None
+    if (int(releasing.sum()) >= MIN_SPLIT_ROWS
+            and int((dec & ~releasing).sum()) >= MIN_SPLIT_ROWS):
+        with_rel = _fit_dropping_outliers(x, y, base, given, sorted([*free, RELEASE]))
+        e0 = mape(pred, keep & dec) or 0.0
+        e1 = mape(with_rel[2], with_rel[1] & dec) or 0.0
+        release_gain = 1.0 - e1 / e0 if e0 > 0 else 0.0
+        if release_gain >= RELEASE_GAIN:
+            theta, keep, pred = with_rel
+            free = sorted([*free, RELEASE])
+    before = base + x @ given
+    kinds = np.array(rows.kind)
 
     by_kind = {k: {"rows": int((keep & (kinds == k)).sum()),
                    "mape": mape(pred, keep & (kinds == k)),
@@ -273,6 +304,7 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
             "fitted": [COSTS[j] for j in free if j <= ATTN],
             "kept": [COSTS[j] for j in range(len(COSTS)) if j not in free],
             "eager_decode_rows": eager_rows,
+            "release_gain": release_gain,
             "rows": int(keep.sum()), "by_kind": by_kind,
             "dropped": [f"{w}: {1e3 * m:.1f} ms measured vs {1e3 * p:.1f} ms fitted"
                         for w, m, p, k in zip(rows.where, y, pred, keep, strict=True) if not k],

@@ -29,9 +29,10 @@ def _server(fmt="bf16", **costs):
     return replace(scenario(), calibration=cal).server(fmt)
 
 
-def _log(tmp_path, intervals, idle_at=None, fmt="bf16", **truth_costs):
+def _log(tmp_path, intervals, idle_at=None, fmt="bf16", release_s=0.0, **truth_costs):
     """Decode lines every N decode steps, with Prefill lines between them; each interval's
-    gen throughput is its decode tokens over the wall time that the true costs give."""
+    gen throughput is its decode tokens over the wall time that the true costs give, plus
+    ``release_s`` per request a decode-only interval's batch lost."""
     truth = _server(fmt, **{**TRUE, **truth_costs})
     lines = ["max_total_num_tokens=400000, chunked_prefill_size=8192",
              f"server_args=ServerArgs(decode_log_interval={N}, chunked_prefill_size=8192)"]
@@ -47,8 +48,10 @@ def _log(tmp_path, intervals, idle_at=None, fmt="bf16", **truth_costs):
     for i, (b, kv, prefills) in enumerate(intervals):
         # the interval's decode steps at the mean of its two lines, as the fit reads them
         mb, mkv = 0.5 * (pb + b), 0.5 * (pkv + kv)
-        pb, pkv = b, kv
         wall = N * truth.cost.step_time(_shape(truth, mb, mkv))
+        if not prefills:
+            wall += release_s * max(0, pb - b)
+        pb, pkv = b, kv
         for tok in prefills:
             lines.append(f"[2026-11-22 12:00:00] Prefill batch, #new-seq: 1, #new-token: {tok}, "
                          f"#cached-token: 0, token usage: 0.05, #running-req: {b}, "
@@ -96,8 +99,10 @@ def test_decode_only_rows_keep_the_prefill_costs(tmp_path):
              "decode_attention_scale": 1.0}
     fit = fit_step_costs(_server(**given), step_rows(_server(**given), log, "fit", True))
     assert fit["prefill_step_overhead_s"] == 0.019
+    # (releases cost nothing in this log: their term is kept too)
     assert set(fit["kept"]) == {"prefill_step_overhead_s", "prefill_seq_overhead_s",
-                                "prefill_token_overhead_s", "eager_decode_layer_overhead_s"}
+                                "prefill_token_overhead_s", "release_overhead_s",
+                                "eager_decode_layer_overhead_s"}
     for k in ("step_overhead_s", "seq_overhead_s", "decode_attention_scale"):
         assert fit[k] == pytest.approx(TRUE[k], rel=0.05), k
 
