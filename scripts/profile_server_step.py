@@ -54,14 +54,17 @@ def post(url: str, body: dict, timeout: float = 600.0) -> bytes:
         return r.read()
 
 
-def send_requests(base: str, ids: range, prompt_len: tuple[int, int], out_len: int,
-                  seed: int, stop: threading.Event, stream: bool = False) -> None:
+def send_requests(base: str, ids: range, prompt_len: tuple[int, int],
+                  out_len: tuple[int, int], seed: int, stop: threading.Event,
+                  stream: bool = False) -> None:
     lo, hi = prompt_len
     span_len = hi - lo + 1
+    olo, ohi = out_len
 
     def one(i: int) -> None:
         body = {"input_ids": prompt_ids(seed, i, lo + (i * 97) % span_len),
-                "sampling_params": {"max_new_tokens": out_len, "temperature": 0.0,
+                "sampling_params": {"max_new_tokens": olo + (i * 193) % (ohi - olo + 1),
+                                    "temperature": 0.0,
                                     "ignore_eos": True}, "stream": stream}
         try:
             post(f"{base}/generate", body, timeout=3600)
@@ -113,8 +116,18 @@ def summarize(trace_path: Path, steps: int) -> dict:
         per[e["name"]][0] += float(e["dur"]) / 1e3
         per[e["name"]][1] += 1
     rows = sorted(((n, t, c) for n, (t, c) in per.items()), key=lambda r: -r[1])
+    host = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cpu_op", "python_function") and "dur" in e:
+            h = host[(e["cat"], e["name"])]
+            h[0] += float(e["dur"]) / 1e3
+            h[1] += 1
+            h[2] = max(h[2], float(e["dur"]) / 1e3)
+    slow = sorted(host.items(), key=lambda kv: -kv[1][2])[:15]
     return {"trace": str(trace_path), "steps": steps, "wall_ms": wall_ms, "busy_ms": busy,
-            "kernels": [{"name": n, "ms": t, "count": c} for n, t, c in rows]}
+            "kernels": [{"name": n, "ms": t, "count": c} for n, t, c in rows],
+            "host_calls": [{"cat": c, "name": n, "ms": t, "count": k, "max_ms": m}
+                           for (c, n), (t, k, m) in slow]}
 
 
 def report(s: dict) -> str:
@@ -126,6 +139,11 @@ def report(s: dict) -> str:
     for k in s["kernels"][:25]:
         lines.append(f"| `{k['name'][:90]}` | {k['ms'] / n:.3f} | "
                      f"{100 * k['ms'] / s['busy_ms']:.1f}% | {k['count'] / n:.0f} |")
+    if s.get("host_calls"):
+        lines += ["", "| host call (longest single call first) | kind | max ms | ms/step | "
+                  "calls/step |", "|---|---|---|---|---|"]
+        lines += [f"| `{h['name'][:80]}` | {h['cat']} | {h['max_ms']:.2f} | {h['ms'] / n:.2f} "
+                  f"| {h['count'] / n:.1f} |" for h in s["host_calls"]]
     return "\n".join(lines)
 
 
@@ -138,7 +156,12 @@ def main() -> int:
                     help="requests in flight when profiling; a comma list of cumulative "
                          "totals profiles once per stage")
     ap.add_argument("--prompt-len", default="256,767", help="prompt lengths MIN,MAX")
-    ap.add_argument("--output-len", type=int, default=4096)
+    ap.add_argument("--output-len", default="4096",
+                    help="output length, or MIN,MAX to spread them (requests then finish "
+                         "all along the run)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="profile the CPU too and list the host calls that took longest "
+                         "(a synchronisation shows as a long cuda runtime call)")
     ap.add_argument("--warm-s", type=float, default=60.0,
                     help="load time before each stage's profile")
     ap.add_argument("--stream", action="store_true",
@@ -154,6 +177,10 @@ def main() -> int:
     lo, hi = int_list(a.prompt_len, "--prompt-len", 2)
     if lo > hi:
         raise SystemExit(f"--prompt-len {a.prompt_len!r}: MIN > MAX")
+    outs = int_list(a.output_len, "--output-len")
+    out_len = (outs[0], outs[-1])
+    if len(outs) > 2 or out_len[0] > out_len[1]:
+        raise SystemExit(f"--output-len {a.output_len!r}: expected N or MIN,MAX")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = make_config(a.config, {"diffkv-mix": MIX_30_50_20})
@@ -166,12 +193,12 @@ def main() -> int:
         sent = 0
         for total in stages:
             threading.Thread(target=send_requests, daemon=True,
-                             args=(opts.base_url, range(sent, total), (lo, hi), a.output_len,
+                             args=(opts.base_url, range(sent, total), (lo, hi), out_len,
                                    0, stop, a.stream)).start()
             sent = total
             time.sleep(a.warm_s)
             name = "" if len(stages) == 1 else f"-{total}"
-            if profile_stage(opts.base_url, out, name, a.steps, server.log_path) != 0:
+            if profile_stage(opts.base_url, out, name, a.steps, server.log_path, a.cpu) != 0:
                 return 1
         return 0
     finally:
@@ -179,11 +206,12 @@ def main() -> int:
         server.stop()
 
 
-def profile_stage(base: str, out: Path, name: str, steps: int, log: Path) -> int:
+def profile_stage(base: str, out: Path, name: str, steps: int, log: Path, cpu: bool) -> int:
     trace_dir = out / f"trace{name}"
     decode_line = last_decode_line(log)
     post(f"{base}/start_profile",
-         {"output_dir": str(trace_dir), "num_steps": steps, "activities": ["GPU"]})
+         {"output_dir": str(trace_dir), "num_steps": steps,
+          "activities": ["CPU", "GPU"] if cpu else ["GPU"]})
     deadline = time.monotonic() + 180
     traces: list[Path] = []
     while time.monotonic() < deadline and not traces:

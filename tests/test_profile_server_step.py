@@ -52,3 +52,21 @@ def test_stage_arguments_and_the_last_decode_line(prof, tmp_path):
     assert prof.last_decode_line(log) == "[z] Decode batch, #running-req: 12, #token: 1100"
     log.write_text("nothing yet\n")
     assert prof.last_decode_line(log) == ""
+
+
+def test_host_calls_list_the_longest_single_call_first(prof, tmp_path):
+    events = [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 7},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 20, "dur": 3000},
+        {"cat": "cpu_op", "name": "aten::item", "ts": 20, "dur": 3010},
+    ]
+    path = tmp_path / "y.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = prof.summarize(path, steps=1)
+    assert [h["name"] for h in s["host_calls"]] == ["aten::item", "cudaStreamSynchronize",
+                                                    "cudaLaunchKernel"]
+    launch = s["host_calls"][2]
+    assert launch["count"] == 2 and launch["max_ms"] == pytest.approx(0.007)
+    assert "| `cudaStreamSynchronize` | cuda_runtime | 3.00 |" in prof.report(s)
