@@ -118,12 +118,16 @@ def summarize(trace_path: Path, steps: int) -> dict:
     rows = sorted(((n, t, c) for n, (t, c) in per.items()), key=lambda r: -r[1])
     host = collections.defaultdict(lambda: [0.0, 0, 0.0])
     for e in events:
-        if e.get("cat") in ("cuda_runtime", "cpu_op", "python_function") and "dur" in e:
-            h = host[(e["cat"], e["name"])]
+        # runtime calls and torch ops; of the Python frames only this package's (the rest
+        # are threads and SGLang's loop, which span everything)
+        cat = e.get("cat")
+        if "dur" in e and (cat in ("cuda_runtime", "cpu_op") or (
+                cat == "python_function" and "sglang_diffkv" in e.get("name", ""))):
+            h = host[(cat, e["name"])]
             h[0] += float(e["dur"]) / 1e3
             h[1] += 1
             h[2] = max(h[2], float(e["dur"]) / 1e3)
-    slow = sorted(host.items(), key=lambda kv: -kv[1][2])[:15]
+    slow = sorted(host.items(), key=lambda kv: -kv[1][2])[:25]
     return {"trace": str(trace_path), "steps": steps, "wall_ms": wall_ms, "busy_ms": busy,
             "kernels": [{"name": n, "ms": t, "count": c} for n, t, c in rows],
             "host_calls": [{"cat": c, "name": n, "ms": t, "count": k, "max_ms": m}
