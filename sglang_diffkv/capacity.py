@@ -79,6 +79,12 @@ class CapacityPlan:
         return self.num_layers * self.num_kv_heads
 
     @property
+    def min_pages(self) -> int:
+        """The fewest pages a pool may have: four per (layer, KV head) row of one request
+        (the backend refuses to start below it, the simulator to size such a pool)."""
+        return self.rows_per_request * 4
+
+    @property
     def planning_tokens_per_page(self) -> float:
         """*Logical* tokens of one (layer, head) row a page holds at the planning mix,
         pruned tokens included: SGLang hands out one slot per token whether or not DiffKV

@@ -90,11 +90,11 @@ def init_pools(runner: Any) -> None:
     max_context = context_len + EXTRA_CONTEXT
     budget = runner.max_total_num_tokens * plan.cell_bytes
     num_pages, slots = plan.size_pool(runner.max_total_num_tokens, max_reqs, context_len)
-    if num_pages < plan.rows_per_request * 4:
+    if num_pages < plan.min_pages:
         raise DiffKVPoolError(
             f"--attention-backend diffkv: the KV budget of {budget / 2**30:.2f} GiB leaves "
             f"{num_pages} pages after the page tables of {max_reqs} requests; one request "
-            f"needs at least {plan.rows_per_request * 4}. Raise --mem-fraction-static or lower "
+            f"needs at least {plan.min_pages}. Raise --mem-fraction-static or lower "
             "--max-running-requests / --context-length"
         )
     cache = CompressedKVCache(

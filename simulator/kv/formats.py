@@ -81,12 +81,12 @@ class DiffKVFormat:
         request row come off the top, as in ``sglang_diffkv.sglang.runner.init_pools``."""
         plan = self.capacity_plan(model, tp)
         size = plan.size_pool(max_total_num_tokens, max_running_requests, context_len)
-        if size.num_pages < plan.rows_per_request * 4:
+        if size.num_pages < plan.min_pages:
             raise SimulatorInputError(
                 f"the DiffKV pool gets {size.num_pages} pages from {max_total_num_tokens} "
                 f"profiled tokens after the page tables of {max_running_requests} requests "
                 f"(context {context_len}); one request needs at least "
-                f"{plan.rows_per_request * 4}: lower max_running_requests or context_len, or "
+                f"{plan.min_pages}: lower max_running_requests or context_len, or "
                 "give the KV cache more memory")
         return DiffKVPool(size.num_pages, self.geometry, self.config.window, self.mix,
                           model.num_layers, model.kv_heads_per_rank(tp),

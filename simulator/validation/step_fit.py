@@ -16,9 +16,10 @@ equation (``fit.py``'s module docstring has the details):
 where the kernel times come from the calibration's grids and the eight terms are what is fitted
 (``c_step``/``c_seq``: every step, ``step_overhead_s``/``seq_overhead_s``; ``p_*``: prefill
 steps only, ``prefill_{step,seq,token}_overhead_s``; ``c_rel``: ``release_overhead_s``, per
-request that finished (left the batch: the earlier line's batch plus the interval's new
-prompts minus the later line's), fitted when enough decode intervals have releases and enough
-have none; ``c_eager``:
+request that finished, counted in decode-only intervals as how far the batch shrank from the
+earlier line to the later one (an interval with prefills gets no count: its joins and
+finishes cannot be told apart), fitted when enough decode intervals have releases and enough
+have none, and kept only when it cuts the decode rows' error by ``RELEASE_GAIN``; ``c_eager``:
 ``eager_decode_layer_overhead_s``, the per-layer cost of a decode step above the largest
 captured batch, which runs outside the CUDA graphs: its launches and host work, fitted when the
 rows hold enough eager and graphed decode intervals; a prefill step keeps the calibration's
