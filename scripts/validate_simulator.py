@@ -290,15 +290,22 @@ def _trace_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+BASELINE_CONFIG = "bf16"
+
+
 def ratio_rows(sims: dict[str, Any]) -> list[dict]:
     """DiffKV / bf16 output tok/s on the same workload and the same trace (equal request
     files: a run on another trace under the same workload name is not paired), every DiffKV
-    configuration against every bf16 one: the window's steady (second-half) rate, or
+    configuration against every run of the bf16 baseline (the configuration named
+    ``BASELINE_CONFIG``, SGLang's defaults; a renamed variant such as one with more CUDA graphs
+    is no baseline): the window's steady (second-half) rate, or
     bench_serving's whole-run rate for a run that completed inside its window; a target only
     when neither run is a fitting run."""
     out = []
     groups: dict[tuple[str, str], dict[str, list[tuple[str, dict]]]] = {}
     for key, s in sims.items():
+        if s["format"] == "bf16" and s["run"].config != BASELINE_CONFIG:
+            continue
         if s["run"].workload in ("longgen", "sharegpt"):
             group = (s["run"].workload, _trace_digest(s["run"].trace_path))
             groups.setdefault(group, {}).setdefault(s["format"], []).append((key, s))
@@ -498,13 +505,31 @@ def scratch_name(results_dir: str) -> str:
     return f"{p.parent.name}--{p.name}"
 
 
+def results_arg(arg: str) -> tuple[str, str | None, dict[str, str]]:
+    """``DIR[#TAG[@OLD=NEW,...]]`` as (folder, tag, configuration renames)."""
+    d, _, rest = arg.partition("#")
+    tag, at, spec = rest.partition("@")
+    rename: dict[str, str] = {}
+    for pair in spec.split(",") if at else []:
+        old, eq, new = pair.partition("=")
+        if not (eq and old and new):
+            raise SimulatorInputError(f"{arg}: rename {pair!r}: write OLD=NEW "
+                                      "(e.g. bf16=bf16-graphs1536)")
+        rename[old] = new
+    if at and not tag:
+        raise SimulatorInputError(f"{arg}: a renamed folder needs a tag (DIR#TAG@OLD=NEW)")
+    return d, tag or None, rename
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+",
                     help="scripts/bench_e2e.py --out directories (several are merged); "
                          "DIR#TAG appends #TAG to the labels of DIR's runs, so a workload run "
                          "again (another lease, another commit) keeps its own key, e.g. "
-                         "--fit-run diffkv-mix/ladder@4rps#s8")
+                         "--fit-run diffkv-mix/ladder@4rps#s8; DIR#TAG@OLD=NEW[,OLD=NEW] "
+                         "also renames DIR's configuration OLD to NEW (a server started with "
+                         "other flags, e.g. DIR#s13g@bf16=bf16-graphs1536)")
     ap.add_argument("--calibration", default=None,
                     help="calibration JSON (scripts/calibrate_gpu.py's calibration.json); "
                          "default: the shipped one")
@@ -544,8 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parts = []
         for arg in a.results:
-            d, _, tag = arg.partition("#")
-            parts.append(load_harness(d, Path(a.scratch) / scratch_name(d), tag=tag or None))
+            d, tag, rename = results_arg(arg)
+            parts.append(load_harness(d, Path(a.scratch) / scratch_name(d), tag=tag,
+                                      rename=rename))
         h = merge_harness(parts)
         unknown = sorted(set(a.skip_run) - {r.key for r in h.runs})
         if unknown:

@@ -110,15 +110,22 @@ TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def load_harness(root: str | Path, extract_to: str | Path | None = None,
-                 tag: str | None = None) -> HarnessResults:
+                 tag: str | None = None, rename: dict[str, str] | None = None
+                 ) -> HarnessResults:
     """One harness ``--out`` folder. ``logs.tar.gz`` (when there is no ``logs/``) is unpacked
     into ``extract_to`` (default: the folder itself), e.g. a scratch folder for committed
     results that should stay untouched. ``tag`` is appended to every run's label
     (``ladder@4rps#s8``): the same workload run again on another lease or commit merges with
-    the first under its own key."""
+    the first under its own key. ``rename`` maps the folder's configuration names to new ones
+    (``{"bf16": "bf16-graphs1536"}``): the harness names a configuration by its backend, so a
+    server started with other flags needs its own name to merge with the default one."""
     if tag is not None and not TAG_RE.match(tag):
         raise SimulatorInputError(f"run tag {tag!r}: use letters, digits, '.', '_' or '-' "
                                   "(starting with a letter or digit)")
+    for new in (rename or {}).values():
+        if not TAG_RE.match(new):
+            raise SimulatorInputError(f"configuration name {new!r}: use letters, digits, '.', "
+                                      "'_' or '-' (starting with a letter or digit)")
     root = Path(root)
     res_path = root / "results.json"
     try:
@@ -147,6 +154,11 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
         p = logs / f"server__{name}.log"
         if p.exists():
             server_logs[name] = p
+    rename = rename or {}
+    unknown = sorted(set(rename) - set(configs))
+    if unknown:
+        raise SimulatorInputError(f"{res_path}: no configuration {', '.join(unknown)} to "
+                                  f"rename; it has {', '.join(configs)}")
     runs = []
     for i, r in enumerate(_need(data, "runs", str(res_path))):
         where = f"{res_path}: runs[{i}]"
@@ -164,9 +176,11 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
             f.seek(int(span[0]))
             text = f.read(int(span[1]) - int(span[0])).decode(errors="replace")
         label = r.get("label", r["workload"]) + (f"#{tag}" if tag else "")
-        runs.append(HarnessRun(cfg, _need(r, "workload", where), label, tf,
+        runs.append(HarnessRun(rename.get(cfg, cfg), _need(r, "workload", where), label, tf,
                                _need(r, "client", where), text, r.get("rate_req_s"),
                                r.get("saturation_req_s"), r, server_logs[cfg]))
+    configs = {rename.get(k, k): v for k, v in configs.items()}
+    server_logs = {rename.get(k, k): v for k, v in server_logs.items()}
     return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
                           [root])
 

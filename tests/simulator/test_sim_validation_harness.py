@@ -419,14 +419,49 @@ def test_the_ratio_pairs_runs_of_one_trace_only(tmp_path):
     a.write_text('{"timestamp": 0, "input_length": 5, "output_length": 7}\n')
     b.write_text('{"timestamp": 0, "input_length": 6, "output_length": 7}\n')
 
-    def sim(fmt, trace, rate):
-        run = SimpleNamespace(workload="sharegpt", trace_path=trace,
+    def sim(fmt, trace, rate, config=None):
+        run = SimpleNamespace(workload="sharegpt", trace_path=trace, config=config or fmt,
                               client={"output_throughput": rate})
         return {"run": run, "format": fmt, "in_sample": False,
                 "full": {"output_throughput": rate * 1.1}}
 
     sims = {"diffkv/sharegpt#x": sim("diffkv", a, 200.0), "bf16/sharegpt": sim("bf16", a, 100.0),
-            "bf16/sharegpt#y": sim("bf16", b, 50.0)}
+            "bf16/sharegpt#y": sim("bf16", b, 50.0),
+            # a bf16 server with other flags (more CUDA graphs) is no baseline
+            "bf16-graphs/sharegpt#g": sim("bf16", a, 80.0, config="bf16-graphs")}
     rows = _script().ratio_rows(sims)
     assert [r["run"] for r in rows] == ["diffkv/sharegpt#x : bf16/sharegpt"]
     assert rows[0]["measured"] == pytest.approx(2.0)
+
+
+def test_a_renamed_configuration_merges_beside_the_default_one(results, tmp_path):
+    """A server started with other flags is another launch under the harness's name 'bf16':
+    DIR#TAG@bf16=NEW loads it as NEW, so it merges with the default server's runs."""
+    import shutil
+
+    from simulator.validation.harness import merge_harness
+
+    other = tmp_path / "graphs"
+    shutil.copytree(results, other)
+    data = json.loads((other / "results.json").read_text())
+    data["configs"]["bf16"]["command"] += " --cuda-graph-max-bs 1536"
+    (other / "results.json").write_text(json.dumps(data))
+    with pytest.raises(SimulatorInputError, match="different command"):
+        merge_harness([load_harness(results), load_harness(other, tag="g")])
+    mod = _script()
+    d, tag, rename = mod.results_arg(f"{other}#g@bf16=bf16-graphs")
+    assert (d, tag, rename) == (str(other), "g", {"bf16": "bf16-graphs"})
+    merged = merge_harness([load_harness(results), load_harness(d, tag=tag, rename=rename)])
+    assert merged.configs["bf16-graphs"]["command"].endswith("--cuda-graph-max-bs 1536")
+    run = merged.run("bf16-graphs/sharegpt#g")
+    assert run.config == "bf16-graphs" and run.server_log.is_relative_to(other)
+    assert "bf16-graphs" in merged.server_logs and merged.run("bf16/sharegpt").config == "bf16"
+    with pytest.raises(SimulatorInputError, match="no configuration fp8 to rename"):
+        load_harness(other, tag="g", rename={"fp8": "x"})
+    with pytest.raises(SimulatorInputError, match="configuration name 'a b'"):
+        load_harness(other, tag="g", rename={"bf16": "a b"})
+    for bad, why in ((f"{other}#g@bf16", "write OLD=NEW"), (f"{other}#g@=x", "write OLD=NEW"),
+                     (f"{other}#@bf16=x", "needs a tag")):
+        with pytest.raises(SimulatorInputError, match=why):
+            mod.results_arg(bad)
+    assert mod.results_arg(str(other)) == (str(other), None, {})
