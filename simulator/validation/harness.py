@@ -159,6 +159,10 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
     if unknown:
         raise SimulatorInputError(f"{res_path}: no configuration {', '.join(unknown)} to "
                                   f"rename; it has {', '.join(configs)}")
+    names = [rename.get(k, k) for k in configs]
+    if len(set(names)) < len(names):
+        raise SimulatorInputError(f"{res_path}: renaming {rename} gives two configurations "
+                                  f"one name ({', '.join(names)})")
     runs = []
     for i, r in enumerate(_need(data, "runs", str(res_path))):
         where = f"{res_path}: runs[{i}]"

@@ -458,6 +458,8 @@ def test_a_renamed_configuration_merges_beside_the_default_one(results, tmp_path
     assert "bf16-graphs" in merged.server_logs and merged.run("bf16/sharegpt").config == "bf16"
     with pytest.raises(SimulatorInputError, match="no configuration fp8 to rename"):
         load_harness(other, tag="g", rename={"fp8": "x"})
+    with pytest.raises(SimulatorInputError, match="two configurations one name"):
+        load_harness(other, tag="g", rename={"bf16": "diffkv"})
     with pytest.raises(SimulatorInputError, match="configuration name 'a b'"):
         load_harness(other, tag="g", rename={"bf16": "a b"})
     for bad, why in ((f"{other}#g@bf16", "write OLD=NEW"), (f"{other}#g@=x", "write OLD=NEW"),
