@@ -122,7 +122,8 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
     if tag is not None and not TAG_RE.match(tag):
         raise SimulatorInputError(f"run tag {tag!r}: use letters, digits, '.', '_' or '-' "
                                   "(starting with a letter or digit)")
-    for new in (rename or {}).values():
+    rename = rename or {}
+    for new in rename.values():
         if not TAG_RE.match(new):
             raise SimulatorInputError(f"configuration name {new!r}: use letters, digits, '.', "
                                       "'_' or '-' (starting with a letter or digit)")
@@ -154,7 +155,6 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
         p = logs / f"server__{name}.log"
         if p.exists():
             server_logs[name] = p
-    rename = rename or {}
     unknown = sorted(set(rename) - set(configs))
     if unknown:
         raise SimulatorInputError(f"{res_path}: no configuration {', '.join(unknown)} to "
