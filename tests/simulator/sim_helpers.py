@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -17,6 +19,14 @@ from simulator.studies.scenario import Scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 H100_DATA = ROOT / "docs" / "data" / "h100-2026-11-22"  # the measured runs of 2026-11-22
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def token_scheduler(capacity: int, chunk: int | None = None, max_prefill: int = 16384,

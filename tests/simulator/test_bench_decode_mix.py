@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_helpers import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "docs" / "data" / "h100-2026-11-23" / "e2e-s13-sharegpt-bf16-graphs1536"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_decode_mix",
-                                                  ROOT / "scripts" / "bench_decode_mix.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_decode_mix")
 
 
 def test_each_layout_places_every_token_once_and_appends_decode_tokens_step_by_step():

@@ -7,7 +7,6 @@ tampered measurement MISSes with the right error, and bad inputs are named."""
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import json
 import math
 from dataclasses import replace
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sim_helpers import scenario
+from sim_helpers import load_script, scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.settings import ServerSettings
@@ -24,17 +23,12 @@ from simulator.validation.harness import load_harness, row, windowed_summary
 from simulator.workload.schema import Trace, TraceRequest
 from simulator.workload.writer import write_mooncake_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
 HIDDEN_STEP_S = 1.0e-3
 T0 = dt.datetime(2026, 11, 22, 9, 0, 0)
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("validate_simulator",
-                                                  ROOT / "scripts" / "validate_simulator.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("validate_simulator")
 
 
 def _log_lines(res, offset_s: float, window: float) -> list[str]:
