@@ -133,17 +133,18 @@ def synthetic_batches(batches: list[int], means: list[int], cvs: list[float],
 
 
 # ---- step 2: timing (GPU) ---------------------------------------------------------------------
-def slot_layouts(contexts: list[int], prompts: list[int], rng: Any) -> dict[str, Any]:
-    """Flat KV slot indices (request-major, each request's tokens in position order) for the
-    triton cases. ``appended``: prompts take contiguous runs in request order, then each
-    decode step gives the next slot to every request generating at it (all of them end at
-    the last step: request r has generated for the last ``contexts - prompts`` steps)."""
+def slot_layouts(contexts: list[int], prompts: list[int], rng: Any,
+                 cases: tuple[str, ...] = TRITON_CASES) -> dict[str, Any]:
+    """(contexts, flat KV slot indices) of each triton case in ``cases``; slots are
+    request-major, each request's tokens in position order. ``appended``: prompts take
+    contiguous runs in request order, then each decode step gives the next slot to every
+    request generating at it (all of them end at the last step: request r has generated for
+    the last ``contexts - prompts`` steps)."""
     import numpy as np
 
     ctx = np.asarray(contexts, dtype=np.int64)
     pr = np.asarray(prompts, dtype=np.int64)
     total = int(ctx.sum())
-    contiguous = np.arange(total, dtype=np.int64)
 
     def appended(c: np.ndarray, p: np.ndarray) -> np.ndarray:
         gen = c - p
@@ -154,68 +155,40 @@ def slot_layouts(contexts: list[int], prompts: list[int], rng: Any) -> dict[str,
             slot[st[i]:st[i] + p[i]] = np.arange(nxt, nxt + p[i])
             nxt += int(p[i])
         steps = int(gen.max(initial=0))
+        first = steps - gen             # every request generates up to the last step
         for t in range(steps):
-            first = steps - gen             # every request generates up to the last step
             live = np.nonzero(first <= t)[0]
             slot[st[live] + p[live] + t - first[live]] = np.arange(nxt, nxt + len(live))
             nxt += len(live)
         return slot
 
     mean = max(1, round(total / len(ctx)))
-    share = float(pr.sum()) / max(total, 1)
     uni = np.full(len(ctx), mean, dtype=np.int64)
-    uni_p = np.full(len(ctx), round(share * mean), dtype=np.int64)
-    return {"uniform": (uni, np.arange(int(uni.sum()))),
-            "mixed": (ctx, contiguous),
-            "appended": (ctx, appended(ctx, pr)),
-            "random": (ctx, rng.permutation(total)),
-            "uniform-appended": (uni, appended(uni, uni_p))}
+    uni_p = np.full(len(ctx), round(float(pr.sum()) / max(total, 1) * mean), dtype=np.int64)
+    build = {"uniform": lambda: (uni, np.arange(int(uni.sum()))),
+             "mixed": lambda: (ctx, np.arange(total)),
+             "appended": lambda: (ctx, appended(ctx, pr)),
+             "random": lambda: (ctx, rng.permutation(total)),
+             "uniform-appended": lambda: (uni, appended(uni, uni_p))}
+    return {case: build[case]() for case in cases}
 
 
 def time_triton(fwd: Any, splits: Any, dtype: Any, contexts: list[int], prompts: list[int],
                 seed: int, cases: tuple[str, ...] = TRITON_CASES) -> dict[str, float]:
     import numpy as np
     import torch
-    from calibrate_gpu import DEV, HKV, HQ, MAX_KV_SPLITS, D, copies_for, cycling, timed
+    from calibrate_gpu import time_sglang_decode
 
-    rng = np.random.default_rng(seed)
-    lay = slot_layouts(contexts, prompts, rng)
-    esize = torch.empty(0, dtype=dtype).element_size()
-    out: dict[str, float] = {}
-    b = len(contexts)
-    for case in cases:
-        ctx, slots = lay[case]
-        tokens = int(ctx.sum())
-        copies = copies_for(2 * tokens * HKV * D * esize)
-        k = torch.randn(copies * tokens, HKV, D, device=DEV, dtype=torch.bfloat16).to(dtype)
-        v = torch.randn(copies * tokens, HKV, D, device=DEV, dtype=torch.bfloat16).to(dtype)
-        q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-        o = torch.full((b, HQ, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-        seq = torch.as_tensor(ctx, device=DEV, dtype=torch.int32)
-        indptr = torch.zeros(b + 1, device=DEV, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(seq, 0)
-        nsplit = (splits(seq) if splits is not None
-                  else torch.full((b,), MAX_KV_SPLITS, device=DEV, dtype=torch.int32))
-        logits = torch.empty(b, HQ, MAX_KV_SPLITS, D, device=DEV, dtype=torch.float32)
-        lse = torch.empty(b, HQ, MAX_KV_SPLITS, device=DEV, dtype=torch.float32)
-        base = torch.as_tensor(slots, device=DEV, dtype=torch.int64)
-        fns = [partial(fwd, q, k, v, o, indptr, base + c * tokens, logits, lse, nsplit,
-                       MAX_KV_SPLITS, D**-0.5, 1.0, 1.0) for c in range(copies)]
-        out[case] = timed(cycling(fns), True, copies)
-        if not torch.isfinite(o).all():
-            raise RuntimeError(f"triton {case}: output not fully written")
-        del k, v, fns
-        torch.cuda.empty_cache()
-    return out
+    lay = slot_layouts(contexts, prompts, np.random.default_rng(seed), cases)
+    return {case: time_sglang_decode(fwd, splits, dtype, ctx.tolist(),
+                                     torch.from_numpy(slots))[0]
+            for case, (ctx, slots) in lay.items()}
 
 
 def time_diffkv(contexts: list[int], server_context: int, seed: int,
                 cases: tuple[str, ...] = DIFFKV_CASES) -> dict[str, float]:
-    import torch
-    from calibrate_gpu import DEV, HKV, HQ, K4V2, K8V4, MIXES, D, copies_for, cycling, timed
+    from calibrate_gpu import K4V2, K8V4, MIXES, D, time_diffkv_decode
 
-    from sglang_diffkv.kernels import DecodeAttentionPlan
-    from sglang_diffkv.kernels.testing import random_decode_case
     from sglang_diffkv.layout import PageGeometry
 
     geo = PageGeometry.build(D, K8V4, K4V2)
@@ -225,21 +198,8 @@ def time_diffkv(contexts: list[int], server_context: int, seed: int,
     plans = {"uniform": ([mean] * b, mean), "mixed": (contexts, max(contexts)),
              "mixed@server": (contexts, server_context),
              "uniform@server": ([mean] * b, server_context)}
-    out: dict[str, float] = {}
-    for name in cases:
-        ctx, plan_ctx = plans[name]
-        copies = copies_for(2 * sum(ctx) * HKV * D * 2 * (fh + fl) / 2)
-        case = random_decode_case(geo, list(ctx), HKV, num_layers=copies, high_frac=fh,
-                                  low_frac=fl, device=DEV, seed=seed,
-                                  max_context=max(max(ctx), plan_ctx))
-        plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, plan_ctx, DEV)
-        q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-        fns = [partial(plan.run, q, case.pages, case.table, case.counts, case.req_idx,
-                       layer, D**-0.5) for layer in range(copies)]
-        out[name] = timed(cycling(fns), True, copies)
-        del case, plan, fns
-        torch.cuda.empty_cache()
-    return out
+    return {name: time_diffkv_decode(geo, plans[name][0], plans[name][1], fh, fl, seed)[0]
+            for name in cases}
 
 
 def table(rows: list[dict]) -> str:
@@ -287,8 +247,9 @@ def time_all(spec: dict[str, Any], out_dir: Path, server_context: int,
               "provenance": provenance(src, splits_src), "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "decode_mix.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / "decode_mix.md").write_text(table(rows) + "\n")
-    print(table(rows))
+    text = table(rows)
+    (out_dir / "decode_mix.md").write_text(text + "\n")
+    print(text)
     return rows
 
 

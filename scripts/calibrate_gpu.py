@@ -241,47 +241,81 @@ def sglang_kernels() -> tuple[Callable | None, Callable | None, str]:
     return decode, extend, "; ".join(notes)
 
 
+def time_sglang_decode(fwd: Callable, splits: Callable | None, dtype: torch.dtype,
+                       seq_lens: list[int], slots: torch.Tensor | None = None
+                       ) -> tuple[float, int, int]:
+    """(seconds per call, copies cycled, KV bytes read) of SGLang's decode kernel on one batch:
+    request r holds ``seq_lens[r]`` tokens at ``slots`` (flat pool indices, request-major, each
+    request's in position order; default contiguous). The output is poisoned first and must
+    come back finite."""
+    b, tokens = len(seq_lens), int(sum(seq_lens))
+    kv_bytes = 2 * tokens * HKV * D * torch.empty(0, dtype=dtype).element_size()
+    copies = copies_for(kv_bytes)
+    k = torch.randn(copies * tokens, HKV, D, device=DEV, dtype=torch.bfloat16).to(dtype)
+    v = torch.randn(copies * tokens, HKV, D, device=DEV, dtype=torch.bfloat16).to(dtype)
+    q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+    o = torch.full((b, HQ, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    seq = torch.as_tensor(seq_lens, device=DEV, dtype=torch.int32)
+    indptr = torch.zeros(b + 1, device=DEV, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(seq, 0)
+    nsplit = (splits(seq) if splits is not None
+              else torch.full((b,), MAX_KV_SPLITS, device=DEV, dtype=torch.int32))
+    logits = torch.empty(b, HQ, MAX_KV_SPLITS, D, device=DEV, dtype=torch.float32)
+    lse = torch.empty(b, HQ, MAX_KV_SPLITS, device=DEV, dtype=torch.float32)
+    base = (torch.arange(tokens, device=DEV, dtype=torch.int64) if slots is None
+            else slots.to(device=DEV, dtype=torch.int64))
+    fns = [partial(fwd, q, k, v, o, indptr, base + c * tokens, logits, lse, nsplit,
+                   MAX_KV_SPLITS, D**-0.5, 1.0, 1.0) for c in range(copies)]
+    t = timed(cycling(fns), True, copies)
+    if not torch.isfinite(o).all():
+        raise RuntimeError(f"SGLang decode, batch {b}: output not fully written")
+    del k, v, fns
+    torch.cuda.empty_cache()
+    return t, copies, kv_bytes
+
+
 def sglang_decode_rows(fwd: Callable, splits: Callable | None, dtype: torch.dtype, key: str,
                        grid: dict, budget: Budget) -> list[dict]:
     rows = []
-    esize = torch.empty(0, dtype=dtype).element_size()
     for b in grid["batch"]:
         for ctx in grid["context"]:
-            tokens = b * ctx
             base = {"format": key, "batch": b, "context": ctx}
-            if tokens > grid["max_tokens"]:
+            if b * ctx > grid["max_tokens"]:
                 rows.append({**base, "time_s": None, "skipped": "memory cap"})
                 continue
             if not budget.left():
                 rows.append({**base, "time_s": None, "skipped": "budget"})
                 continue
-            kv_bytes = 2 * tokens * HKV * D * esize
-            copies = copies_for(kv_bytes)
-            k = torch.randn(copies * tokens, HKV, D, device=DEV, dtype=torch.bfloat16).to(dtype)
-            v = torch.randn(copies * tokens, HKV, D, device=DEV, dtype=torch.bfloat16).to(dtype)
-            q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-            o = torch.empty(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-            indptr = torch.arange(b + 1, device=DEV, dtype=torch.int32) * ctx
-            seq = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
-            nsplit = (splits(seq) if splits is not None
-                      else torch.full((b,), MAX_KV_SPLITS, device=DEV, dtype=torch.int32))
-            logits = torch.empty(b, HQ, MAX_KV_SPLITS, D, device=DEV, dtype=torch.float32)
-            lse = torch.empty(b, HQ, MAX_KV_SPLITS, device=DEV, dtype=torch.float32)
-            fns = []
-            for c in range(copies):
-                idx = torch.arange(c * tokens, (c + 1) * tokens, device=DEV, dtype=torch.int64)
-                fns.append(partial(fwd, q, k, v, o, indptr, idx, logits, lse, nsplit,
-                                   MAX_KV_SPLITS, D**-0.5, 1.0, 1.0))
-            t = timed(cycling(fns), True, copies)
+            t, copies, kv_bytes = time_sglang_decode(fwd, splits, dtype, [ctx] * b)
             rows.append({**base, "time_s": t, "copies": copies, "read_bytes": kv_bytes})
             _log(f"decode {key:6s} B={b:4d} L={ctx:6d}: {t * 1e6:8.1f} us "
                  f"({kv_bytes / t / 1e12:.2f} TB/s)")
-            del k, v, fns
-            torch.cuda.empty_cache()
     return rows
 
 
 # ---- decode: DiffKV -------------------------------------------------------------------------
+def time_diffkv_decode(geo: PageGeometry, contexts: list[int], plan_context: int,
+                       high_frac: float, low_frac: float, seed: int
+                       ) -> tuple[float, int, float]:
+    """(seconds per call, copies cycled, stored page bytes read per call) of DiffKV's decode on
+    one batch of random cache states, its plan built for ``plan_context`` tokens."""
+    b = len(contexts)
+    # bf16-equivalent bytes bound the copies; the case's layers are the copies
+    copies = copies_for(2 * sum(contexts) * HKV * D * 2 * max(high_frac + low_frac, 0.25) / 2)
+    case = random_decode_case(geo, list(contexts), HKV, num_layers=copies, high_frac=high_frac,
+                              low_frac=low_frac, device=DEV, seed=seed,
+                              max_context=max(max(contexts), plan_context))
+    plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, plan_context, DEV)
+    q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+    fns = [partial(plan.run, q, case.pages, case.table, case.counts, case.req_idx, layer,
+                   D**-0.5) for layer in range(copies)]
+    t = timed(cycling(fns), True, copies)
+    stored = sum(case.stored_bytes(layer) for layer in range(copies)) / copies
+    del case, plan, fns
+    torch.cuda.empty_cache()
+    return t, copies, stored
+
+
 def diffkv_decode_rows(grid: dict, budget: Budget) -> list[dict]:
     geo = PageGeometry.build(D, K8V4, K4V2)
     rows = []
@@ -296,17 +330,7 @@ def diffkv_decode_rows(grid: dict, budget: Budget) -> list[dict]:
                     rows.append({**base, "time_s": None, "skipped": "budget"})
                     continue
                 try:
-                    # bf16-equivalent bytes bound the copies; the case's layers are the copies
-                    copies = copies_for(2 * b * ctx * HKV * D * 2 * max(fh + fl, 0.25) / 2)
-                    case = random_decode_case(geo, [ctx] * b, HKV, num_layers=copies,
-                                              high_frac=fh, low_frac=fl, device=DEV,
-                                              seed=b + ctx)
-                    plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx, DEV)
-                    q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-                    fns = [partial(plan.run, q, case.pages, case.table, case.counts,
-                                   case.req_idx, layer, D**-0.5) for layer in range(copies)]
-                    t = timed(cycling(fns), True, copies)
-                    stored = sum(case.stored_bytes(layer) for layer in range(copies)) / copies
+                    t, copies, stored = time_diffkv_decode(geo, [ctx] * b, ctx, fh, fl, b + ctx)
                 except Exception as e:  # noqa: BLE001 - record and keep measuring
                     _log(f"decode {key} B={b} L={ctx}: FAILED {type(e).__name__}: {e}")
                     rows.append({**base, "time_s": None, "skipped": f"failed: {e}"})
@@ -314,8 +338,6 @@ def diffkv_decode_rows(grid: dict, budget: Budget) -> list[dict]:
                 rows.append({**base, "time_s": t, "copies": copies, "read_bytes": stored})
                 _log(f"decode {key:6s} B={b:4d} L={ctx:6d}: {t * 1e6:8.1f} us "
                      f"({stored / t / 1e12:.2f} TB/s of stored pages)")
-                del case, plan, fns
-                torch.cuda.empty_cache()
     return rows
 
 
