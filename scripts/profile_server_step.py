@@ -15,10 +15,22 @@ the last ``Decode batch`` line before the profile (running batch and tokens held
 server start profiles several batch sizes. ``--prompt-len`` sets the prompt range (short
 prompts keep contexts short at a large batch).
 
+``--at-batch 650,500,250`` profiles a drain instead: one ``--requests`` total is sent at once
+(spread ``--output-len MIN,MAX`` so requests finish all along), and each profile starts when
+the server log's running batch has fallen to that size (``profile-b<size>.{md,json}``): the
+regime of a saturated benchmark's tail, with mixed contexts and requests finishing every step.
+A profile's ``ms/step`` divides by ``--steps``, but SGLang's window may hold fewer decode
+steps (9 of 10 in session 15's drain profiles): a per-layer kernel's launches over the layers
+count the steps that ran.
+
     python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config diffkv-mix \\
         --out /tmp/prof --requests 400 --warm-s 60 --steps 20
     python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config bf16 \\
         --out /tmp/prof --requests 128,256,450 --prompt-len 16,256 --warm-s 8 --steps 10
+    python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config bf16 \\
+        --out /tmp/prof --requests 750 --at-batch 650,500,380,250,120 --prompt-len 16,500 \\
+        --output-len 64,1400 --warm-s 10 --steps 10 --stream \\
+        --server-args=--cuda-graph-max-bs=1536
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import argparse
 import collections
 import gzip
 import json
+import re
 import sys
 import threading
 import time
@@ -80,6 +93,39 @@ def send_requests(base: str, ids: range, prompt_len: tuple[int, int],
 def last_decode_line(log: Path) -> str:
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if "Decode batch" in ln]
     return lines[-1].strip() if lines else ""
+
+
+def wait_for_batch(log: Path, at_most: int, timeout_s: float) -> str:
+    """The first Decode line whose running batch is at most ``at_most`` (polling the log),
+    or '' when none comes within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = last_decode_line(log)
+        m = re.search(r"#running-req: (\d+)", line)
+        if m and int(m.group(1)) <= at_most:
+            return line
+        time.sleep(0.1)
+    return ""
+
+
+def drain_targets(text: str, stages: list[int]) -> list[int]:
+    """--at-batch's batch sizes (decreasing; [] when not given); they need a single
+    --requests total, all sent at once."""
+    if not text:
+        return []
+    drain = int_list(text, "--at-batch")
+    if len(stages) != 1 or drain != sorted(set(drain), reverse=True):
+        raise SystemExit(f"--at-batch {text!r}: needs one --requests total (got "
+                         f"{','.join(map(str, stages))}) and strictly decreasing batch sizes")
+    return drain
+
+
+def stage_names(stages: list[int]) -> list[str]:
+    """File suffix per stage: '' for one stage, '-<total>', or '-<total>-<k>' where a total
+    repeats (a stage that adds no requests profiles the same load later)."""
+    if len(stages) == 1:
+        return [""]
+    return [f"-{t}" if stages.count(t) == 1 else f"-{t}-{k + 1}" for k, t in enumerate(stages)]
 
 
 def int_list(text: str, what: str, n: int | None = None) -> list[int]:
@@ -171,6 +217,10 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="stream the outputs, as the serving benchmarks do (the scheduler then "
                          "sends every request's tokens each --stream-interval steps)")
+    ap.add_argument("--at-batch", default="",
+                    help="with one --requests total: send them all, then profile each time the "
+                         "running batch has drained to at most these sizes (a decreasing comma "
+                         "list, e.g. 600,400,200): a drain with requests finishing")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--server-args", default="", help="extra launch_server arguments")
@@ -178,6 +228,7 @@ def main() -> int:
     stages = int_list(a.requests, "--requests")
     if stages != sorted(stages):
         raise SystemExit(f"--requests {a.requests!r}: cumulative totals must not decrease")
+    drain = drain_targets(a.at_batch, stages)
     lo, hi = int_list(a.prompt_len, "--prompt-len", 2)
     if lo > hi:
         raise SystemExit(f"--prompt-len {a.prompt_len!r}: MIN > MAX")
@@ -194,14 +245,26 @@ def main() -> int:
     server.start(port=a.port)
     try:
         print(f"ready after {server.wait_ready(400):.0f} s", flush=True)
+        if drain:
+            threading.Thread(target=send_requests, daemon=True,
+                             args=(opts.base_url, range(stages[0]), (lo, hi), out_len, 0, stop,
+                                   a.stream)).start()
+            time.sleep(a.warm_s)
+            for b in drain:
+                if not wait_for_batch(server.log_path, b, 600):
+                    print(f"the batch never drained to {b}", flush=True)
+                    return 1
+                if profile_stage(opts.base_url, out, f"-b{b}", a.steps, server.log_path,
+                                 a.cpu) != 0:
+                    return 1
+            return 0
         sent = 0
-        for total in stages:
+        for name, total in zip(stage_names(stages), stages, strict=True):
             threading.Thread(target=send_requests, daemon=True,
                              args=(opts.base_url, range(sent, total), (lo, hi), out_len,
                                    0, stop, a.stream)).start()
             sent = total
             time.sleep(a.warm_s)
-            name = "" if len(stages) == 1 else f"-{total}"
             if profile_stage(opts.base_url, out, name, a.steps, server.log_path, a.cpu) != 0:
                 return 1
         return 0

@@ -70,3 +70,22 @@ def test_host_calls_list_the_longest_single_call_first(prof, tmp_path):
     launch = s["host_calls"][2]
     assert launch["count"] == 2 and launch["max_ms"] == pytest.approx(0.007)
     assert "| `cudaStreamSynchronize` | cuda_runtime | 3.00 |" in prof.report(s)
+
+
+def test_drain_targets_stage_names_and_waiting_for_a_batch(prof, tmp_path):
+    assert prof.drain_targets("", [400]) == []
+    assert prof.drain_targets("650,500,120", [750]) == [650, 500, 120]
+    with pytest.raises(SystemExit, match="--at-batch '120,500': needs one --requests total"):
+        prof.drain_targets("120,500", [750])
+    with pytest.raises(SystemExit, match=r"\(got 128,256\)"):
+        prof.drain_targets("100", [128, 256])
+    with pytest.raises(SystemExit, match="strictly decreasing"):
+        prof.drain_targets("500,500", [750])
+    assert prof.stage_names([400]) == [""]
+    assert prof.stage_names([128, 256]) == ["-128", "-256"]
+    assert prof.stage_names([450, 450, 600]) == ["-450-1", "-450-2", "-600"]
+    log = tmp_path / "server.log"
+    log.write_text("[a] Decode batch, #running-req: 700, #token: 9\n"
+                   "[b] Decode batch, #running-req: 480, #token: 8\n")
+    assert prof.wait_for_batch(log, 500, 1.0) == "[b] Decode batch, #running-req: 480, #token: 8"
+    assert prof.wait_for_batch(log, 400, 0.2) == ""
