@@ -122,6 +122,18 @@ def _log(msg: str) -> None:
 
 
 # ---- GEMM -----------------------------------------------------------------------------------
+def gemm_shapes(model: str, gpu: str) -> dict[str, tuple[int, int, int]]:
+    """(n, k, weight copies) of each of the model's GEMMs, by op name."""
+    cost = _cost_models(model, gpu, load_calibration(gpu))["bf16"]
+    return {name: (n, k, copies_for(wbytes))
+            for name, (wbytes, _params, k, n) in gemm_ops(cost).items()}
+
+
+def time_gemm(x: torch.Tensor, ws: list[torch.Tensor]) -> float:
+    """Seconds per ``F.linear(x, w)`` call: a CUDA graph whose calls cycle through ``ws``."""
+    return timed(cycling([partial(F.linear, x, w) for w in ws]), True, len(ws))
+
+
 def gemm_rows(ops: dict[str, tuple], ms: list[int], budget: Budget,
               peak_flops: float) -> list[dict]:
     rows = []
@@ -133,8 +145,7 @@ def gemm_rows(ops: dict[str, tuple], ms: list[int], budget: Budget,
                 rows.append({"op": name, "m": m, "time_s": None, "skipped": "budget"})
                 continue
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            fn = cycling([partial(F.linear, x, w) for w in ws])
-            t = timed(fn, True, copies)
+            t = time_gemm(x, ws)
             rows.append({"op": name, "m": m, "n": n, "k": k, "time_s": t, "copies": copies})
             _log(f"gemm {name:8s} m={m:6d} n={n} k={k}: {t * 1e6:9.1f} us "
                  f"({(wbytes + m * (n + k) * 2) / t / 1e12:.2f} TB/s, "
