@@ -385,6 +385,10 @@ def cmd_compare(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     for srv in servers:
         if srv["kv_format"] == "diffkv":
             print(f"\n{srv['kv_format_detail']}", file=out)
+    for s in summaries:
+        note = table.eager_note(s)
+        if note:
+            print(note, file=out)
     print(f"KV pool from SGLang's formula: mem_fraction_static={servers[0]['mem_fraction_static']},"
           f" {servers[0]['memory']['kv_pool_gib']:.1f} GiB per GPU. Simulated in {elapsed:.1f} s.",
           file=out)
@@ -407,6 +411,9 @@ def cmd_replay(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     elapsed = time.perf_counter() - t0
     print(_header(sc, workload), file=out)
     print(table.summary_table(s), file=out)
+    note = table.eager_note(s)
+    if note:
+        print(note, file=out)
     n = len(workload)
     print(f"Simulated {n:,} requests in {elapsed:.2f} s ({n / elapsed:,.0f} req/s).", file=out)
     series = timeseries(res)

@@ -8,7 +8,9 @@
   throughput input / output / total tokens of completed requests per second of duration
   concurrency  sum of E2E / duration
 Plus: decode batch size and KV-pool usage (time-weighted over steps), retractions, rejected
-requests with their reasons, and goodput (completed requests meeting the SLO per second).
+requests with their reasons, goodput (completed requests meeting the SLO per second), and the
+share of decode time in steps above the largest CUDA graph (``eager_decode_share``: SGLang
+runs those eagerly, the regime whose speed varied most between server starts in validation).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from simulator.engine.cluster import RunResult
+from simulator.engine.replica import KIND_CODE
 from simulator.metrics.slo import SLO
 
 PERCENTILES = (50, 90, 95, 99)
@@ -68,6 +71,17 @@ def _hit_rate(result: RunResult) -> float | None:
     return sum(c.hits for c in caches) / looked if caches and looked else None
 
 
+def _eager_decode_share(logs: list[dict[str, np.ndarray]], graph_max: int) -> float:
+    """Share of decode-only step time in steps that no CUDA graph runs (batch above
+    ``graph_max``; 0: no graphs, every step)."""
+    total = eager = 0.0
+    for lg in logs:
+        dec = lg["kind"] == KIND_CODE["decode"]
+        total += float(lg["dt"][dec].sum())
+        eager += float(lg["dt"][dec & (lg["running"] > graph_max)].sum())
+    return eager / total if total > 0 else 0.0
+
+
 def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
     arrs = per_request_arrays(result)
     n_total = len(result.requests)
@@ -98,6 +112,7 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
     out_tokens = float(arrs["output"].sum())
     in_tokens = float(arrs["input"].sum())
     srv = result.server
+    graph_max = srv.cost.graph_max if srv.cost.graphs_enabled else 0
     summary: dict[str, Any] = {
         "workload": result.workload,
         "kv_format": srv.deployment.kv_format.name,
@@ -131,6 +146,8 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
         "kv_pool_unit": srv.pool.unit,
         "max_running_requests": srv.max_running_requests,
         "prefix_hit_rate": _hit_rate(result),
+        "cuda_graph_max_bs": graph_max,
+        "eager_decode_share": _eager_decode_share(logs, graph_max),
     }
     if slo is not None:
         met = slo_met(arrs, slo)

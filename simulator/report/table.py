@@ -99,6 +99,28 @@ def summary_table(s: dict[str, Any]) -> str:
     return render(["metric", "value"], rows)
 
 
+# Eager decode steps (batch above the largest CUDA graph) ran host-bound on some server starts:
+# the same bf16 ShareGPT saturation run measured 7,228 / 6,425 / 7,257 output tok/s on three
+# starts, all of the difference in those steps (docs/simulator-validation.md, session 13)
+EAGER_SPREAD = 0.11
+EAGER_NOTE_MIN_SHARE = 0.05
+
+
+def eager_note(s: dict[str, Any]) -> str | None:
+    """A caveat when much of the decode time is in steps no CUDA graph runs, else None."""
+    share = s.get("eager_decode_share", 0.0)
+    if share < EAGER_NOTE_MIN_SHARE:
+        return None
+    limit = s.get("cuda_graph_max_bs", 0)
+    where = (f"above the largest CUDA graph (batch {limit})" if limit
+             else "with CUDA graphs off")
+    advice = (f"; --cuda-graph-max-bs {s['peak_batch']} covers the peak batch (its graphs "
+              "take memory from the KV pool: rerun to see)" if limit else "")
+    return (f"note ({s['kv_format']}): {share:.0%} of decode time is in steps {where}. "
+            f"SGLang runs them eagerly, and their speed varied by up to {EAGER_SPREAD:.0%} of "
+            f"throughput between server starts in validation{advice}.")
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     p = Path(path)
     if p.parent and not p.parent.exists():

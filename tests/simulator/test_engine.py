@@ -15,6 +15,7 @@ from simulator.engine.cluster import simulate
 from simulator.kv.mix import TierMix
 from simulator.metrics.slo import SLO
 from simulator.metrics.summary import per_request_arrays, summarize
+from simulator.report import table
 from simulator.serving.cost import StepShape
 from simulator.studies.search import gpus_needed, max_rate
 from simulator.workload.bundled import load_named_trace
@@ -199,3 +200,24 @@ def test_overlap_scheduler_admits_an_arrival_one_step_late(overlap):
     assert late.first_token == pytest.approx(starts + _prefill_time(srv, [200]), rel=1e-9)
     # an idle server forms its batch at once, overlap or not
     assert res.requests[0].first_token == pytest.approx(t0, rel=1e-12)
+
+
+def test_eager_decode_share_counts_decode_time_above_the_largest_graph():
+    # 4 requests stop after 11 tokens, 4 after 33: batch 8, then batch 4
+    reqs = Trace(tuple(TraceRequest(0.0, 64, out) for out in (11,) * 4 + (33,) * 4))
+    runs = {name: simulate(reqs, scenario(**kw).server("bf16")) for name, kw in (
+        ("max4", {"cuda_graph_max_bs": 4}), ("max8", {"cuda_graph_max_bs": 8}),
+        ("off", {"disable_cuda_graph": True}))}
+    s = {name: summarize(res) for name, res in runs.items()}
+    lg = runs["max4"].replicas[0].log.arrays()
+    dec = lg["kind"] == 1
+    eager = dec & (lg["running"] > 4)
+    assert 0 < eager.sum() < dec.sum()
+    assert s["max4"]["cuda_graph_max_bs"] == 4
+    assert s["max4"]["eager_decode_share"] == pytest.approx(
+        lg["dt"][eager].sum() / lg["dt"][dec].sum(), rel=1e-12)
+    note = table.eager_note(s["max4"])
+    assert "above the largest CUDA graph (batch 4)" in note and "--cuda-graph-max-bs 8" in note
+    assert s["max8"]["eager_decode_share"] == 0.0 and table.eager_note(s["max8"]) is None
+    assert s["off"]["eager_decode_share"] == 1.0 and s["off"]["cuda_graph_max_bs"] == 0
+    assert "with CUDA graphs off" in table.eager_note(s["off"])
