@@ -19,6 +19,9 @@ prompts keep contexts short at a large batch).
 (spread ``--output-len MIN,MAX`` so requests finish all along), and each profile starts when
 the server log's running batch has fallen to that size (``profile-b<size>.{md,json}``): the
 regime of a saturated benchmark's tail, with mixed contexts and requests finishing every step.
+``--attach --at-seconds 40,90 --server-log LOG`` profiles a server another command runs (a
+benchmark's open-loop ladder: prefill steps among the decode steps) at those seconds after it
+first answers ``/health`` (``profile-t<seconds>.{md,json}``).
 A profile's ``ms/step`` divides by ``--steps``, but SGLang's window may hold fewer decode
 steps (9 of 10 in session 15's drain profiles): a per-layer kernel's launches over the layers
 count the steps that ran.
@@ -91,6 +94,8 @@ def send_requests(base: str, ids: range, prompt_len: tuple[int, int],
 
 
 def last_decode_line(log: Path) -> str:
+    if not log.exists():
+        return ""
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if "Decode batch" in ln]
     return lines[-1].strip() if lines else ""
 
@@ -118,6 +123,41 @@ def drain_targets(text: str, stages: list[int]) -> list[int]:
         raise SystemExit(f"--at-batch {text!r}: needs one --requests total (got "
                          f"{','.join(map(str, stages))}) and strictly decreasing batch sizes")
     return drain
+
+
+def attach_offsets(text: str, server_log: str) -> list[float]:
+    """--at-seconds for --attach: increasing offsets >= 0; --server-log must be given."""
+    try:
+        offsets = [float(x) for x in text.split(",")] if text else []
+    except ValueError:
+        offsets = []
+    if not offsets or min(offsets) < 0 or offsets != sorted(set(offsets)):
+        raise SystemExit(f"--attach needs --at-seconds as increasing seconds >= 0, got {text!r}")
+    if not server_log:
+        raise SystemExit("--attach needs --server-log (the attached server's log file)")
+    return offsets
+
+
+def attach(base: str, out: Path, offsets: list[float], log: Path, steps: int,
+           cpu: bool) -> int:
+    """Profile a server started elsewhere at ``offsets`` seconds after it first answers."""
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + 900
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=2).read()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                print(f"no server answered at {base} within 900 s", flush=True)
+                return 1
+            time.sleep(1)
+    t0 = time.monotonic()
+    for off in offsets:
+        time.sleep(max(0.0, t0 + off - time.monotonic()))
+        if profile_stage(base, out, f"-t{off:g}", steps, log, cpu) != 0:
+            return 1
+    return 0
 
 
 def stage_names(stages: list[int]) -> list[str]:
@@ -199,7 +239,7 @@ def report(s: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="model folder (required unless --attach)")
     ap.add_argument("--config", default="diffkv-mix", help="bf16, fp8, diffkv-mix")
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", default="400",
@@ -221,10 +261,26 @@ def main() -> int:
                     help="with one --requests total: send them all, then profile each time the "
                          "running batch has drained to at most these sizes (a decreasing comma "
                          "list, e.g. 600,400,200): a drain with requests finishing")
+    ap.add_argument("--attach", action="store_true",
+                    help="profile a server that another command started and loads (e.g. "
+                         "scripts/gpu_e2e_run.sh's ladder) instead of starting one: wait for "
+                         "its /health on --port, then profile at each --at-seconds")
+    ap.add_argument("--at-seconds", default="",
+                    help="with --attach: seconds after the server first answers /health at "
+                         "which to profile, comma-separated and increasing")
+    ap.add_argument("--server-log", default="",
+                    help="with --attach: the server's log (its Decode lines are recorded with "
+                         "each profile; it may not exist yet)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--server-args", default="", help="extra launch_server arguments")
     a = ap.parse_args()
+    if a.attach:
+        offsets = attach_offsets(a.at_seconds, a.server_log)
+        return attach(f"http://127.0.0.1:{a.port}", Path(a.out), offsets, Path(a.server_log),
+                      a.steps, a.cpu)
+    if not a.model:
+        raise SystemExit("--model is required (unless --attach)")
     stages = int_list(a.requests, "--requests")
     if stages != sorted(stages):
         raise SystemExit(f"--requests {a.requests!r}: cumulative totals must not decrease")
@@ -273,6 +329,25 @@ def main() -> int:
         server.stop()
 
 
+def summarize_when_written(trace: Path, steps: int, timeout_s: float,
+                           poll_s: float = 1.0) -> dict | None:
+    """``summarize`` once the trace file is whole: SGLang writes it after the profile
+    (with CPU activity, tens of MB that take seconds), so wait until its size holds still,
+    and retry a read that finds it cut short; None if it is not whole within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while time.monotonic() < deadline:
+        size = trace.stat().st_size
+        if size == last and size > 0:
+            try:
+                return summarize(trace, steps)
+            except (EOFError, OSError, json.JSONDecodeError):
+                pass
+        last = size
+        time.sleep(poll_s)
+    return None
+
+
 def profile_stage(base: str, out: Path, name: str, steps: int, log: Path, cpu: bool) -> int:
     trace_dir = out / f"trace{name}"
     decode_line = last_decode_line(log)
@@ -287,8 +362,10 @@ def profile_stage(base: str, out: Path, name: str, steps: int, log: Path, cpu: b
     if not traces:
         print(f"profile{name}: no trace written within 180 s", flush=True)
         return 1
-    time.sleep(5)  # the file is written in one go; let it finish
-    s = summarize(traces[-1], steps)
+    s = summarize_when_written(traces[-1], steps, 180)
+    if s is None:
+        print(f"profile{name}: {traces[-1]} was still incomplete after 180 s", flush=True)
+        return 1
     s["decode_line_before"] = decode_line
     (out / f"profile{name}.json").write_text(json.dumps(s, indent=1))
     text = f"{decode_line}\n\n{report(s)}"

@@ -89,3 +89,24 @@ def test_drain_targets_stage_names_and_waiting_for_a_batch(prof, tmp_path):
                    "[b] Decode batch, #running-req: 480, #token: 8\n")
     assert prof.wait_for_batch(log, 500, 1.0) == "[b] Decode batch, #running-req: 480, #token: 8"
     assert prof.wait_for_batch(log, 400, 0.2) == ""
+
+
+def test_attach_arguments_are_checked(prof, tmp_path):
+    assert prof.attach_offsets("40,90", "server.log") == [40.0, 90.0]
+    for bad in ("", "90,40", "x", "-1,5", "40,40"):
+        with pytest.raises(SystemExit, match="--attach needs --at-seconds as increasing"):
+            prof.attach_offsets(bad, "server.log")
+    with pytest.raises(SystemExit, match="--attach needs --server-log"):
+        prof.attach_offsets("40", "")
+    assert prof.last_decode_line(tmp_path / "not-yet.log") == ""
+
+
+def test_a_trace_is_read_once_it_is_whole(prof, tmp_path):
+    events = [{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 1000}]
+    whole = gzip.compress(json.dumps({"traceEvents": events}).encode())
+    path = tmp_path / "z.trace.json.gz"
+    path.write_bytes(whole[: len(whole) // 2])   # cut short: never whole
+    assert prof.summarize_when_written(path, 1, 0.3, poll_s=0.05) is None
+    path.write_bytes(whole)
+    s = prof.summarize_when_written(path, 1, 2.0, poll_s=0.05)
+    assert s is not None and s["busy_ms"] == pytest.approx(1.0)
