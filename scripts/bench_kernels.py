@@ -66,10 +66,10 @@ def bench(fn, warmup=25, rep=100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def bench_graph(fn, reps: int = 20) -> float:
-    """Median milliseconds per call of ``fn`` captured in a CUDA graph (``reps`` calls per
-    graph, the way a decode step runs under CUDA graphs: no host launch overhead)."""
-    fn()  # compile / warm up outside the capture
+def capture_graph(fn, reps: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``reps`` calls of ``fn``, warmed up first on the default and a side
+    stream (compiles and allocator pools settle outside the capture)."""
+    fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -79,6 +79,13 @@ def bench_graph(fn, reps: int = 20) -> float:
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
+    return g
+
+
+def bench_graph(fn, reps: int = 20) -> float:
+    """Median milliseconds per call of ``fn`` captured in a CUDA graph (``reps`` calls per
+    graph, the way a decode step runs under CUDA graphs: no host launch overhead)."""
+    g = capture_graph(fn, reps)
     return triton.testing.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / reps
 
 

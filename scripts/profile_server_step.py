@@ -301,19 +301,6 @@ def main() -> int:
     server.start(port=a.port)
     try:
         print(f"ready after {server.wait_ready(400):.0f} s", flush=True)
-        if drain:
-            threading.Thread(target=send_requests, daemon=True,
-                             args=(opts.base_url, range(stages[0]), (lo, hi), out_len, 0, stop,
-                                   a.stream)).start()
-            time.sleep(a.warm_s)
-            for b in drain:
-                if not wait_for_batch(server.log_path, b, 600):
-                    print(f"the batch never drained to {b}", flush=True)
-                    return 1
-                if profile_stage(opts.base_url, out, f"-b{b}", a.steps, server.log_path,
-                                 a.cpu) != 0:
-                    return 1
-            return 0
         sent = 0
         for name, total in zip(stage_names(stages), stages, strict=True):
             threading.Thread(target=send_requests, daemon=True,
@@ -321,7 +308,16 @@ def main() -> int:
                                    0, stop, a.stream)).start()
             sent = total
             time.sleep(a.warm_s)
-            if profile_stage(opts.base_url, out, name, a.steps, server.log_path, a.cpu) != 0:
+            # a drain (one stage): a profile each time the batch falls to a target size
+            for b in drain:
+                if not wait_for_batch(server.log_path, b, 600):
+                    print(f"the batch never drained to {b}", flush=True)
+                    return 1
+                if profile_stage(opts.base_url, out, f"-b{b}", a.steps, server.log_path,
+                                 a.cpu) != 0:
+                    return 1
+            if not drain and profile_stage(opts.base_url, out, name, a.steps,
+                                           server.log_path, a.cpu) != 0:
                 return 1
         return 0
     finally:
