@@ -43,7 +43,7 @@ import math
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ from simulator.validation.harness import (  # noqa: E402
     server_settings,
     windowed_summary,
 )
+from simulator.validation.refine import DEFAULT_MAX_EVALS, UNITS, refine_costs  # noqa: E402
 from simulator.validation.sglang_log import ServerLog, parse_server_log  # noqa: E402
 from simulator.validation.step_fit import (  # noqa: E402
     OUTLIER_FACTOR,
@@ -154,6 +155,39 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
 
 
+def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
+    """Whether ``run`` is a fitting run: its key, or its config/workload, was fitted."""
+    return run.key in fitting or f"{run.config}/{run.workload}" in fitting
+
+
+def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: Calibration,
+           model: str, gpu: str, max_evals: int) -> tuple[Calibration, dict[str, Any]]:
+    """The interval fit ``fitted`` of one backend, refined on its fitting runs' metrics
+    (``refine.refine_costs``); the calibration file is rewritten with the refined terms."""
+    be = info["backend"]
+    fitting = set(info["runs"])
+    runs = [r for r in h.runs if is_fitting_run(r, fitting)]
+    sub = replace(h, runs=runs)
+    names = [n for n in info["fitted"] if n in UNITS]
+
+    def evaluate(c: Calibration) -> list[dict]:
+        # no run counts as fitting here, so the rows carry the targets they would have
+        return validate(sub, {"base": base, be: c}, model, gpu, set())[0]
+
+    refined, how = refine_costs(fitted, names, evaluate, max_evals)
+    print(f"validate_simulator: {be}: {how.note()}", file=sys.stderr)
+    path = Path(info["file"])
+    data = json.loads(path.read_text())
+    entry = next(iter(data["gpus"].values()))
+    entry.update(how.after)
+    if refined.decode_attention_scales:
+        entry["decode_attention_scale_by_format"] = refined.decode_attention_scales
+    entry["provenance"]["refined"] = how.note()
+    write_calibration(path, data)
+    return load_calibration(load_gpu(gpu).key, path), {**info, "refinement": how.note(),
+                                                       "refine": asdict(how)}
+
+
 def _gain(g: float | None) -> str:
     return "" if g is None else f" (it cuts the decode rows' error by {100 * g:.0f}%)"
 
@@ -193,7 +227,7 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
     pools_done: set[str] = set()
     base = calibs["base"]
     for run in h.runs:
-        in_sample = run.key in fitting or f"{run.config}/{run.workload}" in fitting
+        in_sample = is_fitting_run(run, fitting)
         log = slice_log(run, run.server_log or h.server_logs[run.config])
         settings, fmt = server_settings(h.configs[run.config], log)
         calib = calibs.get(backend(fmt), base)
@@ -467,6 +501,8 @@ def report(all_rows: list[dict], h: HarnessResults, calib: Calibration,
                      + (f"; the prefill step cost given: {1e3 * fi['given_prefill_step_s']:.1f}"
                         f" ms ({fi['prefill_source']})" if fi.get("given_prefill_step_s")
                         else ""))
+        if fi.get("refinement"):
+            lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:
             lines.append(f"  - dropped: {'; '.join(fi['dropped'][:8])}"
                          + (f"; and {len(fi['dropped']) - 8} more" if len(fi["dropped"]) > 8
@@ -556,6 +592,16 @@ def main(argv: list[str] | None = None) -> int:
                          "from the fitting runs' Decode intervals that hold prefill steps and "
                          "their back-to-back Prefill bursts; none: decode-only intervals, the "
                          "calibration's prefill costs kept (default: %(default)s)")
+    ap.add_argument("--refine-on-metrics", action="append", default=[],
+                    choices=("triton", "diffkv"),
+                    help="after the interval fit, move BACKEND's fitted step costs until its "
+                         "fitting runs' simulated metrics (throughput, batch, TPOT, TTFT) "
+                         "match their measured ones (simulator/validation/refine.py); "
+                         "repeatable; each simulation replays every fitting run of the "
+                         "backend, so this takes minutes")
+    ap.add_argument("--refine-evals", type=int, default=DEFAULT_MAX_EVALS,
+                    help="simulations the refinement may run per backend "
+                         "(default: %(default)s)")
     ap.add_argument("--scratch", default=str(ROOT / "results" / "validation-logs"),
                     help="where packed logs (logs.tar.gz) are unpacked (default: %(default)s)")
     ap.add_argument("--model", default="llama-3-8b")
@@ -599,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
             be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir,
                                        prefill=a.prefill_fit == "all",
                                        decode_only=frozenset(a.fit_decode_run))
+            if be in a.refine_on_metrics:
+                fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu,
+                                          a.refine_evals)
             if base is not calib:
                 info["given_prefill_step_s"] = base.prefill_step_overhead_s
                 info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "

@@ -461,3 +461,35 @@ def test_a_renamed_configuration_merges_beside_the_default_one(results, tmp_path
         with pytest.raises(SimulatorInputError, match=why):
             mod.results_arg(bad)
     assert mod.results_arg(str(other)) == (str(other), None, {})
+
+
+def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
+    vs = _script()
+    doc, out_json = tmp_path / "d.md", tmp_path / "rows.json"
+    simulated: list[list[str]] = []
+    validate = vs.validate
+
+    def spy(h, calibs, model, gpu, fitting):
+        simulated.append([r.key for r in h.runs])
+        return validate(h, calibs, model, gpu, fitting)
+
+    vs.validate = spy
+    assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
+                    "--refine-on-metrics", "triton", "--refine-evals", "12"]) == 0
+    fit = json.loads(out_json.read_text())["fit"]
+    how = fit["refine"]
+    assert set(how["names"]) == set(fit["fitted"]) & set(how["before"])
+    assert 0 < how["evaluations"] <= 12 + len(how["names"])
+    assert how["loss_after"] <= how["loss_before"]
+    # every refinement simulation replays the fitting run alone; the last call is the report
+    assert len(simulated) >= 2
+    assert all(keys == ["bf16/longgen"] for keys in simulated[:-1])
+    assert "bf16/sharegpt" in simulated[-1]
+    cal = json.loads(Path(fit["file"]).read_text())
+    entry = next(iter(cal["gpus"].values()))
+    assert "refined on the fitting runs'" in entry["provenance"]["refined"]
+    for name, value in how["after"].items():
+        assert entry[name] == pytest.approx(value)
+    assert "then refined on the fitting runs'" in doc.read_text()
+    assert vs.main([str(results), "--doc", str(doc), "--refine-on-metrics", "triton",
+                    "--refine-evals", "1"]) == 2
