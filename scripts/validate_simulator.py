@@ -24,7 +24,9 @@ call) are merged, their configuration names must differ. Packed logs are unpacke
    small batches and isolated prefill steps. The overlap scheduler's one-step admission lag
    is simulated (``simulator/engine/replica.py``). The fitted files are written next to the
    report. Fitting runs are never validated: their rows are reported apart, in-sample,
-   without a verdict.
+   without a verdict. With ``--refine-on-metrics BACKEND`` the backend's fitted terms are then
+   moved until its fitting runs' simulated metrics match the measured ones
+   (``simulator/validation/refine.py``).
 2. every other run (sharegpt saturation, ladder rates; bf16, fp8, diffkv) is replayed from its
    exact trace file with the server settings from its log, and measured vs predicted rows are
    built over the run's window: KV pool, saturation output tok/s and req/s, mean and peak
