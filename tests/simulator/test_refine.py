@@ -4,6 +4,7 @@ its capped loss, and a refinement that recovers a hidden cost from metric rows a
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -62,10 +63,9 @@ def _calibration():
 
 
 def test_with_terms_moves_per_format_attention_factors_by_the_same_ratio():
-    base = _calibration()
-    c = with_terms(base, {"decode_attention_scale": 0.8})
-    c = with_terms(c.__class__(**{**c.__dict__, "decode_attention_scales": {"fp8": 0.9}}),
-                   {"decode_attention_scale": 0.4, "step_overhead_s": 2e-3})
+    base = replace(_calibration(), decode_attention_scale=0.8,
+                   decode_attention_scales={"fp8": 0.9})
+    c = with_terms(base, {"decode_attention_scale": 0.4, "step_overhead_s": 2e-3})
     assert c.decode_attention_scale == pytest.approx(0.4)
     assert c.decode_attention_scales["fp8"] == pytest.approx(0.45)
     assert c.step_overhead_s == pytest.approx(2e-3)
