@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_kernels import capture_graph  # noqa: E402
-from calibrate_gpu import DEV, cycling, gemm_shapes, provenance, time_gemm  # noqa: E402
+from calibrate_gpu import DEV, gemm_calls, gemm_shapes, provenance, time_gemm  # noqa: E402
 
 DATA = ("randn", "dummy", "n002", "zeros")
 # the activations each weight kind is multiplied by: the calibration's randn with randn,
@@ -63,7 +61,7 @@ def profiled_kernel_us(x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[float, 
     takes most of it."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = capture_graph(cycling([partial(F.linear, x, w) for w in ws]), PROFILED_CALLS)
+    g = capture_graph(gemm_calls(x, ws), PROFILED_CALLS)
     for _ in range(REPLAYS):
         g.replay()
     torch.cuda.synchronize()

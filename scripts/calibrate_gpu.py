@@ -129,9 +129,14 @@ def gemm_shapes(model: str, gpu: str) -> dict[str, tuple[int, int, int]]:
             for name, (wbytes, _params, k, n) in gemm_ops(cost).items()}
 
 
+def gemm_calls(x: torch.Tensor, ws: list[torch.Tensor]):
+    """The calibration's GEMM call: ``F.linear(x, w)``, each call the next of ``ws``."""
+    return cycling([partial(F.linear, x, w) for w in ws])
+
+
 def time_gemm(x: torch.Tensor, ws: list[torch.Tensor]) -> float:
-    """Seconds per ``F.linear(x, w)`` call: a CUDA graph whose calls cycle through ``ws``."""
-    return timed(cycling([partial(F.linear, x, w) for w in ws]), True, len(ws))
+    """Seconds per ``gemm_calls`` call, timed as a CUDA graph's replay."""
+    return timed(gemm_calls(x, ws), True, len(ws))
 
 
 def gemm_rows(ops: dict[str, tuple], ms: list[int], budget: Budget,

@@ -152,35 +152,33 @@ def refine_costs(calib: Calibration, names: Sequence[str],
         raise SimulatorInputError(f"max_evals {max_evals} must be at least "
                                   f"{len(names) + 2} for {len(names)} terms")
     names = tuple(names)
+    if not names:
+        return calib, Refinement((), {}, {}, 0.0, 0.0, 0, 0)
     before = {n: float(getattr(calib, n) if n != "eager_decode_layer_overhead_s"
                        else calib.eager_decode_layer_s) for n in names}
     units = np.array([UNITS[n] for n in names])
     x0 = np.array([before[n] for n in names]) / units
-    counted: list[int] = []
+    loss0, rows = metric_loss(evaluate(calib))
+    if not rows:
+        raise SimulatorInputError("the fitting runs have no metric row with a target to "
+                                  "refine the step costs on")
 
     def terms(x: np.ndarray) -> dict[str, float]:
         return {n: float(max(v, 0.0) * u) for n, v, u in zip(names, x, units, strict=True)}
 
-    cache: dict[tuple[float, ...], float] = {}
+    def key(x: np.ndarray) -> tuple[float, ...]:
+        return tuple(np.round(np.maximum(x, 0.0), 9))
+
+    cache: dict[tuple[float, ...], float] = {key(x0): loss0}
 
     def loss(x: np.ndarray) -> float:
-        key = tuple(np.round(np.maximum(x, 0.0), 9))
-        if key not in cache:
-            value, rows = metric_loss(evaluate(with_terms(calib, terms(x))))
-            counted.append(rows)
-            cache[key] = value
-        return cache[key]
+        if key(x) not in cache:
+            cache[key(x)] = metric_loss(evaluate(with_terms(calib, terms(x))))[0]
+        return cache[key(x)]
 
-    if not names:
-        return calib, Refinement((), {}, {}, 0.0, 0.0, 0, 0)
-    loss0 = loss(x0)
-    if not counted[0]:
-        raise SimulatorInputError("the fitting runs have no metric row with a target to "
-                                  "refine the step costs on")
     steps = np.maximum(INITIAL_STEP * np.abs(x0), 1.0)
     x, fx, evals = nelder_mead(loss, x0, steps, max_evals)
     if fx >= loss0:
         x, fx = x0, loss0
     after = terms(x)
-    return with_terms(calib, after), Refinement(names, before, after, loss0, fx, counted[0],
-                                                evals)
+    return with_terms(calib, after), Refinement(names, before, after, loss0, fx, rows, evals)
