@@ -367,6 +367,14 @@ def test_a_tagged_folder_repeats_runs_under_its_own_keys(results, tmp_path):
     assert [f["run"] for f in got["fits"]] == ["bf16/longgen#s8"]
     validated = {r["run"] for r in got["rows"] if r["verdict"] in ("PASS", "MISS")}
     assert "bf16/longgen" in validated and "bf16/longgen#s8" not in validated
+    # the two copies repeat each other: grouped, with no spread; the longgen copy that fitted
+    # leaves its twin alone
+    reps = {(r["metric"], r["runs"][0]): r for r in got["repeats"]}
+    tpot = reps["TPOT mean (ms)", "bf16/sharegpt"]
+    assert tpot["runs"] == ["bf16/sharegpt", "bf16/sharegpt#s8"]
+    assert tpot["measured_min"] == tpot["measured_max"] and tpot["spread"] == 0
+    assert not any("longgen" in r["group"] for r in got["repeats"])
+    assert "## Against the mean of repeated runs" in (tmp_path / "d.md").read_text()
     alone = got["fits"][0]["rows"]
     # a decode-only fitting run, a superseded run left out, an unknown one named
     args = [str(results), f"{results}#s8", "--fit-run", "bf16/longgen#s8",
