@@ -703,10 +703,9 @@ def main(argv: list[str] | None = None) -> int:
                    + kept_findings(doc))
     print(f"wrote {doc} and {len(paths)} plot(s) in {plot_dir}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "repeats": repeat_rows(rows),
-                                            "fit": fitinfos[0] if fitinfos
-                                            else None, "fits": fitinfos}, indent=1,
-                                           default=str))
+        payload = {"rows": rows, "repeats": repeat_rows(rows),
+                   "fit": fitinfos[0] if fitinfos else None, "fits": fitinfos}
+        Path(a.json).write_text(json.dumps(payload, indent=1, default=str))
     return 0
 
 
