@@ -425,7 +425,8 @@ def test_the_ratio_pairs_runs_of_one_trace_only(tmp_path):
         run = SimpleNamespace(workload="sharegpt", trace_path=trace, config=config or fmt,
                               client={"output_throughput": rate})
         return {"run": run, "format": fmt, "in_sample": False,
-                "full": {"output_throughput": rate * 1.1}}
+                "full": {"output_throughput": rate * 1.1},
+                "group": f"{config or fmt}/sharegpt [{trace.stem}]"}
 
     sims = {"diffkv/sharegpt#x": sim("diffkv", a, 200.0), "bf16/sharegpt": sim("bf16", a, 100.0),
             "bf16/sharegpt#y": sim("bf16", b, 50.0),
@@ -434,6 +435,7 @@ def test_the_ratio_pairs_runs_of_one_trace_only(tmp_path):
     rows = _script().ratio_rows(sims)
     assert [r["run"] for r in rows] == ["diffkv/sharegpt#x : bf16/sharegpt"]
     assert rows[0]["measured"] == pytest.approx(2.0)
+    assert rows[0]["group"] == "diffkv : bf16/sharegpt [a]"   # pairings of one trace group
 
 
 def test_a_renamed_configuration_merges_beside_the_default_one(results, tmp_path):
