@@ -38,6 +38,19 @@ def launch_us(n: int, repeat: int) -> float:
     return best
 
 
+def _gpu_seconds(fn, reps: int) -> float:
+    """GPU time of ``reps`` back-to-back calls of ``fn``, by CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def gemm_tflops(size: int, reps: int) -> float:
     import torch
 
@@ -45,13 +58,7 @@ def gemm_tflops(size: int, reps: int) -> float:
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * size**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    return 2 * size**3 * reps / _gpu_seconds(lambda: a @ b, reps) / 1e12
 
 
 def copy_gbps(mib: int, reps: int) -> float:
@@ -60,13 +67,7 @@ def copy_gbps(mib: int, reps: int) -> float:
     src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * reps / (start.elapsed_time(end) / 1e3) / 1e9  # read + write
+    return 2 * src.numel() * reps / _gpu_seconds(lambda: dst.copy_(src), reps) / 1e9  # r + w
 
 
 def smi() -> dict[str, str]:

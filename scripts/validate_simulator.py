@@ -386,16 +386,17 @@ def target_str(r: dict) -> str:
     return f"±{r['target']:.2f}" if r["absolute"] else f"±{100 * r['target']:.0f}%"
 
 
+def verdict_cell(r: dict) -> str:
+    return f"**{r['verdict']}**" if r["verdict"] == "MISS" else r["verdict"]
+
+
 def table(rows: list[dict]) -> str:
     out = ["| metric | run | measured | predicted | error | target | verdict | note |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['metric']} | {r['run']} | {fmt(r['measured'])} | "
                    f"{fmt(r['predicted'])} | {err_str(r)} | {target_str(r)} | "
-                   f"**{r['verdict']}** | {r['note']} |" if r["verdict"] == "MISS" else
-                   f"| {r['metric']} | {r['run']} | {fmt(r['measured'])} | "
-                   f"{fmt(r['predicted'])} | {err_str(r)} | {target_str(r)} | {r['verdict']} | "
-                   f"{r['note']} |")
+                   f"{verdict_cell(r)} | {r['note']} |")
     return "\n".join(out)
 
 
@@ -406,11 +407,10 @@ def repeats_table(reps: list[dict]) -> str:
     for r in reps:
         spread = (f"±{r['spread']:.3f}" if r["absolute"] else f"±{100 * r['spread']:.1f}%") \
             if r["spread"] is not None else "-"
-        v = f"**{r['verdict']}**" if r["verdict"] == "MISS" else r["verdict"]
         out.append(f"| {r['metric']} | {group_label(r['group'])} | {len(r['runs'])} | "
                    f"{fmt(r['measured_mean'])} | {fmt(r['measured_min'])} – "
                    f"{fmt(r['measured_max'])} | {spread} | {fmt(r['predicted'])} | "
-                   f"{err_str(r)} | {target_str(r)} | {v} | "
+                   f"{err_str(r)} | {target_str(r)} | {verdict_cell(r)} | "
                    f"{'yes' if r['within_range'] else 'no'} |")
     return "\n".join(out)
 
@@ -469,13 +469,12 @@ def plots(sims: dict[str, Any], h: HarnessResults, out_dir: Path) -> list[Path]:
     return paths
 
 
-def report(all_rows: list[dict], h: HarnessResults, calib: Calibration,
+def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Calibration,
            fitinfos: list[dict], plot_paths: list[Path], doc: Path, argv: list[str]) -> str:
     rows = [r for r in all_rows if not r.get("in_sample")]
     insample = [r for r in all_rows if r.get("in_sample")]
     n_pass = sum(r["verdict"] == "PASS" for r in rows)
     n_miss = sum(r["verdict"] == "MISS" for r in rows)
-    reps = repeat_rows(rows)
     r_pass = sum(r["verdict"] == "PASS" for r in reps)
     r_inside = sum(r["within_range"] for r in reps)
     env = h.environment
@@ -699,11 +698,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     paths = plots(sims, h, plot_dir)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(report(rows, h, calib, fitinfos, paths, doc, args_used)
+    reps = repeat_rows(rows)
+    doc.write_text(report(rows, reps, h, calib, fitinfos, paths, doc, args_used)
                    + kept_findings(doc))
     print(f"wrote {doc} and {len(paths)} plot(s) in {plot_dir}")
     if a.json:
-        payload = {"rows": rows, "repeats": repeat_rows(rows),
+        payload = {"rows": rows, "repeats": reps,
                    "fit": fitinfos[0] if fitinfos else None, "fits": fitinfos}
         Path(a.json).write_text(json.dumps(payload, indent=1, default=str))
     return 0

@@ -17,6 +17,7 @@ import hashlib
 from statistics import fmean
 from typing import Any
 
+from simulator.validation.harness import row
 from simulator.workload.schema import Trace
 
 
@@ -40,12 +41,6 @@ def group_label(key: str) -> str:
     return key.split(" [", 1)[0]
 
 
-def verdict(error: float | None, target: float | None) -> str:
-    if error is None or target is None:
-        return "-"
-    return "PASS" if abs(error) <= target else "MISS"
-
-
 def repeat_rows(rows: list[dict[str, Any]], min_runs: int = 2) -> list[dict[str, Any]]:
     """One row per (metric, group) with at least ``min_runs`` validated runs that carry a
     target: the measured mean, min and max, the mean prediction, the error against the
@@ -66,13 +61,12 @@ def repeat_rows(rows: list[dict[str, Any]], min_runs: int = 2) -> list[dict[str,
         mean, lo, hi = fmean(measured), min(measured), max(measured)
         predicted = fmean(m["predicted"] for m in members)
         absolute = members[0]["absolute"]
-        error = (predicted - mean if absolute else predicted / mean - 1) if mean else None
-        target = members[0]["target"]
-        out.append({
-            "metric": metric, "group": group, "runs": [m["run"] for m in members],
-            "measured_mean": mean, "measured_min": lo, "measured_max": hi,
+        r = row(metric, group, mean, predicted, members[0]["target"], absolute=absolute)
+        r.update({
+            "group": group, "runs": [m["run"] for m in members], "measured_mean": mean,
+            "measured_min": lo, "measured_max": hi,
             "spread": (hi - lo) / 2 if absolute else (hi - lo) / 2 / mean if mean else None,
-            "predicted": predicted, "error": error, "absolute": absolute, "target": target,
-            "verdict": verdict(error, target), "within_range": lo <= predicted <= hi,
+            "within_range": lo <= predicted <= hi,
         })
+        out.append(r)
     return out
