@@ -45,6 +45,18 @@ def test_sharegpt_is_the_bundled_trace_at_t0() -> None:
         sharegpt_trace(5000)
 
 
+def test_sharegpt_skip_takes_the_requests_after_the_first_skip() -> None:
+    whole = sharegpt_trace(2000)
+    tail = sharegpt_trace(500, skip=1500)
+    assert tail.name == "sharegpt-n500-skip1500" and {r.arrival_s for r in tail.requests} == {0.0}
+    assert [(r.input_tokens, r.output_tokens) for r in tail.requests] == [
+        (r.input_tokens, r.output_tokens) for r in whole.requests[1500:]]
+    with pytest.raises(BenchInputError, match="n=501 after skip=1500: .* only 2000"):
+        sharegpt_trace(501, skip=1500)
+    with pytest.raises(BenchInputError, match="skip=-1 must be >= 0"):
+        sharegpt_trace(10, skip=-1)
+
+
 def test_ladder_trace_rate_window_and_roundtrip(tmp_path) -> None:
     base = sharegpt_trace(2000)
     t = ladder_trace(base, rate=20.0, window_s=50.0, seed=1)
@@ -110,6 +122,7 @@ def test_budget_shortens_then_skips() -> None:
     (["--diffkv-config", "diffkv-mix"], "expected NAME=VALUE"),
     (["--diffkv-config", "diffkv-x={}"], "'diffkv-x', which is not in --configs"),
     (["--longgen-in", "300"], "expected MIN,MAX"),
+    (["--sharegpt-n", "600", "--sharegpt-skip", "1500"], "n=600 after skip=1500"),
 ])
 def test_cli_bad_input_exits_2_with_the_reason(args, match, capsys, tmp_path) -> None:
     assert main(["--dry-run", "--out", str(tmp_path), *args]) == 2
@@ -127,6 +140,11 @@ def test_dry_run_prints_commands_and_writes_traces(capsys, tmp_path) -> None:
     assert "--kv-cache-dtype fp8_e4m3" in out and "SGLANG_DIFFKV_PROFILE=1" in out
     assert len(load_trace(tmp_path / "logs/traces/longgen-n16-o4096.jsonl")) == 16
     assert len(load_trace(tmp_path / "logs/traces/sharegpt-n30.jsonl")) == 30
+    assert main(["--dry-run", "--out", str(tmp_path), "--configs", "bf16", "--workloads",
+                 "sharegpt", "--sharegpt-n", "20", "--sharegpt-skip", "1500"]) == 0
+    skipped = load_trace(tmp_path / "logs/traces/sharegpt-n20-skip1500.jsonl")
+    assert [r.input_tokens for r in skipped.requests] == [
+        r.input_tokens for r in sharegpt_trace(20, skip=1500).requests]
 
 
 # ---- the whole harness against the fake server -----------------------------------------------

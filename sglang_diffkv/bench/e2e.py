@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharegpt-n", type=int, default=1500)
     p.add_argument("--sharegpt-trace", default="sharegpt",
                    help="bundled trace name or trace file for sharegpt and ladder lengths")
+    p.add_argument("--sharegpt-skip", type=int, default=0,
+                   help="leave out the trace's first SKIP requests (sharegpt and ladder "
+                        "lengths); e.g. 1500 with --sharegpt-n 500 replays the bundled "
+                        "ShareGPT requests that the default runs never use")
     p.add_argument("--ladder-rates", default="0.25,0.5,0.75",
                    help="fractions of the saturation req/s measured by sharegpt on the same "
                         "server")
@@ -158,6 +162,7 @@ class Plan:
     longgen: LongGen
     sharegpt_n: int
     sharegpt_source: str
+    sharegpt_skip: int
     ladder_rates: list[float]
     ladder_absolute: bool
     windows: dict[str, float]
@@ -200,9 +205,11 @@ def make_plan(a: argparse.Namespace) -> Plan:
                            extra_args=extra)
     if not a.budget_s > 0:
         raise BenchInputError(f"--budget-s {a.budget_s!r} must be > 0")
+    if {"sharegpt", "ladder"} & set(workloads):
+        sharegpt_trace(a.sharegpt_n, a.sharegpt_trace, a.sharegpt_skip)  # fail before a start
     return Plan(configs, workloads, launch,
                 LongGen(a.longgen_n, lo, hi, a.longgen_out, a.seed),
-                a.sharegpt_n, a.sharegpt_trace, rates, absolute, windows)
+                a.sharegpt_n, a.sharegpt_trace, a.sharegpt_skip, rates, absolute, windows)
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
@@ -322,6 +329,7 @@ class Harness:
             "plan": {"workloads": plan.workloads, "windows_s": plan.windows,
                      "longgen": asdict(plan.longgen), "sharegpt_n": plan.sharegpt_n,
                      "sharegpt_source": plan.sharegpt_source,
+                     "sharegpt_skip": plan.sharegpt_skip,
                      "ladder_rates": plan.ladder_rates,
                      "ladder_rates_are": "req/s" if plan.ladder_absolute else
                      "fractions of the sharegpt saturation req/s"},
@@ -340,7 +348,8 @@ class Harness:
                 self._traces[key] = self.plan.longgen.trace()
             elif key == "sharegpt":
                 self._traces[key] = sharegpt_trace(self.plan.sharegpt_n,
-                                                   self.plan.sharegpt_source)
+                                                   self.plan.sharegpt_source,
+                                                   self.plan.sharegpt_skip)
             else:
                 raise KeyError(key)
         return self._traces[key]
@@ -562,7 +571,7 @@ def dry_run(plan: Plan, a: argparse.Namespace) -> int:
                   f"{plan.windows['ladder']:g} s each")
             continue
         trace = plan.longgen.trace() if wl == "longgen" else sharegpt_trace(
-            plan.sharegpt_n, plan.sharegpt_source)
+            plan.sharegpt_n, plan.sharegpt_source, plan.sharegpt_skip)
         p = write_mooncake_jsonl(trace, out / "logs" / "traces" / f"{trace.name}.jsonl")
         print(f"{wl}: {len(trace)} requests, window {plan.windows[wl]:g} s, trace {p}")
     return 0

@@ -85,15 +85,20 @@ class LongGen:
             source=f"uniform input [{self.input_min}, {self.input_max}], seed {self.seed}")
 
 
-def sharegpt_trace(n: int, source: str = "sharegpt") -> Trace:
-    """The first ``n`` requests of a trace (bundled name or file), all arriving at t = 0."""
+def sharegpt_trace(n: int, source: str = "sharegpt", skip: int = 0) -> Trace:
+    """``n`` requests of a trace (bundled name or file) after its first ``skip``, all arriving
+    at t = 0. ``skip`` reaches requests that the default runs (the first 1,500) never replay."""
     base = load_named_trace(source)
     if n < 1:
         raise BenchInputError(f"sharegpt n={n} must be >= 1")
-    if n > len(base):
-        raise BenchInputError(f"sharegpt n={n}: trace {source!r} has only {len(base)} requests")
-    head = base.head(n)
-    return head.with_arrivals([0.0] * n, name=f"sharegpt-n{n}")
+    if skip < 0:
+        raise BenchInputError(f"sharegpt skip={skip} must be >= 0")
+    if skip + n > len(base):
+        raise BenchInputError(f"sharegpt n={n} after skip={skip}: trace {source!r} has only "
+                              f"{len(base)} requests")
+    part = Trace(base.requests[skip:skip + n], name=base.name, source=base.source)
+    return part.with_arrivals([0.0] * n,
+                              name=f"sharegpt-n{n}" + (f"-skip{skip}" if skip else ""))
 
 
 def ladder_trace(base: Trace, rate: float, window_s: float, seed: int = 0) -> Trace:
