@@ -42,10 +42,13 @@ import datetime as dt
 import hashlib
 import json
 import math
+import multiprocessing
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +159,56 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
     path = write_calibration(out_dir / f"calibration-fitted-{backend(fmt)}.json", data)
     return backend(fmt), load_calibration(load_gpu(gpu).key, path), {
         **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
+
+
+def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
+                job: tuple[str, list[str]]) -> tuple[str, Calibration, dict[str, Any]]:
+    """One backend's step costs from its fitting runs ``job`` = (backend, run keys): the
+    interval fit, then the refinement where ``--refine-on-metrics`` asks for it."""
+    be, keys = job
+    base = calib
+    if a.diffkv_prefill_step_ms and be == "diffkv":
+        base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
+    be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
+                               prefill=a.prefill_fit == "all",
+                               decode_only=frozenset(a.fit_decode_run))
+    if be in a.refine_on_metrics:
+        fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals)
+    if base is not calib:
+        info["given_prefill_step_s"] = base.prefill_step_overhead_s
+        info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
+                                  "profile; kept only if not fitted")
+    return be, fitted_cal, info
+
+
+def in_forked_processes(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
+    """``[fn(job) for job in jobs]``, one forked process per job. Forked children inherit
+    ``fn`` and what it holds (this script is loaded by path, so its functions cannot be
+    pickled); only the results, or an exception, travel back."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+
+    def work(i: int, job: Any) -> None:
+        try:
+            queue.put((i, True, fn(job)))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the parent
+            queue.put((i, False, e))
+
+    procs = [ctx.Process(target=work, args=(i, job)) for i, job in enumerate(jobs)]
+    for p in procs:
+        p.start()
+    results = dict((i, (ok, value)) for i, ok, value in (queue.get() for _ in procs))
+    for p in procs:
+        p.join()
+    for ok, value in results.values():
+        if not ok:
+            raise value
+    return [results[i][1] for i in range(len(jobs))]
+
+
+def plot_dir_of(a: argparse.Namespace) -> Path:
+    """Where plots and fitted calibration files go: --plots, or beside --doc."""
+    return Path(a.plots) if a.plots else Path(a.doc).parent / "simulator-validation"
 
 
 def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
@@ -638,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refine-evals", type=int, default=DEFAULT_MAX_EVALS,
                     help="simulations the refinement may run per backend "
                          "(default: %(default)s)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="fit the backends (triton, diffkv) in this many processes at once; "
+                         "their refinements take most of the time (default: %(default)s)")
     ap.add_argument("--scratch", default=str(ROOT / "results" / "validation-logs"),
                     help="where packed logs (logs.tar.gz) are unpacked (default: %(default)s)")
     ap.add_argument("--model", default="llama-3-8b")
@@ -662,11 +718,13 @@ def main(argv: list[str] | None = None) -> int:
         h.runs = [r for r in h.runs if r.key not in a.skip_run]
         calib = load_calibration(load_gpu(a.gpu).key, a.calibration)
         doc = Path(a.doc)
-        plot_dir = Path(a.plots) if a.plots else doc.parent / "simulator-validation"
+        plot_dir = plot_dir_of(a)
         plot_dir.mkdir(parents=True, exist_ok=True)
         fitinfos: list[dict] = []
         fitting: set[str] = set()
         calibs: dict[str, Calibration] = {"base": calib}
+        if a.jobs < 1:
+            raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
         fit_runs = [k for k in (a.fit_run or ["bf16/longgen"]) if k.lower() != "none"]
         fit_runs += a.fit_decode_run
         by_backend: dict[str, list[str]] = {}
@@ -674,20 +732,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = h.configs.get(h.run(key).config, {})
             is_diffkv = cfg.get("attention_backend") == "diffkv"
             by_backend.setdefault("diffkv" if is_diffkv else "triton", []).append(key)
-        for be, keys in by_backend.items():
-            base = calib
-            if a.diffkv_prefill_step_ms and be == "diffkv":
-                base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
-            be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir,
-                                       prefill=a.prefill_fit == "all",
-                                       decode_only=frozenset(a.fit_decode_run))
-            if be in a.refine_on_metrics:
-                fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu,
-                                          a.refine_evals)
-            if base is not calib:
-                info["given_prefill_step_s"] = base.prefill_step_overhead_s
-                info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
-                                          "profile; kept only if not fitted")
+        jobs = list(by_backend.items())
+        if a.jobs > 1 and len(jobs) > 1:
+            # each backend's fit and refinement is independent of the other's
+            fitted = in_forked_processes(partial(fit_backend, h, a, calib), jobs)
+        else:
+            fitted = [fit_backend(h, a, calib, job) for job in jobs]
+        for be, fitted_cal, info in fitted:
             calibs[be] = fitted_cal
             fitinfos.append(info)
             fitting.update(info["runs"])

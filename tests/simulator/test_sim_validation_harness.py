@@ -503,3 +503,20 @@ def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
     assert "then refined on the fitting runs'" in doc.read_text()
     assert vs.main([str(results), "--doc", str(doc), "--refine-on-metrics", "triton",
                     "--refine-evals", "1"]) == 2
+
+
+def test_backends_fitted_in_parallel_give_the_same_report(results, tmp_path):
+    vs = _script()
+    fits = ["--fit-run", "bf16/longgen", "--fit-run", "diffkv/sharegpt"]
+    payloads = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"rows-{jobs}.json"
+        assert vs.main([str(results), "--doc", str(tmp_path / f"d{jobs}.md"), "--json",
+                        str(out), "--jobs", jobs, *fits]) == 0
+        payloads.append(json.loads(out.read_text()))
+    one, two = payloads
+    assert [f["backend"] for f in two["fits"]] == ["triton", "diffkv"]
+    assert two["rows"] == one["rows"] and len(one["rows"]) > 0
+    for f1, f2 in zip(one["fits"], two["fits"], strict=True):
+        assert f2["step_overhead_s"] == pytest.approx(f1["step_overhead_s"])
+    assert vs.main([str(results), "--doc", str(tmp_path / "d.md"), "--jobs", "0"]) == 2
