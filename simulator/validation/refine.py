@@ -48,12 +48,14 @@ UNITS: dict[str, float] = {
 
 def metric_loss(rows: Sequence[dict[str, Any]]) -> tuple[float, int]:
     """(loss, rows counted) over the rows with a target and an error, the KV pool left out
-    (start-up arithmetic: no step cost moves it)."""
+    (start-up arithmetic: no step cost moves it). A row's ``fit_target``, where it has one,
+    stands in for a missing target: a metric no plan is validated on but a fit may read."""
     total, n = 0.0, 0
     for r in rows:
-        if r.get("target") is None or r.get("error") is None or r["metric"] == "KV pool tokens":
+        target = r.get("target") or r.get("fit_target")
+        if target is None or r.get("error") is None or r["metric"] == "KV pool tokens":
             continue
-        z = r["error"] / r["target"]
+        z = r["error"] / target
         total += math.log1p(z * z)
         n += 1
     return total, n

@@ -58,6 +58,16 @@ def test_metric_loss_counts_rows_with_targets_and_grows_slowly_far_off():
     assert near < far < 3 * near
 
 
+def test_a_fit_target_counts_a_row_the_validation_gives_no_target():
+    burst = row("TTFT mean (ms)", "b", 100.0, 90.0, None)   # saturation: no verdict
+    assert metric_loss([burst]) == (0.0, 0)
+    loss, n = metric_loss([{**burst, "fit_target": 0.10}])   # z = -1
+    assert n == 1 and loss == pytest.approx(math.log(2.0))
+    # a real target wins over the fit target
+    both = {**row("TPOT mean (ms)", "a", 10.0, 10.5, 0.05), "fit_target": 0.5}
+    assert metric_loss([both])[0] == pytest.approx(math.log(2.0))
+
+
 def _calibration():
     return load_calibration("h100")
 

@@ -486,8 +486,12 @@ def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
     vs.validate = spy
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
                     "--refine-on-metrics", "triton", "--refine-evals", "12"]) == 0
-    fit = json.loads(out_json.read_text())["fit"]
+    payload = json.loads(out_json.read_text())
+    fit = payload["fit"]
     how = fit["refine"]
+    burst_ttft = next(r for r in payload["rows"] if r["metric"] == "TTFT mean (ms)"
+                      and r["run"] == "bf16/sharegpt")
+    assert burst_ttft["target"] is None and burst_ttft["fit_target"] == 0.10
     assert set(how["names"]) == set(fit["fitted"]) & set(how["before"])
     assert 0 < how["evaluations"] <= 12 + len(how["names"])
     assert how["loss_after"] <= how["loss_before"]
