@@ -78,9 +78,9 @@ def simulated_batches(results: str, run_key: str, batches: list[int]) -> dict[st
     seen: list[tuple[np.ndarray, np.ndarray]] = []
     make = srv.new_scheduler
 
-    def recording(seed: int) -> Any:
+    def recording(seed: int, *args: Any) -> Any:
         """The server's own scheduler, its decode batches recorded as they are formed."""
-        sched = make(seed)
+        sched = make(seed, *args)
         form = sched.next_batch
 
         def next_batch(visible_until: float = math.inf) -> Any:

@@ -85,7 +85,6 @@ from simulator.validation.step_fit import (  # noqa: E402
     fit_step_costs,
     step_rows,
 )
-from simulator.workload.loaders import load_trace  # noqa: E402
 
 
 def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
@@ -287,11 +286,15 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         log = slice_log(run, run.server_log or h.server_logs[run.config])
         settings, fmt = server_settings(h.configs[run.config], log)
         calib = calibs.get(backend(fmt), base)
-        trace = load_trace(run.trace_path)
+        trace, warm = run.replay_inputs(radix_cache=not settings.disable_radix_cache)
         sc = scenario(model, gpu, calib, settings, h, run.config)
-        res = sc.run(trace, fmt)
+        res = sc.run(trace, fmt, warm_cache=warm)
         s = windowed_summary(res, run.window_s)
-        group = repeat_key(run.config, run.workload, run.rate_req_s, trace)
+        # with a radix cache, what ran before decides which prompts are cached
+        after = "" if settings.disable_radix_cache else ", ".join(
+            f"{r.workload}@{r.rate_req_s:.2f}rps" if r.rate_req_s else r.workload
+            for r in run.earlier)
+        group = repeat_key(run.config, run.workload, run.rate_req_s, trace, after)
         sims[run.key] = {"summary": s, "format": fmt, "run": run, "in_sample": in_sample,
                          "full": summarize(res), "group": group}
         c = run.client
@@ -303,8 +306,8 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         def add(metric: str, measured: float | None, predicted: float | None,
                 target: float | None, note: str = "", key: str = run.key, tag: str = tag,
                 in_sample: bool = in_sample, group: str = group,
-                fit_target: float | None = None) -> None:
-            r = row(metric, key, measured, predicted, target,
+                fit_target: float | None = None, absolute: bool = False) -> None:
+            r = row(metric, key, measured, predicted, target, absolute=absolute,
                     note="; ".join(x for x in (note, tag) if x))
             r["in_sample"] = in_sample
             r["group"] = group
@@ -322,6 +325,12 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
                     "planning mix vs the simulated pool's tokens at the run's mix")
             r["in_sample"] = False   # start-up arithmetic: nothing is fitted to it
             rows.append(r)
+        if s["prefix_hit_rate"] is not None and log.prefix_hit_rate is not None:
+            # an input, not a prediction: the cache the replay rebuilt (prompt_cache) against
+            # the #cached-token the server logged
+            add("radix-cache hits (% of prompt tokens)", 100 * log.prefix_hit_rate,
+                100 * s["prefix_hit_rate"], None,
+                "rebuilt from the client's prompts and the server's earlier runs", absolute=True)
         mb = _mean(log.decode_running)
         pk = float(max(log.decode_running)) if log.decode_running else None
         if run.workload == "sharegpt" and not c.get("time_limited"):

@@ -301,12 +301,13 @@ def _workload(a: argparse.Namespace) -> Trace | ClosedLoop:
 
         if a.max_new_tokens < 1:
             raise SimulatorInputError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
-        trace = Trace(tuple(replace(r, output_tokens=min(r.output_tokens, a.max_new_tokens),
-                                    max_new_tokens=a.max_new_tokens) for r in trace.requests),
-                      name=trace.name, source=trace.source)
+        trace = replace(trace, requests=tuple(
+            replace(r, output_tokens=min(r.output_tokens, a.max_new_tokens),
+                    max_new_tokens=a.max_new_tokens) for r in trace.requests))
     if a.closed_loop is not None:
         return ClosedLoop(trace.requests, a.closed_loop, a.think_time,
-                          name=f"{trace.name}-closed{a.closed_loop}")
+                          name=f"{trace.name}-closed{a.closed_loop}",
+                          prefix_block_tokens=trace.prefix_block_tokens)
     return trace
 
 

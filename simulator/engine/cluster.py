@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +93,11 @@ def _sim_request(i: int, t: TraceRequest, arrival: float, user: int = -1) -> Sim
 
 def simulate(workload: Trace | ClosedLoop, server: ResolvedServer, replicas: int = 1,
              router: str = "round_robin", seed: int = 0, progress: bool | None = False,
-             max_sim_time: float = math.inf) -> RunResult:
+             max_sim_time: float = math.inf, warm_cache: Sequence[Sequence[int]] = ()
+             ) -> RunResult:
+    """``warm_cache``: what every replica's radix cache holds at the start, as the prefix ids
+    (in the workload's block size) that each earlier request left there, oldest first
+    (``Scheduler.warm_cache``); empty: a fresh server."""
     if replicas < 1:
         raise SimulatorInputError(f"replicas={replicas} must be >= 1")
     env = simpy.Environment()
@@ -124,7 +129,8 @@ def simulate(workload: Trace | ClosedLoop, server: ResolvedServer, replicas: int
             else:
                 next_closed(r.user)
 
-    reps = [Replica(env, k, server, seed * 1000 + k, on_finish) for k in range(replicas)]
+    reps = [Replica(env, k, server, seed * 1000 + k, on_finish, workload.prefix_block_tokens,
+                    warm_cache) for k in range(replicas)]
     rt = Router(router, reps, seed)
 
     if closed is not None:

@@ -8,13 +8,14 @@ during step n joins at step n+2 at the earliest. An idle server forms its batch 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import simpy
 
 from simulator.serving.request import SimRequest
 from simulator.serving.server import ResolvedServer
+from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS
 
 KIND_CODE = {"prefill": 0, "decode": 1, "mixed": 2}
 
@@ -38,10 +39,13 @@ class StepLog:
 
 class Replica:
     def __init__(self, env: simpy.Environment, index: int, server: ResolvedServer, seed: int,
-                 on_finish: Callable[[SimRequest], None]):
+                 on_finish: Callable[[SimRequest], None],
+                 prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                 warm_cache: Sequence[Sequence[int]] = ()):
         self.env = env
         self.index = index
-        self.scheduler = server.new_scheduler(seed)
+        self.scheduler = server.new_scheduler(seed, prefix_block_tokens)
+        self.scheduler.warm_cache(warm_cache)
         self.cost = server.cost
         self.on_finish = on_finish
         self.log = StepLog()

@@ -1,7 +1,9 @@
-"""A block-level model of SGLang's radix (prefix) cache, keyed by Mooncake prefix hash ids.
+"""A block-level model of SGLang's radix (prefix) cache, keyed by a trace's prefix hash ids.
 
-Mooncake hash ids name 512-token prompt blocks, and an id depends on every block before it, so
-a request's reusable prefix is the longest run of its leading ids already cached. Invariants:
+A hash id names a prompt block of the trace's ``prefix_block_tokens`` (Mooncake's 512), and an
+id depends on every block before it, so a request's reusable prefix is the longest run of its
+leading ids already cached. SGLang matches single tokens (page size 1): the model rounds a
+match down to whole blocks. Invariants:
 
   * a cached block holds ``block_tokens`` pool units (token pools only: the DiffKV backend runs
     with the radix cache disabled);
@@ -17,14 +19,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-MOONCAKE_BLOCK_TOKENS = 512
+from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS
 
 
 class PrefixCache:
     def __init__(self, block_tokens: int = MOONCAKE_BLOCK_TOKENS):
         self.block = block_tokens
-        self.refs: OrderedDict[int, int] = OrderedDict()   # id -> refcount, oldest first
-        self.evictable_blocks = 0
+        self.refs: dict[int, int] = {}                     # id -> refcount
+        # the unlocked (refcount 0) blocks, least recently used first: eviction takes from
+        # the front without walking past the locked ones
+        self.unlocked: OrderedDict[int, None] = OrderedDict()
         self.hits = 0          # prompt tokens served from the cache
         self.lookups = 0       # prompt tokens looked up
 
@@ -33,8 +37,12 @@ class PrefixCache:
         return len(self.refs) * self.block
 
     @property
+    def evictable_blocks(self) -> int:
+        return len(self.unlocked)
+
+    @property
     def evictable_units(self) -> int:
-        return self.evictable_blocks * self.block
+        return len(self.unlocked) * self.block
 
     def match(self, ids: Sequence[int], max_tokens: int) -> list[int]:
         """Leading cached ids, at most ``max_tokens`` worth (SGLang leaves >= 1 token to
@@ -52,18 +60,18 @@ class PrefixCache:
         for h in ids:
             rc = self.refs[h]
             if rc == 0:
-                self.evictable_blocks -= 1
+                del self.unlocked[h]
                 newly += 1
             self.refs[h] = rc + 1
-            self.refs.move_to_end(h)
         return newly * self.block
 
     def unlock(self, ids: Sequence[int]) -> None:
+        """Drop a reference; a block nobody holds becomes the most recently used evictable."""
         for h in ids:
             rc = self.refs[h] - 1
             self.refs[h] = rc
             if rc == 0:
-                self.evictable_blocks += 1
+                self.unlocked[h] = None
 
     def insert_locked(self, ids: Sequence[int], max_new: int) -> list[int]:
         """Cache the missing ones of ``ids`` locked by their owner (a request whose prefill just
@@ -71,7 +79,8 @@ class PrefixCache:
         added: list[int] = []
         for h in ids:
             if h in self.refs:
-                self.refs.move_to_end(h)
+                if h in self.unlocked:
+                    self.unlocked.move_to_end(h)
             elif len(added) < max_new:
                 self.refs[h] = 1
                 added.append(h)
@@ -83,24 +92,19 @@ class PrefixCache:
         new = 0
         for h in ids:
             if h in self.refs:
-                self.refs.move_to_end(h)
+                if h in self.unlocked:
+                    self.unlocked.move_to_end(h)
             elif new < max_new:
                 self.refs[h] = 0
-                self.evictable_blocks += 1
+                self.unlocked[h] = None
                 new += 1
         return new
 
     def evict(self, units: int) -> int:
-        """Free at least ``units`` (if possible) from unlocked blocks, oldest first; returns
-        the units freed."""
-        need = -(-units // self.block)
-        victims = []
-        for h, rc in self.refs.items():
-            if len(victims) >= need:
-                break
-            if rc == 0:
-                victims.append(h)
-        for h in victims:
+        """Free at least ``units`` (if possible) from unlocked blocks, least recently used
+        first; returns the units freed."""
+        need = min(-(-units // self.block), len(self.unlocked))
+        for _ in range(need):
+            h, _ = self.unlocked.popitem(last=False)
             del self.refs[h]
-        self.evictable_blocks -= len(victims)
-        return len(victims) * self.block
+        return need * self.block

@@ -13,7 +13,7 @@ class SimRequest:
     __slots__ = ("rid", "arrival", "input_len", "output_len", "max_new", "gen", "fill_len",
                  "prefilled", "held", "prof", "first_token", "finish", "last_token",
                  "retractions", "rejected", "replica", "itl", "queued_at", "user", "hash_ids",
-                 "prefix_blocks")
+                 "prefix_blocks", "cached")
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int,
                  max_new: int, user: int = -1, hash_ids: tuple[int, ...] = ()):
@@ -38,6 +38,7 @@ class SimRequest:
         self.user = user
         self.hash_ids = hash_ids             # Mooncake prompt-block ids (prefix cache keys)
         self.prefix_blocks: list[int] = []   # cached blocks this request holds locked
+        self.cached = 0                      # prompt tokens the radix cache served it
 
     @property
     def done(self) -> bool:

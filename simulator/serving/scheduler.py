@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 
@@ -150,6 +151,23 @@ class Scheduler:
             r.prof = self.pool.request_profile(self.rng)
         self.waiting.append(r)
         return True
+
+    def warm_cache(self, served: Iterable[Sequence[int]]) -> int:
+        """Start as a server that has served requests before: each entry names the blocks
+        one earlier request left in the radix cache (its prompt's, then its outputs'), oldest
+        first. SGLang keeps a finished request's KV as evictable cache, so they are cached
+        unlocked and the least recently used are evicted to fit the pool. No-op without a
+        radix cache; returns the units cached."""
+        if self.cache is None:
+            return 0
+        if self.used or not self.idle:
+            raise RuntimeError("warm_cache is for a fresh scheduler, before any request")
+        for ids in served:
+            self.used += self.cache.insert(ids, max_new=len(ids)) * self.cache.block
+            over = self.used - self.pool.capacity
+            if over > 0:
+                self.used -= self.cache.evict(over)
+        return self.used
 
     @property
     def idle(self) -> bool:
@@ -354,6 +372,7 @@ class Scheduler:
                 return NO_TOKEN, 0
             r.prefix_blocks = matched
             r.prefilled = start
+            r.cached += start
         if self.cache is not None:
             self.cache.lookups += r.fill_len
             self.cache.hits += start

@@ -25,6 +25,7 @@ from simulator.serving.settings import DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS, ServerS
 from simulator.specs.calibration import Calibration
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
+from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,11 @@ class ResolvedServer:
         return (not self.deployment.settings.disable_radix_cache and self.pool.unit == "tokens"
                 and getattr(self.pool, "page_size", 1) == 1)
 
-    def new_scheduler(self, seed: int) -> Scheduler:
-        cache = PrefixCache() if self.prefix_cache_enabled else None
+    def new_scheduler(self, seed: int, prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
+                      ) -> Scheduler:
+        """A scheduler for one replica; its radix-cache model keys on prefix ids that name
+        blocks of ``prefix_block_tokens`` (the workload's)."""
+        cache = PrefixCache(prefix_block_tokens) if self.prefix_cache_enabled else None
         return Scheduler(self.pool, self.limits, np.random.default_rng(seed), cache)
 
     def describe(self) -> dict[str, Any]:

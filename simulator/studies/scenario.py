@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,10 +45,13 @@ class Scenario:
         return replace(self, replicas=n)
 
     def run(self, workload: Trace | ClosedLoop, fmt: str,
-            server: ResolvedServer | None = None) -> RunResult:
+            server: ResolvedServer | None = None,
+            warm_cache: Sequence[Sequence[int]] = ()) -> RunResult:
+        """``warm_cache``: the radix cache at the start (``simulate``); empty: a fresh
+        server."""
         srv = server or self.server(fmt)
         return simulate(workload, srv, replicas=self.replicas, router=self.router,
-                        seed=self.seed, progress=self.progress)
+                        seed=self.seed, progress=self.progress, warm_cache=warm_cache)
 
     def run_summary(self, workload: Trace | ClosedLoop, fmt: str, slo: SLO | None = None,
                     server: ResolvedServer | None = None) -> tuple[RunResult, dict[str, Any]]:

@@ -46,7 +46,10 @@ from simulator.engine.cluster import RunResult
 from simulator.errors import SimulatorInputError
 from simulator.metrics.summary import per_request_arrays
 from simulator.serving.settings import ServerSettings
+from simulator.validation.prompt_cache import read_records, served_blocks, with_prompt_ids
 from simulator.validation.sglang_log import ServerLog
+from simulator.workload.loaders import load_trace
+from simulator.workload.schema import Trace
 
 # issue 8's targets: (relative error bound, or absolute for the ratio); None = reported only
 TARGETS = {"kv_pool": 0.01, "throughput": 0.05, "mean_batch": 0.05, "tpot": 0.05,
@@ -67,10 +70,53 @@ class HarnessRun:
     saturation_req_s: float | None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
     server_log: Path | None = None      # the whole server log its slice comes from
+    seed: int = 0                       # the client's prompt seed (bench_e2e --seed)
+    # the runs served before this one by the same server start, oldest first
+    earlier: tuple[HarnessRun, ...] = field(repr=False, default=())
+    _trace: Trace | None = field(repr=False, default=None, compare=False)
+    _warm: list[tuple[int, ...]] | None = field(repr=False, default=None, compare=False)
 
     @property
     def key(self) -> str:
         return f"{self.config}/{self.label}"
+
+    @property
+    def records_path(self) -> Path | None:
+        """The client's per-request records (``requests__CONFIG__LABEL.jsonl.gz``)."""
+        if self.server_log is None:
+            return None
+        raw_label = self.raw.get("label", self.raw.get("workload", self.workload))
+        p = self.server_log.parent / f"requests__{self.raw.get('config')}__{raw_label}.jsonl.gz"
+        return p if p.exists() else None
+
+    def replay_inputs(self, radix_cache: bool = True) -> tuple[Trace, list[tuple[int, ...]]]:
+        """What the simulator replays: the run's trace with its prompts' prefix ids, and
+        what the radix cache held at its start (``prompt_cache``; nothing for a server without
+        one); each computed once."""
+        if self._trace is None:
+            trace = with_prompt_ids(load_trace(self.trace_path), self.seed)
+            own = self.records_path
+            for rec in read_records(own) if own is not None else []:
+                i = rec["index"]
+                if i >= len(trace) or trace.requests[i].input_tokens != rec["input_len"]:
+                    raise SimulatorInputError(
+                        f"{own}: request {i} ({rec['input_len']} prompt tokens) is not "
+                        f"request {i} of {self.trace_path}")
+            self._trace = trace
+        if not radix_cache:
+            return self._trace, []
+        if self._warm is None:
+            history = []
+            for r in self.earlier:
+                p = r.records_path
+                if p is None:
+                    raise SimulatorInputError(
+                        f"{self.key}: the run before it on its server ({r.key}) has no "
+                        "request records (requests__CONFIG__LABEL.jsonl.gz), so the radix "
+                        "cache it left is unknown")
+                history.append(read_records(p))
+            self._warm = served_blocks(history, self.seed)
+        return self._trace, self._warm
 
     @property
     def window_s(self) -> float | None:
@@ -163,7 +209,8 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
     if len(set(names)) < len(names):
         raise SimulatorInputError(f"{res_path}: renaming {rename} gives two configurations "
                                   f"one name ({', '.join(names)})")
-    runs = []
+    seed = _client_seed(data)
+    runs: list[HarnessRun] = []
     for i, r in enumerate(_need(data, "runs", str(res_path))):
         where = f"{res_path}: runs[{i}]"
         if not isinstance(r, dict):
@@ -180,13 +227,29 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
             f.seek(int(span[0]))
             text = f.read(int(span[1]) - int(span[0])).decode(errors="replace")
         label = r.get("label", r["workload"]) + (f"#{tag}" if tag else "")
+        # one folder starts each configuration's server once and runs its workloads in order
+        earlier = tuple(x for x in runs if x.raw.get("config") == cfg)
         runs.append(HarnessRun(rename.get(cfg, cfg), _need(r, "workload", where), label, tf,
                                _need(r, "client", where), text, r.get("rate_req_s"),
-                               r.get("saturation_req_s"), r, server_logs[cfg]))
+                               r.get("saturation_req_s"), r, server_logs[cfg], seed, earlier))
     configs = {rename.get(k, k): v for k, v in configs.items()}
     server_logs = {rename.get(k, k): v for k, v in server_logs.items()}
     return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
                           [root])
+
+
+def _client_seed(data: dict[str, Any]) -> int:
+    """bench_e2e's --seed (its prompts' seed): from the recorded options, else the recorded
+    argv, else the default 0."""
+    opt = data.get("options")
+    if isinstance(opt, dict) and isinstance(opt.get("seed"), int):
+        return int(opt["seed"])
+    argv = [str(a) for a in data.get("argv") or []]
+    given = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--seed"]
+    given += [a.split("=", 1)[1] for a in argv if a.startswith("--seed=")]
+    if given and given[-1].lstrip("-").isdigit():
+        return int(given[-1])
+    return 0
 
 
 # launch_server flags that only add log lines: a server started with them serves the same
@@ -380,6 +443,8 @@ def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
 
     half = t0 + w / 2
     dec = (running > 0) & (t_end <= end)
+    prefilled = [r for r in res.requests if 0 <= r.first_token <= end]
+    prompt = sum(r.input_len for r in prefilled)
     ttft = arrs["ttft"][done] * 1e3
     tpot = arrs["tpot"][done]
     tpot = tpot[~np.isnan(tpot)] * 1e3
@@ -398,6 +463,9 @@ def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
         "mean_batch": float(running[dec].mean()) if dec.any() else math.nan,
         "peak_batch": int(running[dec].max()) if dec.any() else 0,
         "kv_pool_tokens": res.server.pool.token_capacity,
+        # prompt tokens the radix cache served, of the requests prefilled in the window
+        "prefix_hit_rate": (sum(r.cached for r in prefilled) / prompt
+                            if prompt and res.server.prefix_cache_enabled else None),
         "retractions": int(sum(rep.scheduler.retractions for rep in res.replicas)),
         "series_t": (t_end[t_end <= end] - t0).tolist(),
         "series_batch": lg["batch"][t_end <= end].tolist(),

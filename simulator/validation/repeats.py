@@ -8,7 +8,10 @@ mean of their measurements, next to that measured spread.
 
 A row joins a group through its ``group`` key (``repeat_key``): configuration, workload, rate
 and the trace's request lengths (not its arrival times, which a ladder rescales by a fraction
-of a per-server saturation rate). Fitting runs stay out: their measurements fitted the costs.
+of a per-server saturation rate), and on a server with a radix cache the workloads it ran
+before (they decide which prompts it serves from the cache: a bf16 ladder at 23 req/s runs
+cold first on a server and two thirds cached after the 7.68 and 15.35 req/s ladders). Fitting
+runs stay out: their measurements fitted the costs.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ def request_lengths_digest(trace: Trace) -> str:
     return h.hexdigest()[:16]
 
 
-def repeat_key(config: str, workload: str, rate_req_s: float | None, trace: Trace) -> str:
+def repeat_key(config: str, workload: str, rate_req_s: float | None, trace: Trace,
+               after: str = "") -> str:
     """The group a run's rows belong to: the same key means the same command on the same
-    requests (a ladder's rate to 0.01 req/s)."""
+    requests (a ladder's rate to 0.01 req/s) after the same ``after`` (what ran before it
+    on its server, where that matters)."""
     rate = f"@{rate_req_s:.2f}rps" if rate_req_s else ""
-    return f"{config}/{workload}{rate} [{request_lengths_digest(trace)}]"
+    history = f" after {after}" if after else ""
+    return f"{config}/{workload}{rate}{history} [{request_lengths_digest(trace)}]"
 
 
 def group_label(key: str) -> str:

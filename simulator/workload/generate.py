@@ -10,7 +10,7 @@ import numpy as np
 from simulator.errors import SimulatorInputError
 from simulator.workload.arrivals import gamma_arrivals
 from simulator.workload.lengths import LengthModel
-from simulator.workload.schema import Trace, TraceRequest
+from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 
 def synthetic_trace(lengths: LengthModel, n: int, rate: float, seed: int, cv: float = 1.0,
@@ -39,12 +39,14 @@ def resample_arrivals(trace: Trace, rate: float, seed: int, cv: float = 1.0) -> 
 class ClosedLoop:
     """``users`` clients, each sending its next request ``think_s`` after the previous one
     completes, drawing requests in order from ``requests`` (arrival times ignored) until all
-    have been sent. With think_s = 0 this holds the concurrency at exactly ``users``."""
+    have been sent. With think_s = 0 this holds the concurrency at exactly ``users``.
+    ``prefix_block_tokens``: as ``Trace``'s, the block size the prefix hash ids name."""
 
     requests: tuple[TraceRequest, ...]
     users: int
     think_s: float = 0.0
     name: str = "closed-loop"
+    prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
         if self.users < 1:

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from simulator.errors import SimulatorInputError
 
+# Mooncake traces name 512-token prompt blocks
+MOONCAKE_BLOCK_TOKENS = 512
+
 
 @dataclass(frozen=True)
 class TraceRequest:
@@ -21,7 +24,9 @@ class TraceRequest:
     ``output_tokens`` is how many tokens the request really generates (EOS or length);
     ``max_new_tokens`` is what the client asked for (SGLang reserves memory by it); None means
     the client asked for exactly ``output_tokens`` (bench_serving with ignore_eos).
-    ``prefix_hash_ids`` are Mooncake-style 512-token prefix-block hashes (kept, written back out).
+    ``prefix_hash_ids`` name the prompt's full blocks of ``Trace.prefix_block_tokens`` tokens
+    (Mooncake's 512 by default); an id depends on every block before it, so two prompts share
+    the prefix of their leading equal ids (kept, written back out).
     """
 
     arrival_s: float
@@ -54,15 +59,21 @@ class TraceRequest:
 
 @dataclass(frozen=True)
 class Trace:
-    """An arrival-ordered list of requests with a name saying where it came from."""
+    """An arrival-ordered list of requests with a name saying where it came from;
+    ``prefix_block_tokens`` is the block size its requests' ``prefix_hash_ids`` name."""
 
     requests: tuple[TraceRequest, ...]
     name: str = "trace"
     source: str = field(default="", compare=False)
+    prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
         if not self.requests:
             raise SimulatorInputError(f"trace {self.name!r} has no requests")
+        b = self.prefix_block_tokens
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise SimulatorInputError(f"prefix_block_tokens={b!r} must be an integer >= 1 "
+                                      "(tokens per prefix hash id)")
         arrivals = [r.arrival_s for r in self.requests]
         if any(b < a for a, b in zip(arrivals, arrivals[1:], strict=False)):
             order = sorted(range(len(self.requests)), key=lambda i: self.requests[i].arrival_s)
@@ -88,24 +99,25 @@ class Trace:
     def head(self, n: int) -> Trace:
         if n < 1:
             raise SimulatorInputError(f"n={n} must be >= 1")
-        return Trace(self.requests[:n], name=self.name, source=self.source)
+        return replace(self, requests=self.requests[:n])
 
     def rebased(self) -> Trace:
         """Arrivals shifted so the first request arrives at t = 0."""
         t0 = self.requests[0].arrival_s
         if t0 == 0:
             return self
-        return Trace(tuple(replace(r, arrival_s=r.arrival_s - t0) for r in self.requests),
-                     name=self.name, source=self.source)
+        return replace(self, requests=tuple(replace(r, arrival_s=r.arrival_s - t0)
+                                            for r in self.requests))
 
     def time_scaled(self, factor: float) -> Trace:
         """Inter-arrival times multiplied by ``factor`` (< 1 replays faster)."""
         if not (factor > 0 and math.isfinite(factor)):
             raise SimulatorInputError(f"time scale factor={factor!r} must be a positive number")
         t0 = self.requests[0].arrival_s
-        return Trace(
-            tuple(replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in self.requests),
-            name=f"{self.name}x{factor:g}", source=self.source,
+        return replace(
+            self, requests=tuple(replace(r, arrival_s=(r.arrival_s - t0) * factor)
+                                 for r in self.requests),
+            name=f"{self.name}x{factor:g}",
         )
 
     def with_arrivals(self, arrivals: Sequence[float], name: str | None = None) -> Trace:
@@ -114,8 +126,21 @@ class Trace:
             raise SimulatorInputError(
                 f"got {len(arrivals)} arrival times for a trace of {len(self)} requests"
             )
-        return Trace(
-            tuple(replace(r, arrival_s=float(t)) for r, t in zip(self.requests, arrivals,
-                                                                   strict=True)),
-            name=name or self.name, source=self.source,
+        return replace(
+            self, requests=tuple(replace(r, arrival_s=float(t))
+                                 for r, t in zip(self.requests, arrivals, strict=True)),
+            name=name or self.name,
+        )
+
+    def with_prefix_ids(self, ids: Sequence[tuple[int, ...]], block_tokens: int) -> Trace:
+        """The same requests with new prefix hash ids (one tuple per request, in order) that
+        name blocks of ``block_tokens`` tokens."""
+        if len(ids) != len(self):
+            raise SimulatorInputError(
+                f"got prefix ids for {len(ids)} requests; the trace has {len(self)}"
+            )
+        return replace(
+            self, requests=tuple(replace(r, prefix_hash_ids=tuple(h))
+                                 for r, h in zip(self.requests, ids, strict=True)),
+            prefix_block_tokens=block_tokens,
         )

@@ -8,10 +8,16 @@ import gzip
 import json
 from pathlib import Path
 
-from simulator.workload.schema import Trace
+from simulator.errors import SimulatorInputError
+from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS, Trace
 
 
 def mooncake_lines(trace: Trace) -> list[str]:
+    if (trace.prefix_block_tokens != MOONCAKE_BLOCK_TOKENS
+            and any(r.prefix_hash_ids for r in trace.requests)):
+        raise SimulatorInputError(
+            f"trace {trace.name!r} has prefix ids of {trace.prefix_block_tokens}-token blocks; "
+            f"Mooncake's hash_ids name {MOONCAKE_BLOCK_TOKENS}-token blocks")
     lines = []
     for r in trace.requests:
         obj: dict[str, object] = {

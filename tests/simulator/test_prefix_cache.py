@@ -20,7 +20,7 @@ def test_cache_blocks_lock_and_evict_lru():
     assert c.lock([1, 2]) == 1024 and c.evictable_units == 512
     c.insert([4], max_new=1)
     assert c.evict(600) == 1024                         # two unlocked blocks: 3, then 4
-    assert list(c.refs) == [1, 2]
+    assert list(c.refs) == [1, 2] and not c.unlocked
     c.unlock([1, 2])
     assert c.evictable_units == 1024
     assert c.insert([5, 6], max_new=1) == 1             # bounded by the finisher's units

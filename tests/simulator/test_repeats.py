@@ -28,6 +28,11 @@ def test_the_key_ignores_arrival_times_but_not_lengths_rate_or_config():
     assert k != repeat_key("bf16", "ladder", 15.36, a) != repeat_key("fp8", "ladder", 15.35, a)
     assert group_label(k) == "bf16/ladder@15.35rps"
     assert group_label(repeat_key("bf16", "sharegpt", None, a)) == "bf16/sharegpt"
+    # what ran before on a radix-cache server is part of the key (it decides the cache)
+    cold = repeat_key("bf16", "ladder", 23.03, a)
+    warm = repeat_key("bf16", "ladder", 23.03, a, after="ladder@7.68rps, ladder@15.35rps")
+    assert cold != warm
+    assert group_label(warm) == "bf16/ladder@23.03rps after ladder@7.68rps, ladder@15.35rps"
 
 
 def _rows(metric, measured, predicted, target=0.05, group="g", **kw):

@@ -7,6 +7,7 @@ tampered measurement MISSes with the right error, and bad inputs are named."""
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import json
 import math
 from dataclasses import replace
@@ -20,6 +21,7 @@ from simulator.errors import SimulatorInputError
 from simulator.serving.settings import ServerSettings
 from simulator.specs.calibration import load_calibration
 from simulator.validation.harness import load_harness, row, windowed_summary
+from simulator.validation.prompt_cache import served_blocks, with_prompt_ids
 from simulator.workload.schema import Trace, TraceRequest
 from simulator.workload.writer import write_mooncake_jsonl
 
@@ -55,6 +57,23 @@ def _log_lines(res, offset_s: float, window: float) -> list[str]:
                        f"{bool(running <= res.server.cost.graph_max)}, "
                        f"gen throughput (token/s): {toks / t_int:.3f}, #queue-req: 0")
             toks, t_int = 0, 0.0
+    return out
+
+
+def _write_records(res, path: Path, window: float) -> list[dict]:
+    """The client's per-request records (bench_e2e's requests__CONFIG__LABEL.jsonl.gz) of a
+    simulated run cut at ``window``; returns them as ``prompt_cache.read_records`` does."""
+    lines, out = [], []
+    for r in sorted(res.requests, key=lambda r: r.rid):
+        started = 0 <= r.first_token <= window
+        rec = {"index": r.rid, "input_len": r.input_len, "tokens": r.gen if started else 0,
+               "first_token_s": r.first_token if started else None,
+               "end_s": min(r.finish, window) if started else None,
+               "completed": started and r.finish <= window}
+        lines.append(json.dumps(rec))
+        out.append({"index": r.rid, "input_len": r.input_len, "tokens": rec["tokens"],
+                    "first": rec["first_token_s"], "end": rec["end_s"]})
+    path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     return out
 
 
@@ -102,6 +121,7 @@ def make_results(root: Path) -> dict:
         configs[cfg] = {"command": cmd, "attention_backend": "diffkv" if diffkv else "triton",
                         "kv_cache_dtype": None, "max_total_num_tokens": srv.pool.token_capacity}
         saturation = None
+        served: list[list[dict]] = []
         for i, (label, trace, window, frac) in enumerate(workloads):
             rate = None
             if trace is None:
@@ -110,7 +130,12 @@ def make_results(root: Path) -> dict:
                 trace = Trace(tuple(r for r in base.requests if r.arrival_s < window), "lad")
             tf = f"logs/traces/{cfg}__{label}.jsonl"
             write_mooncake_jsonl(trace, root / tf)
-            res = sc.run(trace, fmt, srv)
+            # as a real server: the harness client's prompts, and the radix cache the
+            # earlier runs on this server left (their request records)
+            warm = [] if diffkv else served_blocks(served, 0)
+            res = sc.run(with_prompt_ids(trace, 0), fmt, srv, warm_cache=warm)
+            served.append(_write_records(res, root / "logs" / f"requests__{cfg}__{label}"
+                                         ".jsonl.gz", window))
             w = windowed_summary(res, window)
             start = len(text.encode())
             text += "\n".join(_log_lines(res, 100.0 * (i + 1), window)) + "\n"
@@ -373,7 +398,9 @@ def test_a_tagged_folder_repeats_runs_under_its_own_keys(results, tmp_path):
     tpot = reps["TPOT mean (ms)", "bf16/sharegpt"]
     assert tpot["runs"] == ["bf16/sharegpt", "bf16/sharegpt#s8"]
     assert tpot["measured_min"] == tpot["measured_max"] and tpot["spread"] == 0
-    assert not any("longgen" in r["group"] for r in got["repeats"])
+    assert not any(r["group"].startswith("bf16/longgen") for r in got["repeats"])
+    # on a radix-cache server a group also names what ran before (it decides the cache)
+    assert tpot["group"].startswith("bf16/sharegpt after longgen [")
     assert "## Against the mean of repeated runs" in (tmp_path / "d.md").read_text()
     alone = got["fits"][0]["rows"]
     # a decode-only fitting run, a superseded run left out, an unknown one named
