@@ -76,7 +76,12 @@ from simulator.validation.harness import (  # noqa: E402
     server_settings,
     windowed_summary,
 )
-from simulator.validation.refine import DEFAULT_MAX_EVALS, UNITS, refine_costs  # noqa: E402
+from simulator.validation.refine import (  # noqa: E402
+    DEFAULT_MAX_EVALS,
+    UNITS,
+    first_token_latency_guess,
+    refine_costs,
+)
 from simulator.validation.repeats import group_label, repeat_key, repeat_rows  # noqa: E402
 from simulator.validation.sglang_log import ServerLog, parse_server_log  # noqa: E402
 from simulator.validation.step_fit import (  # noqa: E402
@@ -218,17 +223,20 @@ def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
 def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: Calibration,
            model: str, gpu: str, max_evals: int) -> tuple[Calibration, dict[str, Any]]:
     """The interval fit ``fitted`` of one backend, refined on its fitting runs' metrics
-    (``refine.refine_costs``); the calibration file is rewritten with the refined terms."""
+    (``refine.refine_costs``), with the client's first-token latency, which no log interval
+    shows, started from the open-loop TTFT residual; the calibration file is rewritten with
+    the refined terms."""
     be = info["backend"]
     fitting = set(info["runs"])
     runs = [r for r in h.runs if is_fitting_run(r, fitting)]
     sub = replace(h, runs=runs)
-    names = [n for n in info["fitted"] if n in UNITS]
+    names = [n for n in info["fitted"] if n in UNITS] + ["first_token_latency_s"]
 
     def evaluate(c: Calibration) -> list[dict]:
         # no run counts as fitting here, so the rows carry the targets they would have
         return validate(sub, {"base": base, be: c}, model, gpu, set())[0]
 
+    fitted = replace(fitted, first_token_latency_s=first_token_latency_guess(evaluate(fitted)))
     refined, how = refine_costs(fitted, names, evaluate, max_evals)
     print(f"validate_simulator: {be}: {how.note()}", file=sys.stderr)
     path = Path(info["file"])

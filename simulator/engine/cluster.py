@@ -1,7 +1,9 @@
 """Run a workload through one or more replicas behind a router; return the raw results.
 
 Open-loop traces: a single arrival process submits each request at its arrival time.
-Closed loop: each user submits its next request ``think_s`` after its previous one finishes.
+Closed loop: each user submits its next request ``think_s`` after its previous one finishes,
+as the client sees it (the calibration's ``first_token_latency_s`` later: the last token's way
+out and the next request's way in).
 Seeds make everything deterministic: the same inputs give identical results.
 """
 
@@ -104,6 +106,7 @@ def simulate(workload: Trace | ClosedLoop, server: ResolvedServer, replicas: int
     requests: list[SimRequest] = []
     bar = _Progress(len(workload), progress, f"{server.deployment.kv_format.name}")
     closed = workload if isinstance(workload, ClosedLoop) else None
+    client_latency = server.deployment.calibration.first_token_latency_s
     cursor = [0]
 
     def submit(r: SimRequest) -> None:
@@ -123,8 +126,9 @@ def simulate(workload: Trace | ClosedLoop, server: ResolvedServer, replicas: int
     def on_finish(r: SimRequest) -> None:
         bar.tick()
         if closed is not None:
-            if closed.think_s > 0:
-                ev = env.timeout(closed.think_s)
+            gap = closed.think_s + client_latency
+            if gap > 0:
+                ev = env.timeout(gap)
                 ev.callbacks.append(lambda _e, u=r.user: next_closed(u))
             else:
                 next_closed(r.user)

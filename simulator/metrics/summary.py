@@ -1,10 +1,10 @@
 """Summaries of a run with SGLang bench_serving's definitions:
 
   duration   last completion - first arrival (bench_serving's benchmark_duration)
-  TTFT       first token time - arrival
+  TTFT       first token time - arrival, plus the calibration's first_token_latency_s
   TPOT       (E2E - TTFT) / (output tokens - 1), requests with more than one output token
   ITL        every gap between consecutive tokens of a request, pooled over requests
-  E2E        completion - arrival
+  E2E        completion - arrival, plus the same latency
   throughput input / output / total tokens of completed requests per second of duration
   concurrency  sum of E2E / duration
 Plus: decode batch size and KV-pool usage (time-weighted over steps), retractions, rejected
@@ -46,8 +46,10 @@ def per_request_arrays(result: RunResult) -> dict[str, np.ndarray]:
     arr = np.array([[r.arrival, r.first_token, r.finish, r.input_len, r.gen, r.retractions]
                     for r in done], dtype=float).reshape(-1, 6)
     arrival, first, finish, inp, out, retr = arr.T
-    ttft = first - arrival
-    e2e = finish - arrival
+    # what the client sees beyond the server's steps (its way in, the tokens' way out)
+    lat = result.server.deployment.calibration.first_token_latency_s
+    ttft = first - arrival + lat
+    e2e = finish - arrival + lat
     with np.errstate(divide="ignore", invalid="ignore"):
         tpot = np.where(out > 1, (e2e - ttft) / np.maximum(out - 1, 1), np.nan)
     return {"arrival": arrival, "ttft": ttft, "e2e": e2e, "tpot": tpot, "input": inp,

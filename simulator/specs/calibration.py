@@ -44,8 +44,13 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # and compression (per prefill step, per prompt chunk in it, per prompt token in it); and the
 # cost a step pays per request released (finished, aborted or retracted) since the previous
 # step, beyond the kernels (the DiffKV server's steps grow by ~3 ms per finished request)
+# ``first_token_latency_s`` is no step cost: the latency a client sees on top of the server's
+# steps (the request's way into the scheduler, the first token's way back out through the
+# detokenizer and HTTP; with --skip-tokenizer-init), the same for every request, so it adds to
+# TTFT and end-to-end latency and occupies nothing
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
-                           "prefill_token_overhead_s", "release_overhead_s")
+                           "prefill_token_overhead_s", "release_overhead_s",
+                           "first_token_latency_s")
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -265,6 +270,7 @@ class Calibration:
     prefill_seq_overhead_s: float = 0.0
     prefill_token_overhead_s: float = 0.0
     release_overhead_s: float = 0.0
+    first_token_latency_s: float = 0.0
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     eager_decode_layer_overhead_s: float | None = None

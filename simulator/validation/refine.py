@@ -43,7 +43,19 @@ UNITS: dict[str, float] = {
     "release_overhead_s": 1e-3,
     "eager_decode_layer_overhead_s": 1e-5,
     "decode_attention_scale": 0.1,
+    "first_token_latency_s": 1e-3,
 }
+TTFT_METRIC = "TTFT mean (ms)"
+
+
+def first_token_latency_guess(rows: Sequence[dict[str, Any]]) -> float:
+    """A start for ``first_token_latency_s`` (seconds): the median of measured - predicted
+    TTFT over the open-loop rows (those with a TTFT target; a burst's TTFT is queueing),
+    at least 0. The interval fit cannot see it: no server log line times a first token."""
+    gaps = [r["measured"] - r["predicted"] for r in rows
+            if r["metric"] == TTFT_METRIC and r.get("target") is not None
+            and r.get("measured") is not None and r.get("predicted") is not None]
+    return max(0.0, float(np.median(gaps))) / 1e3 if gaps else 0.0
 
 
 def metric_loss(rows: Sequence[dict[str, Any]]) -> tuple[float, int]:

@@ -56,6 +56,22 @@ def test_single_request_ttft_is_its_prefill_time(fmt):
     assert s["tpot_ms"]["mean"] == pytest.approx(1e3 * (r.finish - r.first_token) / 9)
 
 
+def test_client_latency_adds_to_ttft_and_e2e_and_to_a_closed_loops_gaps():
+    lat = 0.012
+    base, slow = scenario(), scenario()
+    slow = replace(slow, calibration=replace(slow.calibration, first_token_latency_s=lat))
+    trace = Trace((TraceRequest(0.0, 300, 20), TraceRequest(0.5, 200, 30)))
+    a, b = summarize(base.run(trace, "bf16")), summarize(slow.run(trace, "bf16"))
+    assert b["ttft_ms"]["mean"] == pytest.approx(a["ttft_ms"]["mean"] + 1e3 * lat)
+    assert b["e2e_ms"]["mean"] == pytest.approx(a["e2e_ms"]["mean"] + 1e3 * lat)
+    assert b["tpot_ms"]["mean"] == pytest.approx(a["tpot_ms"]["mean"])
+    # one user, two requests: the second reaches the server one latency after the first ends
+    loop = ClosedLoop(tuple(TraceRequest(0.0, 100, 10) for _ in range(2)), 1)
+    ra, rb = base.run(loop, "bf16").requests, slow.run(loop, "bf16").requests
+    assert rb[1].arrival - rb[0].finish == pytest.approx(lat)
+    assert ra[1].arrival == pytest.approx(ra[0].finish)
+
+
 def test_closed_loop_throughput_is_batch_over_step_time():
     sc = scenario()
     srv = sc.server("bf16")

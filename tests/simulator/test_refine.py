@@ -13,6 +13,7 @@ from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import load_calibration
 from simulator.validation.harness import row
 from simulator.validation.refine import (
+    first_token_latency_guess,
     metric_loss,
     nelder_mead,
     refine_costs,
@@ -132,3 +133,14 @@ def test_bad_refinement_requests_are_named():
         refine_costs(c, ("step_overhead_s", "seq_overhead_s"), lambda _: ok, max_evals=2)
     with pytest.raises(SimulatorInputError, match="no metric row"):
         refine_costs(c, ("step_overhead_s",), lambda _: [row("x", "fit", 1.0, 1.0, None)])
+
+
+def test_first_token_latency_starts_at_the_open_loop_ttft_residual():
+    rows = [row("TTFT mean (ms)", "a", 40.0, 28.0, 0.10),
+            row("TTFT mean (ms)", "b", 50.0, 41.0, 0.10),
+            row("TTFT mean (ms)", "c", 45.0, 30.0, 0.10),
+            row("TTFT mean (ms)", "burst", 9000.0, 5000.0, None),   # no target: queueing
+            row("TPOT mean (ms)", "a", 10.0, 2.0, 0.05)]
+    assert first_token_latency_guess(rows) == pytest.approx(12e-3)
+    assert first_token_latency_guess([row("TTFT mean (ms)", "a", 30.0, 35.0, 0.1)]) == 0.0
+    assert first_token_latency_guess(rows[3:]) == 0.0

@@ -519,7 +519,11 @@ def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
     burst_ttft = next(r for r in payload["rows"] if r["metric"] == "TTFT mean (ms)"
                       and r["run"] == "bf16/sharegpt")
     assert burst_ttft["target"] is None and burst_ttft["fit_target"] == 0.10
-    assert set(how["names"]) == set(fit["fitted"]) & set(how["before"])
+    # the fitted terms, and the client's first-token latency that no log interval shows
+    # (started at 0 here: the fitting run is a burst, whose TTFT has no target)
+    assert set(how["names"]) == (set(fit["fitted"]) & set(how["before"])) | {
+        "first_token_latency_s"}
+    assert how["before"]["first_token_latency_s"] == 0.0
     assert 0 < how["evaluations"] <= 12 + len(how["names"])
     assert how["loss_after"] <= how["loss_before"]
     # every refinement simulation replays the fitting run alone; the last call is the report
