@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from simulator.errors import SimulatorInputError
 
@@ -122,25 +123,21 @@ class Trace:
 
     def with_arrivals(self, arrivals: Sequence[float], name: str | None = None) -> Trace:
         """The same lengths with new arrival times (one per request)."""
-        if len(arrivals) != len(self):
-            raise SimulatorInputError(
-                f"got {len(arrivals)} arrival times for a trace of {len(self)} requests"
-            )
-        return replace(
-            self, requests=tuple(replace(r, arrival_s=float(t))
-                                 for r, t in zip(self.requests, arrivals, strict=True)),
-            name=name or self.name,
-        )
+        return self._per_request("arrival_s", [float(t) for t in arrivals], "arrival times",
+                                 name=name or self.name)
 
     def with_prefix_ids(self, ids: Sequence[tuple[int, ...]], block_tokens: int) -> Trace:
         """The same requests with new prefix hash ids (one tuple per request, in order) that
         name blocks of ``block_tokens`` tokens."""
-        if len(ids) != len(self):
+        return self._per_request("prefix_hash_ids", [tuple(h) for h in ids], "prefix ids",
+                                 prefix_block_tokens=block_tokens)
+
+    def _per_request(self, attr: str, values: Sequence[Any], what: str, **changes: Any
+                     ) -> Trace:
+        """The trace with request i's field ``attr`` set to ``values[i]`` (and ``changes``)."""
+        if len(values) != len(self):
             raise SimulatorInputError(
-                f"got prefix ids for {len(ids)} requests; the trace has {len(self)}"
+                f"got {what} for {len(values)} requests; the trace has {len(self)}"
             )
-        return replace(
-            self, requests=tuple(replace(r, prefix_hash_ids=tuple(h))
-                                 for r, h in zip(self.requests, ids, strict=True)),
-            prefix_block_tokens=block_tokens,
-        )
+        return replace(self, requests=tuple(replace(r, **{attr: v}) for r, v in zip(
+            self.requests, values, strict=True)), **changes)
