@@ -211,8 +211,10 @@ def in_forked_processes(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
 
 
 def plot_dir_of(a: argparse.Namespace) -> Path:
-    """Where plots and fitted calibration files go: --plots, or beside --doc."""
-    return Path(a.plots) if a.plots else Path(a.doc).parent / "simulator-validation"
+    """Where plots and fitted calibration files go: --plots, or the folder beside --doc named
+    after it (docs/simulator-validation.md -> docs/simulator-validation/), so two reports never
+    overwrite each other's fitted files."""
+    return Path(a.plots) if a.plots else Path(a.doc).with_suffix("")
 
 
 def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
@@ -721,8 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "simulator-validation.md"))
-    ap.add_argument("--plots", default=None, help="plot folder (default: next to --doc, "
-                                                  "simulator-validation/)")
+    ap.add_argument("--plots", default=None,
+                    help="folder for the plots and the fitted calibration files (default: "
+                         "beside --doc, named after it: DOC.md -> DOC/)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
     a = ap.parse_args(argv)
     args_used = list(argv if argv is not None else sys.argv[1:])

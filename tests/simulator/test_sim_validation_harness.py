@@ -530,6 +530,9 @@ def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
     assert len(simulated) >= 2
     assert all(keys == ["bf16/longgen"] for keys in simulated[:-1])
     assert "bf16/sharegpt" in simulated[-1]
+    # the fitted file sits in the folder named after the report (d.md -> d/), so two
+    # reports written side by side keep their own
+    assert Path(fit["file"]).parent == doc.with_suffix("")
     cal = json.loads(Path(fit["file"]).read_text())
     entry = next(iter(cal["gpus"].values()))
     assert "refined on the fitting runs'" in entry["provenance"]["refined"]
