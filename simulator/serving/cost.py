@@ -21,11 +21,14 @@ import bisect
 from dataclasses import dataclass
 
 from simulator.kv.pool import KVPool
+from simulator.serving.extend_grid import ExtendTiles
 from simulator.specs.calibration import Calibration, EtaGrid1D
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
 
 ACT_BYTES = 2  # bf16 activations
+# KV formats whose prefill runs SGLang's triton extend kernel (the others run DiffKV's)
+TRITON_EXTEND_KEYS = frozenset({"bf16", "fp8"})
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class StepShape:
     prefill_past_tokens: int = 0
     prefill_seqs: int = 0             # chunks in the batch (each samples one position)
     released_reqs: int = 0            # requests released since the previous step
+    # (extend, past) per chunk, for kernels whose cost depends on the mix (extend_grid.py);
+    # empty: unknown, the chunks taken as alike
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
 
 
 class CostModel:
@@ -81,6 +87,8 @@ class CostModel:
         self._decode_grid = grids.decode_attention.get(attention_key)
         self._prefill_grid = (grids.prefill_attention.get(attention_key)
                               or grids.prefill_attention.get("bf16"))
+        self._extend_tiles = (ExtendTiles.for_gpu(gpu.compute_capability, model.head_dim)
+                              if attention_key in TRITON_EXTEND_KEYS else None)
         self.q_heads = model.num_heads // tp
         self.head_dim = d
         self.hidden = h
@@ -145,14 +153,19 @@ class CostModel:
         return t * self.attention_scale
 
     def prefill_attention_time(self, tokens: int, past_tokens: int, pairs: float,
-                               seqs: int) -> float:
+                               seqs: int, chunks: tuple[tuple[int, int], ...] = ()) -> float:
         """One layer's prefill attention; a grid is looked up at (tokens in the batch, mean
-        past per chunk)."""
+        past per chunk), times what the triton kernel's launch wastes on ``chunks`` of
+        unequal lengths (``ExtendTiles.padding``)."""
         if self._prefill_grid is not None:
-            return (self.prefill_attention_sol(tokens, past_tokens, pairs)
-                    / self._prefill_grid(tokens, past_tokens / max(seqs, 1)))
-        nbytes, fl = self.prefill_attention_work(tokens, past_tokens, pairs)
-        return max(nbytes / self.mem_rate, fl / self.pf_comp_rate)
+            t = (self.prefill_attention_sol(tokens, past_tokens, pairs)
+                 / self._prefill_grid(tokens, past_tokens / max(seqs, 1)))
+        else:
+            nbytes, fl = self.prefill_attention_work(tokens, past_tokens, pairs)
+            t = max(nbytes / self.mem_rate, fl / self.pf_comp_rate)
+        if self._extend_tiles is not None and len(chunks) > 1:
+            t *= self._extend_tiles.padding(chunks)
+        return t
 
     def lm_head_time(self, sampled: int) -> float:
         return self._gemm(sampled, self.lm_head, self._lm_grid)
@@ -200,7 +213,8 @@ class CostModel:
                                                     s.decode_read_bytes)
         if s.prefill_tokens:
             per_layer += self.prefill_attention_time(s.prefill_tokens, s.prefill_past_tokens,
-                                                     s.prefill_pairs, s.prefill_seqs)
+                                                     s.prefill_pairs, s.prefill_seqs,
+                                                     s.prefill_chunks)
         per_layer += self.layer_overhead(s)
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self.lm_head_time(sampled)

@@ -429,6 +429,7 @@ class Scheduler:
         tokens = 0
         pairs = 0.0
         past = 0
+        extends = tuple((n, r.prefilled) for r, n in chunks)
         self._make_room(sum(pool.prompt_units(r.prefilled, n) for r, n in chunks))
         for r, extend in chunks:
             units = pool.prompt_units(r.prefilled, extend)
@@ -450,7 +451,8 @@ class Scheduler:
         b.shape = StepShape(decode_reqs=dec_reqs, decode_kv_tokens=dec_kv,
                             decode_read_bytes=dec_bytes, prefill_tokens=tokens,
                             prefill_pairs=pairs, prefill_past_tokens=past,
-                            prefill_seqs=len(chunks), released_reqs=self._take_released())
+                            prefill_seqs=len(chunks), released_reqs=self._take_released(),
+                            prefill_chunks=extends)
         return b
 
     # ---- decode memory -------------------------------------------------------------------

@@ -22,6 +22,7 @@ class GPUSpec:
     interconnect_bandwidth: float  # bytes/s each way, between GPUs of one host
     provenance: str
     usable_mib: int = 0        # what the driver exposes to torch; 0: same as memory_mib
+    compute_capability: tuple[int, int] | None = None  # (major, minor); None: not given
 
     def __post_init__(self) -> None:
         for f in ("memory_mib", "hbm_bandwidth", "bf16_flops", "fp8_flops",
@@ -52,7 +53,20 @@ class GPUSpec:
                                       f"[0, memory_mib={d['memory_mib']}]")
         return cls(key, str(d["name"]), int(d["memory_mib"]), float(d["hbm_bandwidth"]),
                    float(d["bf16_flops"]), float(d["fp8_flops"]),
-                   float(d["interconnect_bandwidth"]), str(d["provenance"]), usable)
+                   float(d["interconnect_bandwidth"]), str(d["provenance"]), usable,
+                   _compute_capability(key, d.get("compute_capability")))
+
+
+def _compute_capability(key: str, v: Any) -> tuple[int, int] | None:
+    """"9.0" -> (9, 0); absent -> None."""
+    if v is None:
+        return None
+    try:
+        major, minor = (int(x) for x in str(v).split("."))
+    except ValueError:
+        raise SimulatorInputError(f"GPU spec {key!r}: compute_capability={v!r} must be "
+                                  f"'MAJOR.MINOR', e.g. '9.0'") from None
+    return major, minor
 
 
 def _bundled() -> dict[str, Any]:
