@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Does a prefill step run slower when prefill steps follow each other for seconds (a burst's
+chunked prefill) than when it runs alone (a low-rate arrival)? One GPU run, plain torch.
+
+A "step" is the dense part of a Llama-shaped prefill forward over M tokens, every layer:
+RMSNorm, qkv, o, RMSNorm, gate_up, SiLU-and-mul, down (F.linear bf16, the weights of all
+layers resident, so each call streams a different layer's weights as a server's does), plus
+causal SDPA over the chunk's sequences (GQA, flash). For each M it times, with CUDA events:
+
+  isolated   ``--isolated`` steps, each after ``--idle-s`` of idle GPU (a low-rate arrival)
+  sustained  steps back to back for ``--sustained-s`` (a burst of queued prompts)
+
+and samples the SM clock, power and temperature (nvidia-smi, every 50 ms) meanwhile. The
+table compares the first and the last second of the sustained phase with the isolated steps,
+next to the simulator's modelled time of the same step (``--calibration``), so a gap between
+the model and a server's back-to-back prefill steps can be put down to the GPU's clocks under
+load or not. Writes ``OUT/sustained_prefill.json`` (every step, every clock sample).
+
+    python scripts/probe_sustained_prefill.py --out /tmp/probe --gpu h200 \
+        --calibration docs/data/h200-2026-11-24/calibration/calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# the server and its cost model, not the simpy engine: the GPU machine has no simpy
+from simulator.kv.formats import make_format  # noqa: E402
+from simulator.serving.cost import StepShape  # noqa: E402
+from simulator.serving.server import Deployment, ResolvedServer  # noqa: E402
+from simulator.serving.settings import ServerSettings  # noqa: E402
+from simulator.specs.calibration import load_calibration  # noqa: E402
+from simulator.specs.gpu import load_gpu  # noqa: E402
+from simulator.specs.model import ModelSpec, load_model  # noqa: E402
+
+DEV = "cuda"
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
+class DenseStack:
+    """All layers' weights of ``m`` and one prefill step's forward over ``seqs`` sequences."""
+
+    def __init__(self, m: ModelSpec):
+        h, d = m.hidden_size, m.head_dim
+        self.m = m
+        q, kv = m.num_heads * d, m.num_kv_heads * d
+        self.q, self.kv = q, kv
+
+        def w(n: int, k: int) -> torch.Tensor:
+            return torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5
+        self.layers = [(w(q + 2 * kv, h), w(h, q), w(2 * m.intermediate_size, h),
+                        w(h, m.intermediate_size)) for _ in range(m.num_layers)]
+        self.norm = torch.ones(h, device=DEV, dtype=torch.bfloat16)
+
+    def step(self, x: torch.Tensor, seqs: int) -> torch.Tensor:
+        m = self.m
+        tokens = x.shape[0]
+        per = tokens // seqs
+        for qkv_w, o_w, gu_w, down_w in self.layers:
+            y = F.rms_norm(x, (m.hidden_size,), self.norm)
+            qkv = F.linear(y, qkv_w)
+            qh = qkv[:, :self.q].view(seqs, per, m.num_heads, m.head_dim).transpose(1, 2)
+            kh = qkv[:, self.q:self.q + self.kv].view(seqs, per, m.num_kv_heads,
+                                                     m.head_dim).transpose(1, 2)
+            vh = qkv[:, self.q + self.kv:].view(seqs, per, m.num_kv_heads,
+                                                m.head_dim).transpose(1, 2)
+            a = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(tokens, self.q), o_w)
+            y = F.rms_norm(x, (m.hidden_size,), self.norm)
+            g, u = F.linear(y, gu_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, down_w)
+        return x
+
+
+def timed_step(stack: DenseStack, x: torch.Tensor, seqs: int) -> tuple[float, float]:
+    """(wall start, milliseconds) of one step."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.time()
+    start.record()
+    stack.step(x, seqs)
+    end.record()
+    end.synchronize()
+    return t0, start.elapsed_time(end)
+
+
+def bf16_server(model: str, gpu: str, calibration: str | None) -> ResolvedServer:
+    """The simulator's bf16 server with default settings (its cost model is what we compare)."""
+    spec = load_model(model)
+    gpu_spec = load_gpu(gpu)
+    return ResolvedServer(Deployment(spec, gpu_spec, make_format("bf16", spec.head_dim),
+                                     ServerSettings(),
+                                     load_calibration(gpu_spec.key, calibration)))
+
+
+def modelled_ms(model: str, gpu: str, calibration: str | None, tokens: int, seqs: int) -> float:
+    """The simulator's time of the same step (dense GEMMs, prefill attention, per-layer and
+    per-step costs; the LM head over one position per sequence)."""
+    per = tokens // seqs
+    shape = StepShape(prefill_tokens=tokens, prefill_pairs=seqs * per * per / 2,
+                      prefill_seqs=seqs)
+    return bf16_server(model, gpu, calibration).cost.step_time(shape) * 1e3
+
+
+def smi_samples(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines()[1:]:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 5:
+            continue
+        try:
+            ts = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            ts += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
+            rows.append({"t": ts, "sm_mhz": float(parts[1].split()[0]),
+                         "power_w": float(parts[2].split()[0]), "temp_c": float(parts[3]),
+                         "reasons": parts[4]})
+        except (ValueError, IndexError):
+            continue
+    return rows
+
+
+def during(samples: list[dict], t0: float, t1: float, key: str) -> float | None:
+    vals = [s[key] for s in samples if t0 <= s["t"] <= t1]
+    return statistics.median(vals) if vals else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--gpu", default="h200", help="the simulator's GPU key, for the model column")
+    ap.add_argument("--calibration", default=None,
+                    help="calibration JSON for the model column (default: the shipped one)")
+    ap.add_argument("--shapes", default="4096x1,8000x1,8000x20",
+                    help="TOKENSxSEQS steps to probe, comma-separated (default: %(default)s)")
+    ap.add_argument("--isolated", type=int, default=6)
+    ap.add_argument("--idle-s", type=float, default=1.5)
+    ap.add_argument("--sustained-s", type=float, default=8.0)
+    a = ap.parse_args(argv)
+    shapes = []
+    for s in a.shapes.split(","):
+        tokens, seqs = (int(v) for v in s.lower().split("x"))
+        if tokens < 1 or seqs < 1 or tokens % seqs:
+            raise SystemExit(f"--shapes {s}: TOKENSxSEQS with SEQS dividing TOKENS")
+        shapes.append((tokens, seqs))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    smi_path = out / "smi.csv"
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv",
+                            "-lms", "50"], stdout=smi_path.open("w"), stderr=subprocess.DEVNULL)
+    stack = DenseStack(load_model(a.model))
+    results = []
+    try:
+        for tokens, seqs in shapes:
+            x = torch.randn(tokens, stack.m.hidden_size, device=DEV, dtype=torch.bfloat16)
+            for _ in range(3):
+                timed_step(stack, x, seqs)
+            iso = []
+            for _ in range(a.isolated):
+                time.sleep(a.idle_s)
+                iso.append(timed_step(stack, x, seqs))
+            sus = []
+            t_end = time.time() + a.sustained_s
+            while time.time() < t_end:
+                sus.append(timed_step(stack, x, seqs))
+            time.sleep(a.idle_s)
+            results.append({"tokens": tokens, "seqs": seqs, "isolated": iso, "sustained": sus,
+                            "model_ms": modelled_ms(a.model, a.gpu, a.calibration, tokens,
+                                                    seqs)})
+            del x
+    finally:
+        time.sleep(0.2)
+        smi.terminate()
+        smi.wait()
+    samples = smi_samples(smi_path)
+    head = (f"{'step':>10} {'model ms':>9} {'isolated ms':>12} {'sustained 1st s':>16} "
+            f"{'last s':>8} {'MHz iso':>8} {'MHz 1st s':>9} {'MHz last s':>10} "
+            f"{'W last s':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        iso_ms = statistics.median(ms for _, ms in r["isolated"])
+        t0 = r["sustained"][0][0]
+        t1 = r["sustained"][-1][0]
+        first = [ms for t, ms in r["sustained"] if t < t0 + 1.0]
+        last = [ms for t, ms in r["sustained"] if t > t1 - 1.0]
+        iso_mhz = [during(samples, t, t + ms / 1e3, "sm_mhz") for t, ms in r["isolated"]]
+        iso_mhz = [v for v in iso_mhz if v is not None]
+
+        def fmt(v: float | None, spec: str = ".0f") -> str:
+            return "-" if v is None else format(v, spec)
+        r["summary"] = {
+            "isolated_ms": iso_ms, "sustained_first_s_ms": statistics.median(first),
+            "sustained_last_s_ms": statistics.median(last),
+            "mhz_isolated": statistics.median(iso_mhz) if iso_mhz else None,
+            "mhz_first_s": during(samples, t0, t0 + 1.0, "sm_mhz"),
+            "mhz_last_s": during(samples, t1 - 1.0, t1, "sm_mhz"),
+            "power_last_s": during(samples, t1 - 1.0, t1, "power_w")}
+        s = r["summary"]
+        lines.append(f"{r['tokens']:>6}x{r['seqs']:<3} {r['model_ms']:9.1f} {iso_ms:12.1f} "
+                     f"{s['sustained_first_s_ms']:16.1f} {s['sustained_last_s_ms']:8.1f} "
+                     f"{fmt(s['mhz_isolated']):>8} {fmt(s['mhz_first_s']):>9} "
+                     f"{fmt(s['mhz_last_s']):>10} {fmt(s['power_last_s']):>8}")
+    table = "\n".join(lines)
+    print(table)
+    (out / "sustained_prefill.json").write_text(json.dumps({
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "table": table, "steps": results, "smi": samples}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

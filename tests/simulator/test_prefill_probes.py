@@ -1,0 +1,77 @@
+"""The CPU parts of the two prefill probes (scripts/probe_extend_mix.py,
+scripts/probe_sustained_prefill.py): chunk compositions, a burst's chunk cycle, the model
+column, nvidia-smi parsing and argument errors. Their GPU timings live in benchmarks.md."""
+
+from __future__ import annotations
+
+import pytest
+from sim_helpers import load_script
+
+from simulator.serving.extend_grid import ExtendTiles
+
+mix = load_script("probe_extend_mix")
+sustained = load_script("probe_sustained_prefill")
+
+
+def test_compositions_parse_and_label_round_trip():
+    c = mix.parse("300+3000/20x390+0")
+    assert c == [(300, 3000)] + [(390, 0)] * 20
+    assert mix.label(c) == "300+3000/20x390+0"
+    assert mix.parse(mix.label(c)) == c
+
+
+@pytest.mark.parametrize("bad", ["400", "0+5", "3x-1+0", "0x10+0", "a+b"])
+def test_bad_compositions_name_the_term(bad):
+    with pytest.raises(SystemExit, match="composition"):
+        mix.parse(bad)
+
+
+def test_a_bursts_cycle_cuts_prompts_into_full_chunks():
+    comps = mix.cycle(8000, 8192, 9)
+    assert len(comps) == 9
+    assert comps[0] == [(8000, 0), (192, 0)]
+    for c in comps:
+        assert sum(e for e, _ in c) == 8192
+        tail_e, tail_p = c[0]
+        assert tail_e + tail_p == 8000          # the first sequence finishes its prompt
+        assert all(p == 0 for _, p in c[1:])    # the rest start fresh prompts
+    assert comps[-1][0] == (1, 7999)
+
+
+def test_model_column_pads_unequal_chunks_only():
+    cost = mix.bf16_server("llama-3-8b", "h200", None).cost
+    alone = mix.modelled_s(cost, [(8000, 0)])
+    assert alone == cost.prefill_attention_time(8000, 0, 8000 * 8000 / 2, 1)
+    late = [(1, 7999), (8000, 0), (191, 0)]
+    pairs = sum(e * p + e * e / 2 for e, p in late)
+    flat = cost.prefill_attention_time(8192, 7999, pairs, 3)
+    pad = ExtendTiles(128, 64).padding(late)
+    assert mix.modelled_s(cost, late, padded=False) == flat
+    assert mix.modelled_s(cost, late) == pytest.approx(flat * pad)
+    assert pad > 2.5
+
+
+def test_smi_samples_parse_nvidia_smi_csv(tmp_path):
+    f = tmp_path / "smi.csv"
+    f.write_text("timestamp, clocks.sm [MHz], power.draw [W], temperature.gpu, "
+                 "clocks_event_reasons.active\n"
+                 "2026/11/24 17:02:56.125, 1980 MHz, 312.50 W, 41, 0x0000000000000000\n"
+                 "2026/11/24 17:02:56.175, 1538 MHz, 692.80 W, 55, 0x0000000000000004\n"
+                 "garbage line\n")
+    rows = sustained.smi_samples(f)
+    assert [r["sm_mhz"] for r in rows] == [1980.0, 1538.0]
+    assert rows[1]["power_w"] == 692.8
+    assert rows[1]["t"] - rows[0]["t"] == pytest.approx(0.05)
+    assert sustained.during(rows, rows[1]["t"] - 0.01, rows[1]["t"] + 0.01, "sm_mhz") == 1538.0
+    assert sustained.during(rows, 0.0, 1.0, "sm_mhz") is None
+
+
+def test_sustained_probe_rejects_a_shape_that_does_not_split():
+    with pytest.raises(SystemExit, match="8192x20"):
+        sustained.main(["--out", "/nonexistent", "--shapes", "8192x20"])
+
+
+def test_sustained_probe_models_the_dense_step():
+    one = sustained.modelled_ms("llama-3-8b", "h200", None, 8000, 1)
+    twenty = sustained.modelled_ms("llama-3-8b", "h200", None, 8000, 20)
+    assert 0 < twenty < one         # the same GEMMs, a twentieth of the causal attention
