@@ -46,6 +46,7 @@ class StepShape:
     # (extend, past) per chunk, for kernels whose cost depends on the mix (extend_grid.py);
     # empty: unknown, the chunks taken as alike
     prefill_chunks: tuple[tuple[int, int], ...] = ()
+    after_prefill: bool = False       # the previous step was a prefill step too
 
 
 class CostModel:
@@ -215,9 +216,11 @@ class CostModel:
             per_layer += self.prefill_attention_time(s.prefill_tokens, s.prefill_past_tokens,
                                                      s.prefill_pairs, s.prefill_seqs,
                                                      s.prefill_chunks)
-        per_layer += self.layer_overhead(s)
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self.lm_head_time(sampled)
+        if s.prefill_tokens and s.after_prefill:
+            t *= c.sustained_prefill_scale    # back to back: the GPU at its power limit
+        t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:
             t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
                   + c.prefill_token_overhead_s * s.prefill_tokens)

@@ -46,7 +46,7 @@ prompt token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -197,7 +197,9 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
     for seqs, tok, cached, secs, no in prefill_samples(log):
         if no < start_line or any(a < no < b for a, b in used):
             continue
-        shape = prefill_shape(server, int(seqs), int(tok), int(cached))
+        # a burst's steps run back to back (the calibration's sustained_prefill_scale)
+        shape = replace(prefill_shape(server, int(seqs), int(tok), int(cached)),
+                        after_prefill=True)
         p_rest, _, _ = _kernels(server, shape)
         rows.add(float(secs), p_rest,
                  [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),

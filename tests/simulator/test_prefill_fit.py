@@ -25,17 +25,18 @@ def _server(**prefill):
     return replace(scenario(), calibration=cal).server("bf16")
 
 
-def _log(tmp_path, shapes, artefact_after=None, decode_between=False):
+def _log(tmp_path, shapes, artefact_after=None, decode_between=False, sustained=1.0):
     """Prefill lines as SGLang writes them: line i's input throughput is line i-1's new tokens
-    over line i-1's step time (true costs added to the model's step)."""
-    srv = _server()
+    over line i-1's step time (true costs added to the model's step; back to back, its kernels
+    ``sustained`` slower)."""
+    srv = _server(sustained_prefill_scale=sustained)
     lines = ["max_total_num_tokens=400000, chunked_prefill_size=-1"]
     prev = None
     for i, (n, t) in enumerate(shapes):
         thr = 0.0
         if prev is not None:
             pn, pt = prev
-            dur = (srv.cost.step_time(prefill_shape(srv, pn, pt, 0))
+            dur = (srv.cost.step_time(replace(prefill_shape(srv, pn, pt, 0), after_prefill=True))
                    + TRUE["prefill_step_overhead_s"] + TRUE["prefill_seq_overhead_s"] * pn
                    + TRUE["prefill_token_overhead_s"] * pt)
             thr = pt / dur
@@ -86,6 +87,18 @@ def test_fit_recovers_known_costs(tmp_path):
     cal = _server().deployment.calibration
     assert fit["decode_attention_scale"] == cal.decode_attention_scale
     assert fit["step_overhead_s"] == cal.step_overhead_s
+
+
+def test_burst_rows_run_at_the_sustained_scale(tmp_path):
+    """A burst's steps are back to back: with the GPU's sustained_prefill_scale in the
+    calibration the fit recovers the true costs; without it, it charges the slowdown to them."""
+    fit = _fit(tmp_path, _varied(), server=_server(sustained_prefill_scale=1.09), sustained=1.09)
+    for k, v in TRUE.items():
+        assert fit[k] == pytest.approx(v, rel=1e-3), k
+    blind = _fit(tmp_path, _varied(), sustained=1.09)
+    assert blind["mape_before"] > fit["mape_before"]
+    assert (blind["prefill_token_overhead_s"] > TRUE["prefill_token_overhead_s"] * 1.5
+            or blind["prefill_seq_overhead_s"] > TRUE["prefill_seq_overhead_s"] * 1.5)
 
 
 def test_fit_residual_is_over_existing_costs(tmp_path):
