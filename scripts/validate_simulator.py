@@ -59,7 +59,7 @@ from simulator.errors import SimulatorInputError  # noqa: E402
 from simulator.kv.mix import TierMix  # noqa: E402
 from simulator.metrics.summary import summarize  # noqa: E402
 from simulator.specs.calibration import (  # noqa: E402
-    SUSTAINED_PREFILL_MAX,
+    ISOLATED_PREFILL_MIN,
     Calibration,
     load_calibration,
 )
@@ -605,9 +605,11 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
         f"{', '.join(f'{k}' for k in calib.measured.to_dict() if calib.measured.to_dict()[k])}"
         if calib.measured else f"- file: `{calib.source_file}` (no kernel grids)",
         f"- provenance: {json.dumps(calib.provenance.get('kernels', calib.provenance['source']))}",
-        f"- a prefill step after another prefill step: kernels x{calib.sustained_prefill_scale:.3g}"
-        + (" (the GPU at its power limit; scripts/probe_sustained_prefill.py)"
-           if calib.sustained_prefill_scale != 1.0 else " (not measured for this GPU)"),
+        "- a prefill step that follows no prefill step: kernels "
+        f"x{calib.isolated_prefill_scale:.3g}"
+        + (" (below the power limit the grids and back-to-back steps run at; "
+           "scripts/probe_sustained_prefill.py)"
+           if calib.isolated_prefill_scale != 1.0 else " (not measured for this GPU)"),
     ]
     if calib.measured_raw.get("provenance"):
         p = calib.measured_raw["provenance"]
@@ -707,11 +709,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(its extend path's scoring/compression launches), from the backend "
                          "profile (scripts/profile_backend_ops.py), for when the DiffKV "
                          "fitting runs hold no prefill steps to fit it from (default: 0)")
-    ap.add_argument("--sustained-prefill-scale", type=float, default=None,
-                    help="factor on the kernel time of a prefill step that follows another "
-                         "(back to back the GPU runs at its power limit), measured by "
-                         "scripts/probe_sustained_prefill.py: its back-to-back time over its "
-                         "time alone; default: the calibration's (1 when it has none)")
+    ap.add_argument("--isolated-prefill-scale", type=float, default=None,
+                    help="factor on the kernel time of a prefill step that follows no prefill "
+                         "step (it runs below the power limit that the kernel grids and a "
+                         "burst's back-to-back chunks run at), measured by "
+                         "scripts/probe_sustained_prefill.py: a step's time alone over its "
+                         "time back to back; default: the calibration's (1 when it has none)")
     ap.add_argument("--prefill-fit", choices=("all", "none"), default="all",
                     help="all: fit the prefill-only costs (per step / request / prompt token) "
                          "from the fitting runs' Decode intervals that hold prefill steps and "
@@ -742,11 +745,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     args_used = list(argv if argv is not None else sys.argv[1:])
     try:
-        if a.sustained_prefill_scale is not None and not (
-                1.0 <= a.sustained_prefill_scale <= SUSTAINED_PREFILL_MAX):
+        if a.isolated_prefill_scale is not None and not (
+                ISOLATED_PREFILL_MIN <= a.isolated_prefill_scale <= 1.0):
             raise SimulatorInputError(
-                f"--sustained-prefill-scale {a.sustained_prefill_scale:g} must be in "
-                f"[1, {SUSTAINED_PREFILL_MAX:g}]")
+                f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
+                f"[{ISOLATED_PREFILL_MIN:g}, 1]")
         parts = []
         for arg in a.results:
             d, tag, rename = results_arg(arg)
@@ -759,8 +762,8 @@ def main(argv: list[str] | None = None) -> int:
                                       f"are {', '.join(r.key for r in h.runs)}")
         h.runs = [r for r in h.runs if r.key not in a.skip_run]
         calib = load_calibration(load_gpu(a.gpu).key, a.calibration)
-        if a.sustained_prefill_scale is not None:
-            calib = replace(calib, sustained_prefill_scale=a.sustained_prefill_scale)
+        if a.isolated_prefill_scale is not None:
+            calib = replace(calib, isolated_prefill_scale=a.isolated_prefill_scale)
         doc = Path(a.doc)
         plot_dir = plot_dir_of(a)
         plot_dir.mkdir(parents=True, exist_ok=True)

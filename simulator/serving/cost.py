@@ -218,8 +218,8 @@ class CostModel:
                                                      s.prefill_chunks)
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self.lm_head_time(sampled)
-        if s.prefill_tokens and s.after_prefill:
-            t *= c.sustained_prefill_scale    # back to back: the GPU at its power limit
+        if s.prefill_tokens and not s.after_prefill:
+            t *= c.isolated_prefill_scale    # alone: below the power limit the grids ran at
         t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:
             t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs

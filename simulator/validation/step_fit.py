@@ -197,7 +197,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
     for seqs, tok, cached, secs, no in prefill_samples(log):
         if no < start_line or any(a < no < b for a, b in used):
             continue
-        # a burst's steps run back to back (the calibration's sustained_prefill_scale)
+        # a burst's steps run back to back, at the grids' clocks (no isolated_prefill_scale)
         shape = replace(prefill_shape(server, int(seqs), int(tok), int(cached)),
                         after_prefill=True)
         p_rest, _, _ = _kernels(server, shape)

@@ -1,6 +1,6 @@
-"""A prefill step right after another runs its kernels ``sustained_prefill_scale`` slower (the
-GPU at its power limit): the calibration field, the cost model, the scheduler's flag, the
-fit's burst rows, and validate_simulator's option."""
+"""A prefill step that follows no prefill step runs its kernels ``isolated_prefill_scale`` of
+the grids' time (below the power limit that the grids and a burst's back-to-back chunks run
+at): the calibration field, the cost model, the scheduler's flag, validate_simulator's option."""
 
 from __future__ import annotations
 
@@ -26,20 +26,20 @@ def _calib_file(tmp_path, **extra):
 
 
 def test_the_field_loads_round_trips_and_names_a_bad_value(tmp_path):
-    cal = load_calibration("h100", str(_calib_file(tmp_path, sustained_prefill_scale=1.09)))
-    assert cal.sustained_prefill_scale == 1.09
-    assert cal.to_dict()["sustained_prefill_scale"] == 1.09
-    assert load_calibration("h100").sustained_prefill_scale == 1.0
-    assert "sustained_prefill_scale" not in load_calibration("h100").to_dict()
-    for bad in (0.9, 2.5, True, "fast"):
-        with pytest.raises(SimulatorInputError, match=f"sustained_prefill_scale={bad!r}"):
-            load_calibration("h100", str(_calib_file(tmp_path, sustained_prefill_scale=bad)))
+    cal = load_calibration("h100", str(_calib_file(tmp_path, isolated_prefill_scale=0.92)))
+    assert cal.isolated_prefill_scale == 0.92
+    assert cal.to_dict()["isolated_prefill_scale"] == 0.92
+    assert load_calibration("h100").isolated_prefill_scale == 1.0
+    assert "isolated_prefill_scale" not in load_calibration("h100").to_dict()
+    for bad in (0.3, 1.1, True, "fast"):
+        with pytest.raises(SimulatorInputError, match=f"isolated_prefill_scale={bad!r}"):
+            load_calibration("h100", str(_calib_file(tmp_path, isolated_prefill_scale=bad)))
 
 
-def test_only_the_kernels_of_a_back_to_back_prefill_step_scale():
+def test_only_the_kernels_of_a_prefill_step_alone_scale():
     sc = scenario()
-    scale = 1.09
-    cost = replace(sc, calibration=replace(sc.calibration, sustained_prefill_scale=scale)
+    scale = 0.92
+    cost = replace(sc, calibration=replace(sc.calibration, isolated_prefill_scale=scale)
                    ).server("bf16").cost
     plain = sc.server("bf16").cost
     alone = StepShape(prefill_tokens=4096, prefill_pairs=4096 * 4096 / 2, prefill_seqs=1)
@@ -48,8 +48,9 @@ def test_only_the_kernels_of_a_back_to_back_prefill_step_scale():
     fixed = (c.step_overhead_s + c.seq_overhead_s + c.prefill_step_overhead_s
              + c.prefill_seq_overhead_s + c.prefill_token_overhead_s * 4096
              + cost.layers * cost.layer_overhead(alone))
-    assert cost.step_time(alone) == plain.step_time(alone) == plain.step_time(after)
-    assert cost.step_time(after) - fixed == pytest.approx(scale * (cost.step_time(alone) - fixed))
+    assert cost.step_time(after) == plain.step_time(after) == plain.step_time(alone)
+    assert cost.step_time(alone) - fixed == pytest.approx(scale * (cost.step_time(after) - fixed))
+    assert cost.step_time(alone) < cost.step_time(after)
     decode = StepShape(decode_reqs=8, decode_kv_tokens=8000, decode_read_bytes=1e6,
                        after_prefill=True)
     assert cost.step_time(decode) == plain.step_time(decode)
@@ -72,9 +73,9 @@ def test_the_scheduler_flags_a_prefill_that_follows_a_prefill():
     assert b.kind == "prefill" and b.shape.after_prefill is False
 
 
-def test_validate_simulator_rejects_a_scale_below_one(tmp_path, capsys):
+def test_validate_simulator_rejects_a_scale_above_one(tmp_path, capsys):
     vs = load_script("validate_simulator")
-    rc = vs.main([str(tmp_path), "--sustained-prefill-scale", "0.8",
+    rc = vs.main([str(tmp_path), "--isolated-prefill-scale", "1.09",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
-    assert "--sustained-prefill-scale 0.8 must be in [1, 2]" in capsys.readouterr().err
+    assert "--isolated-prefill-scale 1.09 must be in [0.5, 1]" in capsys.readouterr().err
