@@ -73,6 +73,7 @@ class HarnessRun:
     seed: int = 0                       # the client's prompt seed (bench_e2e --seed)
     # the runs served before this one by the same server start, oldest first
     earlier: tuple[HarnessRun, ...] = field(repr=False, default=())
+    lengths_from: str = "sharegpt"      # the trace its request lengths come from
     _trace: Trace | None = field(repr=False, default=None, compare=False)
     _warm: list[tuple[int, ...]] | None = field(repr=False, default=None, compare=False)
 
@@ -231,11 +232,20 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
         earlier = tuple(x for x in runs if x.raw.get("config") == cfg)
         runs.append(HarnessRun(rename.get(cfg, cfg), _need(r, "workload", where), label, tf,
                                _need(r, "client", where), text, r.get("rate_req_s"),
-                               r.get("saturation_req_s"), r, server_logs[cfg], seed, earlier))
+                               r.get("saturation_req_s"), r, server_logs[cfg], seed, earlier,
+                               lengths_from=_lengths_from(data)))
     configs = {rename.get(k, k): v for k, v in configs.items()}
     server_logs = {rename.get(k, k): v for k, v in server_logs.items()}
     return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
                           [root])
+
+
+def _lengths_from(data: dict[str, Any]) -> str:
+    """The trace bench_e2e took its sharegpt and ladder request lengths from (its
+    --sharegpt-trace; the bundled ShareGPT one when not recorded)."""
+    opt = data.get("options")
+    v = opt.get("sharegpt_trace") if isinstance(opt, dict) else None
+    return str(v) if v else "sharegpt"
 
 
 def _client_seed(data: dict[str, Any]) -> int:
@@ -323,14 +333,17 @@ def fill_ladder_saturation(runs: list[HarnessRun]) -> None:
     """Ladder runs at absolute rates (``--ladder-abs-rates``, e.g. another backend's rates)
     carry no saturation rate, so their load is unknown. When the merged results hold a
     sharegpt run of the same configuration (the same launch: merge_harness checks command and
-    environment), its saturation rate is used, as the harness would have; the run's
-    ``raw["saturation_from"]`` names it. Runs that have one keep theirs."""
+    environment) on request lengths from the same trace, its saturation rate is used, as the
+    harness would have; the run's ``raw["saturation_from"]`` names it. Runs that have one keep
+    theirs."""
     # an untagged sharegpt run over a tagged one (a tag marks a repeat, e.g. a fitting run)
-    sat = {r.config: (r, v) for r in sorted(runs, key=lambda r: "#" not in r.label)
+    sat = {(r.config, r.lengths_from): (r, v)
+           for r in sorted(runs, key=lambda r: "#" not in r.label)
            if r.workload == "sharegpt" and (v := sharegpt_saturation_req_s(r)) is not None}
     for r in runs:
-        if r.workload == "ladder" and r.saturation_req_s is None and r.config in sat:
-            src, v = sat[r.config]
+        key = (r.config, r.lengths_from)
+        if r.workload == "ladder" and r.saturation_req_s is None and key in sat:
+            src, v = sat[key]
             r.saturation_req_s = v
             r.raw["saturation_from"] = src.key
 

@@ -22,8 +22,10 @@ DATA = H100_DATA
 DIFFKV = [DATA / f"e2e-diffkv-mix-cuda-split-syncfree{s}" for s in ("", "-sharegpt", "-ladder")]
 
 
-def _run(config: str, workload: str, label: str, client: dict, rate=None, sat=None):
-    return HarnessRun(config, workload, label, Path("t.jsonl"), client, "", rate, sat)
+def _run(config: str, workload: str, label: str, client: dict, rate=None, sat=None,
+         lengths_from: str = "sharegpt"):
+    return HarnessRun(config, workload, label, Path("t.jsonl"), client, "", rate, sat,
+                      lengths_from=lengths_from)
 
 
 def test_sharegpt_saturation_is_the_harness_definition():
@@ -48,6 +50,23 @@ def test_only_ladder_runs_without_one_take_their_configs_sharegpt_rate():
     assert lad.saturation_req_s == 25.0 and lad.raw["saturation_from"] == "dk/sharegpt"
     assert kept.saturation_req_s == 30.0 and "saturation_from" not in kept.raw
     assert other.saturation_req_s is None
+
+
+def test_a_sharegpt_run_on_other_request_lengths_sets_no_ladders_load():
+    # a burst of 8,000-token prompts on the same server saturates at 3.3 req/s: the ShareGPT
+    # ladder's load is not measured against it, the azure-code ladder's against its own burst
+    sg = _run("bf16", "sharegpt", "sharegpt", {"request_throughput": 33.2})
+    long = _run("bf16", "sharegpt", "sharegpt#l", {"request_throughput": 3.3},
+                lengths_from="long8000.jsonl")
+    code = _run("bf16", "sharegpt", "sharegpt#z", {"request_throughput": 11.9},
+                lengths_from="azure-code")
+    lad = _run("bf16", "ladder", "ladder@15.35rps", {}, rate=15.35)
+    lad_long = _run("bf16", "ladder", "ladder@0.5rps#l", {}, rate=0.5,
+                    lengths_from="long8000.jsonl")
+    lad_code = _run("bf16", "ladder", "ladder@8rps#z", {}, rate=8.0, lengths_from="azure-code")
+    fill_ladder_saturation([long, code, sg, lad, lad_long, lad_code])
+    assert lad.saturation_req_s == 33.2
+    assert lad_long.saturation_req_s == 3.3 and lad_code.saturation_req_s == 11.9
 
 
 @pytest.mark.skipif(not all((d / "results.json").exists() for d in DIFFKV),
