@@ -211,6 +211,7 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
         raise SimulatorInputError(f"{res_path}: renaming {rename} gives two configurations "
                                   f"one name ({', '.join(names)})")
     seed = _client_seed(data)
+    lengths_from = _lengths_from(data)
     runs: list[HarnessRun] = []
     for i, r in enumerate(_need(data, "runs", str(res_path))):
         where = f"{res_path}: runs[{i}]"
@@ -233,7 +234,7 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
         runs.append(HarnessRun(rename.get(cfg, cfg), _need(r, "workload", where), label, tf,
                                _need(r, "client", where), text, r.get("rate_req_s"),
                                r.get("saturation_req_s"), r, server_logs[cfg], seed, earlier,
-                               lengths_from=_lengths_from(data)))
+                               lengths_from=lengths_from))
     configs = {rename.get(k, k): v for k, v in configs.items()}
     server_logs = {rename.get(k, k): v for k, v in server_logs.items()}
     return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
