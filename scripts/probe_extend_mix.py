@@ -6,8 +6,8 @@ The calibration (``scripts/calibrate_gpu.py``) times the kernel on one sequence 
 (chunk x past); a server's chunk holds several: a prompt's tail with its earlier chunks as
 past next to the head of the next prompt, or tens of short prompts. This times one layer's
 ``extend_attention_fwd`` (bf16 KV) for the compositions given and prints the simulator's time
-for each (``CostModel.prefill_attention_time``: the calibration's grid at (tokens, mean past),
-with and without the launch padding of ``simulator/serving/extend_grid.py``).
+for each (``CostModel.prefill_attention_time``: with a measured calibration, the tiles the
+launch computes at the grid's per-tile time, ``simulator/serving/extend_grid.py``).
 
 A composition is ``[Nx]EXTEND+PAST`` terms joined by ``/``, e.g. ``320+7680/7872+0`` or
 ``20x400+0`` (twenty 400-token prompts with no past); ``--cycle
@@ -103,14 +103,12 @@ def time_extend(ext, c: Composition) -> float:
     return timed(fn, False, 1)
 
 
-def modelled_s(cost, c: Composition, padded: bool = True) -> float:
-    """The cost model's time of one layer's extend over ``c``; ``padded=False``: from the
-    chunk's totals alone, as before the launch padding was modelled."""
+def modelled_s(cost, c: Composition) -> float:
+    """The cost model's time of one layer's extend over ``c``."""
     tokens = sum(e for e, _ in c)
     past = sum(p for _, p in c)
     pairs = sum(e * p + e * e / 2 for e, p in c)
-    return cost.prefill_attention_time(tokens, past, pairs, len(c),
-                                       tuple(c) if padded else ())
+    return cost.prefill_attention_time(tokens, past, pairs, len(c), tuple(c))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,14 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     cost = bf16_server(a.model, a.gpu, a.calibration).cost
     rows = []
     head = (f"{'composition (extend+past per sequence)':>44} {'measured us':>12} "
-            f"{'pairs-only model':>16} {'padded model':>12} {'padded/meas':>11}")
+            f"{'model us':>9} {'model/meas':>10}")
     lines = [head, "-" * len(head)]
     for c in comps:
         t = time_extend(ext, c)
-        flat, m = modelled_s(cost, c, padded=False), modelled_s(cost, c)
-        rows.append({"composition": c, "time_s": t, "model_s": m, "pairs_only_model_s": flat})
-        lines.append(f"{label(c):>44} {t * 1e6:12.1f} {flat * 1e6:16.1f} {m * 1e6:12.1f} "
-                     f"{m / t:11.2f}")
+        m = modelled_s(cost, c)
+        rows.append({"composition": c, "time_s": t, "model_s": m})
+        lines.append(f"{label(c):>44} {t * 1e6:12.1f} {m * 1e6:9.1f} {m / t:10.2f}")
         torch.cuda.empty_cache()
     table = "\n".join(lines)
     print(table)

@@ -13,6 +13,9 @@ peak, whichever is larger) divided by the measured efficiency at its shape: eta(
 m tokens, eta(batch, mean context) for decode attention, eta(chunk tokens, mean past) for
 prefill attention. ``scripts/calibrate_gpu.py`` computes those etas with these same ``*_sol``
 methods, so at a measured grid point the model reproduces the measured kernel time exactly.
+SGLang's triton extend kernel (the bf16 and fp8 prefill) is the exception: its time is the key
+tiles its launch computes at a per-tile time taken from the same grid (``extend_grid.py``),
+since its work follows its tiles, not the chunk's query-key pairs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import bisect
 from dataclasses import dataclass
 
 from simulator.kv.pool import KVPool
-from simulator.serving.extend_grid import ExtendTiles
+from simulator.serving.extend_grid import ExtendTiles, ExtendTileTimes
 from simulator.specs.calibration import Calibration, EtaGrid1D
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
@@ -47,6 +50,14 @@ class StepShape:
     # empty: unknown, the chunks taken as alike
     prefill_chunks: tuple[tuple[int, int], ...] = ()
     after_prefill: bool = False       # the previous step was a prefill step too
+
+
+def _alike_chunks(tokens: int, past_tokens: int, seqs: int) -> tuple[tuple[int, int], ...]:
+    """``seqs`` chunks sharing ``tokens`` and ``past_tokens`` as evenly as integers allow."""
+    n = max(1, min(seqs, tokens))
+    e, er = divmod(tokens, n)
+    p, pr = divmod(past_tokens, n)
+    return tuple((e + (i < er), p + (i < pr)) for i in range(n))
 
 
 class CostModel:
@@ -94,6 +105,12 @@ class CostModel:
         self.head_dim = d
         self.hidden = h
         self.write_bpt = pool.write_bytes_per_token_layer
+        self._extend_times = None
+        if self._extend_tiles is not None and self._prefill_grid is not None:
+            g = self._prefill_grid
+            self._extend_times = ExtendTileTimes.from_grid(
+                self._extend_tiles, g.x.tolist(), g.y.tolist(),
+                lambda c, p: self.prefill_attention_sol(c, p, c * p + c * c / 2) / g(c, p))
         self.graph_sizes = graph_sizes
         self.graphs_enabled = graphs_enabled and bool(graph_sizes)
         self.graph_max = graph_sizes[-1] if graph_sizes else 0
@@ -155,9 +172,13 @@ class CostModel:
 
     def prefill_attention_time(self, tokens: int, past_tokens: int, pairs: float,
                                seqs: int, chunks: tuple[tuple[int, int], ...] = ()) -> float:
-        """One layer's prefill attention; a grid is looked up at (tokens in the batch, mean
-        past per chunk), times what the triton kernel's launch wastes on ``chunks`` of
-        unequal lengths (``ExtendTiles.padding``)."""
+        """One layer's prefill attention over ``chunks`` ((extend, past) per sequence; empty:
+        ``seqs`` alike chunks of the totals). SGLang's triton extend kernel with a measured
+        grid: the tiles its launch computes (``ExtendTileTimes``). Otherwise the grid at
+        (tokens in the batch, mean past per chunk), or the flat efficiency, on the chunks'
+        query-key pairs, the triton kernel's times its launch padding."""
+        if self._extend_times is not None:
+            return self._extend_times(chunks or _alike_chunks(tokens, past_tokens, seqs))
         if self._prefill_grid is not None:
             t = (self.prefill_attention_sol(tokens, past_tokens, pairs)
                  / self._prefill_grid(tokens, past_tokens / max(seqs, 1)))

@@ -1,25 +1,52 @@
-"""The work SGLang's triton extend (prefill) attention kernel does on a chunk of several
-sequences, relative to the same sequences launched one at a time.
+"""The time of SGLang's triton extend (prefill) attention kernel on a chunk of sequences, from
+the work its launch really does.
 
 ``extend_attention_fwd`` (sglang 0.5.10, ``srt/layers/attention/triton_ops/extend_attention.py``)
 launches a grid of (sequences, heads, cdiv(longest extend, BLOCK_M)) programs, and no program
 returns early: every sequence runs as many query blocks as the chunk's longest one, and each
 block scans the sequence's whole prefix in BLOCK_N-key tiles (stage 1) and min(extend,
-(block + 1) * BLOCK_M) of its own keys (stage 2), masked where out of range. A short prompt
-next to a long one, or a prompt's tail with its earlier chunks as prefix next to the head of
-the next prompt, so computes tiles nobody needs. The calibration times one sequence per chunk
-(``scripts/calibrate_gpu.py``), where no block is wasted; ``ExtendTiles.padding`` is the factor
-a chunk's launch costs over that.
+(block + 1) * BLOCK_M) of its own keys (stage 2), masked where out of range. So the work is
+counted in key tiles, not in query-key pairs: a one-token extend against an 8,000-token cached
+prefix runs a full 128-query block over 125 tiles (as long as 128 queries would), a short
+prompt beside a long one runs the long one's blocks, and twenty 400-token prompts cost their
+diagonal tiles in full.
+
+``ExtendTileTimes`` prices a launch as ``ExtendWork.units`` (tiles of one head, plus
+``BLOCK_OVERHEAD_TILES`` per query block for loading its queries and writing its outputs)
+times a per-unit time looked up at (query rows launched, mean past): the rows say how many
+programs share the GPU (below one wave a unit costs a whole program's serial step, above it
+the SMs share them), the past how much of the work is stage 1's gathered prefix tiles. The
+per-unit times come from the calibration's one-sequence grid (``scripts/calibrate_gpu.py``),
+so the model reproduces every grid point, and are interpolated in log space, where both
+regimes are straight lines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from simulator.specs.calibration import log2_interp_index
+
+# A query block's fixed work in units of one key tile: fitted on chunks of equal prompts with
+# no past (20 x 400 and 40 x 200 tokens, H200: 21.6 ns per tile and head, the grid's rate at
+# 8,192 tokens, plus ~21 ns per block and head); benchmarks.md, session 21.
+BLOCK_OVERHEAD_TILES = 1.0
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ExtendWork:
+    """What one launch computes, per attention head."""
+
+    units: float    # key tiles, plus BLOCK_OVERHEAD_TILES per query block
+    rows: int       # query rows launched: sequences x blocks x BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -33,7 +60,7 @@ class ExtendTiles:
     def for_gpu(cls, compute_capability: tuple[int, int] | None, head_dim: int
                 ) -> ExtendTiles | None:
         """SGLang's ``_get_block_sizes_for_extend_attention`` on CUDA (None: architecture not
-        known, no padding modelled)."""
+        known, the chunk priced from its query-key pairs)."""
         if compute_capability is None:
             return None
         major, minor = compute_capability
@@ -67,14 +94,56 @@ class ExtendTiles:
         return (blocks * _cdiv(past, self.block_n) + self._stage2_full_blocks(q)
                 + (blocks - q) * _cdiv(extend, self.block_n))
 
+    def work(self, chunks: Sequence[tuple[int, int]]) -> ExtendWork:
+        """One launch over ``chunks`` ((extend, past) per sequence, extend >= 1)."""
+        blocks = max(_cdiv(e, self.block_m) for e, _ in chunks)
+        tiles = sum(self.tiles(e, p, blocks) for e, p in chunks)
+        return ExtendWork(tiles + BLOCK_OVERHEAD_TILES * blocks * len(chunks),
+                          len(chunks) * blocks * self.block_m)
+
     def padding(self, chunks: Sequence[tuple[int, int]]) -> float:
-        """Tiles of one launch over ``chunks`` ((extend, past) per sequence) over the tiles of
-        the sequences launched one at a time; 1.0 for a single sequence."""
+        """Work of one launch over ``chunks`` over the sequences' work launched one at a time;
+        1.0 for one sequence or none."""
         if len(chunks) < 2:
             return 1.0
-        blocks = max(_cdiv(e, self.block_m) for e, _ in chunks)
-        launched = alone = 0
-        for e, p in chunks:
-            launched += self.tiles(e, p, blocks)
-            alone += self.tiles(e, p, _cdiv(e, self.block_m))
-        return launched / alone if alone else 1.0
+        alone = sum(self.work([c]).units for c in chunks)
+        return self.work(chunks).units / alone
+
+
+@dataclass(frozen=True)
+class ExtendTileTimes:
+    """Seconds per work unit over (query rows launched, mean past per sequence), log-log
+    bilinear, held at the edges."""
+
+    tiles: ExtendTiles
+    rows: np.ndarray
+    past: np.ndarray
+    log_unit_s: np.ndarray   # [rows, past]
+
+    @classmethod
+    def from_grid(cls, tiles: ExtendTiles, chunks: Sequence[int], pasts: Sequence[float],
+                  seconds: Callable[[int, int], float]) -> ExtendTileTimes:
+        """From a one-sequence grid: ``seconds(chunk, past)`` at each point. A past axis value
+        of at most 1 is the calibration's stand-in for no past (log axes have no zero): it is
+        timed and counted as 0."""
+        log_s = np.empty((len(chunks), len(pasts)))
+        for i, c in enumerate(chunks):
+            for j, p in enumerate(pasts):
+                past = 0 if p <= 1 else int(p)
+                w = tiles.work([(int(c), past)])
+                log_s[i, j] = math.log(seconds(int(c), past) / w.units)
+        rows = np.array([_cdiv(int(c), tiles.block_m) * tiles.block_m for c in chunks], float)
+        return cls(tiles, rows, np.asarray(pasts, float), log_s)
+
+    def unit_s(self, rows: float, past: float) -> float:
+        i0, i1, wx = log2_interp_index(self.rows, rows)
+        j0, j1, wy = log2_interp_index(self.past, past)
+        e = self.log_unit_s
+        top = e[i0, j0] * (1 - wy) + e[i0, j1] * wy
+        bot = e[i1, j0] * (1 - wy) + e[i1, j1] * wy
+        return math.exp(top * (1 - wx) + bot * wx)
+
+    def __call__(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one launch (one layer) over ``chunks``."""
+        w = self.tiles.work(chunks)
+        return w.units * self.unit_s(w.rows, sum(p for _, p in chunks) / len(chunks))

@@ -106,7 +106,7 @@ def _etas(values: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
     return a
 
 
-def _interp_index(axis: np.ndarray, x: float) -> tuple[int, int, float]:
+def log2_interp_index(axis: np.ndarray, x: float) -> tuple[int, int, float]:
     """Neighbours and weight for x on a log2 axis; clamped (held) outside it."""
     lx = math.log2(max(x, 1e-12))
     la = np.log2(axis)
@@ -142,7 +142,7 @@ class EtaGrid1D:
         return cls(x, _etas(d["eta"], x.shape, f"{where}.eta"), nk[0], nk[1])
 
     def __call__(self, x: float) -> float:
-        i, j, w = _interp_index(self.x, x)
+        i, j, w = log2_interp_index(self.x, x)
         return float(self.eta[i] * (1 - w) + self.eta[j] * w)
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,8 +171,8 @@ class EtaGrid2D:
         return cls(x, y, _etas(d["eta"], (len(x), len(y)), f"{where}.eta"), names)
 
     def __call__(self, x: float, y: float) -> float:
-        i0, i1, wx = _interp_index(self.x, x)
-        j0, j1, wy = _interp_index(self.y, y)
+        i0, i1, wx = log2_interp_index(self.x, x)
+        j0, j1, wy = log2_interp_index(self.y, y)
         e = self.eta
         top = e[i0, j0] * (1 - wy) + e[i0, j1] * wy
         bot = e[i1, j0] * (1 - wy) + e[i1, j1] * wy
