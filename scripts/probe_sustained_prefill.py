@@ -14,7 +14,16 @@ and samples the SM clock, power and temperature (nvidia-smi, every 50 ms) meanwh
 table compares the first and the last second of the sustained phase with the isolated steps,
 next to the simulator's modelled time of the same step (``--calibration``), so a gap between
 the model and a server's back-to-back prefill steps can be put down to the GPU's clocks under
-load or not. Writes ``OUT/sustained_prefill.json`` (every step, every clock sample).
+load or not.
+
+``--duty PxD,...`` adds a third phase per pattern, the way a server interleaves an arriving
+prompt with the running batch: P prefill steps of ``--duty-shape``, then D decode-like steps
+(the dense stack over ``--decode-tokens`` tokens, one CUDA graph replay each: weight streaming,
+little compute), repeated for ``--duty-s`` seconds. Its table gives, over the phase's second
+half, the fraction of time in prefill steps, their median time against the same shape alone
+and back to back, the decode steps' median, the clock and the power: how much prefill it takes
+before a prefill step runs at the back-to-back clocks. Writes ``OUT/sustained_prefill.json``
+(every step, every clock sample).
 
     python scripts/probe_sustained_prefill.py --out /tmp/probe --gpu h200 \
         --calibration docs/data/h200-2026-11-24/calibration/calibration.json
@@ -96,6 +105,61 @@ def timed_step(stack: DenseStack, x: torch.Tensor, seqs: int) -> tuple[float, fl
     return t0, start.elapsed_time(end)
 
 
+def decode_graph(stack: DenseStack, tokens: int) -> torch.cuda.CUDAGraph:
+    """The dense stack over ``tokens`` tokens (one sequence each: no attention to speak of)
+    captured once, replayed as a server replays its decode graphs."""
+    x = torch.randn(tokens, stack.m.hidden_size, device=DEV, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            stack.step(x, tokens)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        stack.step(x, tokens)
+    return g
+
+
+def timed_replay(g: torch.cuda.CUDAGraph) -> tuple[float, float]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.time()
+    start.record()
+    g.replay()
+    end.record()
+    end.synchronize()
+    return t0, start.elapsed_time(end)
+
+
+def parse_duty(text: str) -> list[tuple[int, int]]:
+    """``PxD,...``: P prefill steps then D decode steps, per pattern (P + D >= 1)."""
+    out = []
+    for term in filter(None, text.split(",")):
+        try:
+            p, d = (int(v) for v in term.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--duty {term!r}: PREFILLSxDECODES, e.g. 1x4") from None
+        if p < 0 or d < 0 or p + d < 1:
+            raise SystemExit(f"--duty {term!r}: counts >= 0, at least one step")
+        out.append((p, d))
+    return out
+
+
+def duty_summary(steps: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """Over the second half of a duty phase (``(kind, wall start, ms)`` per step): the share
+    of wall time in prefill steps and the median step of each kind."""
+    t_mid = 0.5 * (steps[0][1] + steps[-1][1])
+    late = [s for s in steps if s[1] >= t_mid]
+    span = late[-1][1] + late[-1][2] / 1e3 - late[0][1]
+
+    def med(kind: str) -> float | None:
+        v = [ms for k, _, ms in late if k == kind]
+        return statistics.median(v) if v else None
+    pf = sum(ms for k, _, ms in late if k == "prefill") / 1e3
+    return {"t0": t_mid, "t1": late[-1][1], "prefill_share": pf / span if span > 0 else 0.0,
+            "prefill_ms": med("prefill"), "decode_ms": med("decode")}
+
+
 def bf16_server(model: str, gpu: str, calibration: str | None) -> ResolvedServer:
     """The simulator's bf16 server with default settings (its cost model is what we compare)."""
     spec = load_model(model)
@@ -136,6 +200,20 @@ def during(samples: list[dict], t0: float, t1: float, key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _num(v: float | None, spec: str = ".0f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def parse_shape(text: str, flag: str) -> tuple[int, int]:
+    try:
+        tokens, seqs = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"{flag} {text}: TOKENSxSEQS, e.g. 4096x1") from None
+    if tokens < 1 or seqs < 1 or tokens % seqs:
+        raise SystemExit(f"{flag} {text}: TOKENSxSEQS with SEQS dividing TOKENS")
+    return tokens, seqs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -148,13 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isolated", type=int, default=6)
     ap.add_argument("--idle-s", type=float, default=1.5)
     ap.add_argument("--sustained-s", type=float, default=8.0)
+    ap.add_argument("--duty", default="", help="PxD patterns (P prefill steps, D decode "
+                    "steps), comma-separated; empty: no duty phase")
+    ap.add_argument("--duty-shape", default="2048x4", help="TOKENSxSEQS of the duty phase's "
+                    "prefill steps (default: %(default)s)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--duty-s", type=float, default=6.0)
     a = ap.parse_args(argv)
-    shapes = []
-    for s in a.shapes.split(","):
-        tokens, seqs = (int(v) for v in s.lower().split("x"))
-        if tokens < 1 or seqs < 1 or tokens % seqs:
-            raise SystemExit(f"--shapes {s}: TOKENSxSEQS with SEQS dividing TOKENS")
-        shapes.append((tokens, seqs))
+    duty = parse_duty(a.duty)
+    shapes = [parse_shape(s, "--shapes") for s in a.shapes.split(",")]
+    duty_shape = parse_shape(a.duty_shape, "--duty-shape")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     smi_path = out / "smi.csv"
@@ -180,6 +261,19 @@ def main(argv: list[str] | None = None) -> int:
                             "model_ms": modelled_ms(a.model, a.gpu, a.calibration, tokens,
                                                     seqs)})
             del x
+        duties = []
+        if duty:
+            tokens, seqs = duty_shape
+            xp = torch.randn(tokens, stack.m.hidden_size, device=DEV, dtype=torch.bfloat16)
+            g = decode_graph(stack, a.decode_tokens)
+            for p, d in duty:
+                time.sleep(a.idle_s)
+                steps = []
+                t_end = time.time() + a.duty_s
+                while time.time() < t_end:
+                    steps += [("prefill", *timed_step(stack, xp, seqs)) for _ in range(p)]
+                    steps += [("decode", *timed_replay(g)) for _ in range(d)]
+                duties.append({"prefills": p, "decodes": d, "steps": steps})
     finally:
         time.sleep(0.2)
         smi.terminate()
@@ -198,8 +292,6 @@ def main(argv: list[str] | None = None) -> int:
         iso_mhz = [during(samples, t, t + ms / 1e3, "sm_mhz") for t, ms in r["isolated"]]
         iso_mhz = [v for v in iso_mhz if v is not None]
 
-        def fmt(v: float | None, spec: str = ".0f") -> str:
-            return "-" if v is None else format(v, spec)
         r["summary"] = {
             "isolated_ms": iso_ms, "sustained_first_s_ms": statistics.median(first),
             "sustained_last_s_ms": statistics.median(last),
@@ -210,14 +302,33 @@ def main(argv: list[str] | None = None) -> int:
         s = r["summary"]
         lines.append(f"{r['tokens']:>6}x{r['seqs']:<3} {r['model_ms']:9.1f} {iso_ms:12.1f} "
                      f"{s['sustained_first_s_ms']:16.1f} {s['sustained_last_s_ms']:8.1f} "
-                     f"{fmt(s['mhz_isolated']):>8} {fmt(s['mhz_first_s']):>9} "
-                     f"{fmt(s['mhz_last_s']):>10} {fmt(s['power_last_s']):>8}")
+                     f"{_num(s['mhz_isolated']):>8} {_num(s['mhz_first_s']):>9} "
+                     f"{_num(s['mhz_last_s']):>10} {_num(s['power_last_s']):>8}")
+    if duties:
+        ref = next((r["summary"] for r in results
+                    if (r["tokens"], r["seqs"]) == duty_shape), None)
+        head = (f"{'P x D':>7} {'prefill share':>13} {'prefill ms':>10} {'/alone':>7} "
+                f"{'/back to back':>13} {'decode ms':>9} {'MHz':>6} {'W':>5}")
+        lines += ["", f"duty phase: prefill {duty_shape[0]}x{duty_shape[1]}, decode "
+                  f"{a.decode_tokens} tokens (CUDA graph)", head, "-" * len(head)]
+        for dd in duties:
+            sm = duty_summary(dd["steps"])
+            sm["mhz"] = during(samples, sm["t0"], sm["t1"], "sm_mhz")
+            sm["power_w"] = during(samples, sm["t0"], sm["t1"], "power_w")
+            dd["summary"] = sm
+            pms = sm["prefill_ms"]
+            alone = pms / ref["isolated_ms"] if ref and pms else None
+            b2b = pms / ref["sustained_last_s_ms"] if ref and pms else None
+            lines.append(f"{dd['prefills']:>3}x{dd['decodes']:<3} {sm['prefill_share']:13.2f} "
+                         f"{_num(pms, '.1f'):>10} {_num(alone, '.3f'):>7} "
+                         f"{_num(b2b, '.3f'):>13} {_num(sm['decode_ms'], '.2f'):>9} "
+                         f"{_num(sm['mhz']):>6} {_num(sm['power_w']):>5}")
     table = "\n".join(lines)
     print(table)
     (out / "sustained_prefill.json").write_text(json.dumps({
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "table": table, "steps": results, "smi": samples}, indent=1))
+        "table": table, "steps": results, "duty": duties, "smi": samples}, indent=1))
     return 0
 
 

@@ -605,10 +605,11 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
         f"{', '.join(f'{k}' for k in calib.measured.to_dict() if calib.measured.to_dict()[k])}"
         if calib.measured else f"- file: `{calib.source_file}` (no kernel grids)",
         f"- provenance: {json.dumps(calib.provenance.get('kernels', calib.provenance['source']))}",
-        "- a prefill step that follows no prefill step: kernels "
+        "- a prefill step long after the last one: kernels "
         f"x{calib.isolated_prefill_scale:.3g}"
-        + (" (below the power limit the grids and back-to-back steps run at; "
-           "scripts/probe_sustained_prefill.py)"
+        + (" (below the power limit the grids and back-to-back steps run at), back to back "
+           f"x1, the clocks recovering in {calib.prefill_clock_recovery_s * 1e3:.3g} ms "
+           "(exponential) in between; scripts/probe_sustained_prefill.py"
            if calib.isolated_prefill_scale != 1.0 else " (not measured for this GPU)"),
     ]
     if calib.measured_raw.get("provenance"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import simpy
@@ -68,6 +69,7 @@ class Replica:
         env, sched, log = self.env, self.scheduler, self.log
         step_time = self.cost.step_time
         last_start = math.inf      # start of the step just run (inf: none, the server idled)
+        prefill_end = -math.inf    # end of the last prefill step: the GPU's clocks recover
         while True:
             batch = sched.next_batch(last_start if self.overlap else math.inf)
             if batch is None and self.overlap and sched.waiting and last_start != math.inf:
@@ -80,9 +82,13 @@ class Replica:
                 self._wake = None
                 continue
             last_start = env.now
+            if batch.chunks:
+                batch.shape = replace(batch.shape, prefill_gap_s=env.now - prefill_end)
             dt = step_time(batch.shape)
             yield env.timeout(dt)
             now = env.now
+            if batch.chunks:
+                prefill_end = now
             finished = sched.complete(batch, now, self.itl)
             shape = batch.shape
             log.t_end.append(now)

@@ -21,6 +21,7 @@ since its work follows its tiles, not the chunk's query-key pairs.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from simulator.kv.pool import KVPool
@@ -49,7 +50,9 @@ class StepShape:
     # (extend, past) per chunk, for kernels whose cost depends on the mix (extend_grid.py);
     # empty: unknown, the chunks taken as alike
     prefill_chunks: tuple[tuple[int, int], ...] = ()
-    after_prefill: bool = False       # the previous step was a prefill step too
+    # seconds from the end of the previous prefill step to this step's start (0: back to
+    # back; inf: none before), for the GPU's clocks (Calibration.prefill_clock_scale)
+    prefill_gap_s: float = math.inf
 
 
 def _alike_chunks(tokens: int, past_tokens: int, seqs: int) -> tuple[tuple[int, int], ...]:
@@ -239,8 +242,8 @@ class CostModel:
                                                      s.prefill_chunks)
         sampled = (lin_tokens if graphed else s.decode_reqs) + s.prefill_seqs
         t = self.layers * per_layer + self.lm_head_time(sampled)
-        if s.prefill_tokens and not s.after_prefill:
-            t *= c.isolated_prefill_scale    # alone: below the power limit the grids ran at
+        if s.prefill_tokens:
+            t *= c.prefill_clock_scale(s.prefill_gap_s)   # the grids ran at the power limit
         t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:
             t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs

@@ -98,7 +98,6 @@ class Scheduler:
         self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.ratio_decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_ratio
-        self._last_was_prefill = False  # the batch completed last computed prompt tokens
         self.batch_is_full = False
         self._visible_until = math.inf
         self.retractions = 0
@@ -453,7 +452,7 @@ class Scheduler:
                             decode_read_bytes=dec_bytes, prefill_tokens=tokens,
                             prefill_pairs=pairs, prefill_past_tokens=past,
                             prefill_seqs=len(chunks), released_reqs=self._take_released(),
-                            prefill_chunks=extends, after_prefill=self._last_was_prefill)
+                            prefill_chunks=extends)
         return b
 
     # ---- decode memory -------------------------------------------------------------------
@@ -541,7 +540,6 @@ class Scheduler:
         """Apply the results of batch ``b`` that finished at ``now``; return finished requests.
         Inter-token gaps of decode steps go to ``itl_sink`` as arrays."""
         finished: list[SimRequest] = []
-        self._last_was_prefill = bool(b.chunks)
         if b.decode and self.run_reqs:
             self.gen += 1
             itl_sink.append(now - self.last)

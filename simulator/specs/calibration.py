@@ -64,13 +64,20 @@ ATTENTION_SCALE_FIELD = "decode_attention_scale"
 # default above, e.g. SGLang's triton backend on an fp8 cache vs a bf16 one
 ATTENTION_SCALES_FIELD = "decode_attention_scale_by_format"
 ATTENTION_SCALE_MAX = 4.0
-# optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step that does not
-# follow another prefill step. Compute-bound work held for more than ~0.1 s runs the GPU at its
-# power limit, below its boost clock: the kernel grids (timed in loops) and a burst's
-# back-to-back chunks run there, a prefill step between decode steps runs faster;
-# scripts/probe_sustained_prefill.py measures the ratio (alone / back to back)
+# optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step long after the
+# last one. Compute-bound work runs the GPU at its power limit, below its boost clock, within
+# one step: the kernel grids (timed in loops) and a burst's back-to-back chunks run there, a
+# prefill step between decode steps runs faster; scripts/probe_sustained_prefill.py measures
+# the ratio (alone / back to back)
 ISOLATED_PREFILL_FIELD = "isolated_prefill_scale"
 ISOLATED_PREFILL_MIN = 0.5
+# optional: how fast the clocks come back after a prefill step (seconds, exponential): a
+# prefill step ``gap`` seconds after the previous one ended runs its kernels at
+# isolated + (1 - isolated) * exp(-gap / recovery). H200, one 45-ms prefill step between 1 to
+# 64 decode steps (the probe's --duty): 25 ms (benchmarks.md, session 21)
+PREFILL_CLOCK_RECOVERY_FIELD = "prefill_clock_recovery_s"
+PREFILL_CLOCK_RECOVERY_S = 0.025
+PREFILL_CLOCK_RECOVERY_MAX_S = 10.0
 # a measured efficiency may exceed 1 where the datasheet peak understates this GPU (boost
 # clocks, an HBM part above spec); more than this is a units error in the calibration file
 ETA_GRID_MAX = 1.5
@@ -281,6 +288,7 @@ class Calibration:
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     isolated_prefill_scale: float = 1.0
+    prefill_clock_recovery_s: float = PREFILL_CLOCK_RECOVERY_S
     eager_decode_layer_overhead_s: float | None = None
     measured: MeasuredGrids = field(default_factory=MeasuredGrids)
     # the "measured" object as read (raw times, masks, provenance): written back unchanged
@@ -291,6 +299,14 @@ class Calibration:
         """Per-layer cost of a decode step outside the CUDA graphs."""
         v = self.eager_decode_layer_overhead_s
         return self.eager_layer_overhead_s if v is None else v
+
+    def prefill_clock_scale(self, gap_s: float) -> float:
+        """The factor on a prefill step's kernel time ``gap_s`` seconds after the previous
+        prefill step ended (0: back to back, at the grids' clocks: 1)."""
+        s = self.isolated_prefill_scale
+        if s == 1.0:
+            return 1.0
+        return s + (1.0 - s) * math.exp(-max(gap_s, 0.0) / self.prefill_clock_recovery_s)
 
     def attention_scale(self, key: str) -> float:
         """The in-server decode attention factor of KV format ``key`` (its own where the
@@ -344,6 +360,11 @@ class Calibration:
                 or not ISOLATED_PREFILL_MIN <= isolated <= 1.0):
             raise SimulatorInputError(f"{where}.{ISOLATED_PREFILL_FIELD}={isolated!r} must be "
                                       f"in [{ISOLATED_PREFILL_MIN:g}, 1]")
+        recovery = d.get(PREFILL_CLOCK_RECOVERY_FIELD, PREFILL_CLOCK_RECOVERY_S)
+        if (isinstance(recovery, bool) or not isinstance(recovery, (int, float))
+                or not 0 < recovery <= PREFILL_CLOCK_RECOVERY_MAX_S):
+            raise SimulatorInputError(f"{where}.{PREFILL_CLOCK_RECOVERY_FIELD}={recovery!r} "
+                                      f"must be seconds in (0, {PREFILL_CLOCK_RECOVERY_MAX_S:g}]")
         eager_decode = d.get(EAGER_DECODE_FIELD)
         if eager_decode is not None:
             eager_decode = _optional_seconds(eager_decode, f"{where}.{EAGER_DECODE_FIELD}")
@@ -355,6 +376,7 @@ class Calibration:
                    decode_attention_scale=scale, decode_attention_scales=scales,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
+                   prefill_clock_recovery_s=float(recovery),
                    **{f: float(d[f]) for f in (*ETA_FIELDS, *SECONDS_FIELDS, *GIB_FIELDS)},
                    **optional)
 
@@ -371,6 +393,8 @@ class Calibration:
             d[ATTENTION_SCALES_FIELD] = dict(self.decode_attention_scales)
         if self.isolated_prefill_scale != 1.0:
             d[ISOLATED_PREFILL_FIELD] = self.isolated_prefill_scale
+        if self.prefill_clock_recovery_s != PREFILL_CLOCK_RECOVERY_S:
+            d[PREFILL_CLOCK_RECOVERY_FIELD] = self.prefill_clock_recovery_s
         d["eta_mem_decode_attention"] = dict(self.eta_mem_decode_attention)
         if self.measured:
             # raw extras (time_s, masks) kept; the parsed grids are the authority for eta

@@ -199,7 +199,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             continue
         # a burst's steps run back to back, at the grids' clocks (no isolated_prefill_scale)
         shape = replace(prefill_shape(server, int(seqs), int(tok), int(cached)),
-                        after_prefill=True)
+                        prefill_gap_s=0.0)
         p_rest, _, _ = _kernels(server, shape)
         rows.add(float(secs), p_rest,
                  [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),

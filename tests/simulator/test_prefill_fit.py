@@ -35,7 +35,7 @@ def _log(tmp_path, shapes, artefact_after=None, decode_between=False):
         thr = 0.0
         if prev is not None:
             pn, pt = prev
-            dur = (srv.cost.step_time(replace(prefill_shape(srv, pn, pt, 0), after_prefill=True))
+            dur = (srv.cost.step_time(replace(prefill_shape(srv, pn, pt, 0), prefill_gap_s=0.0))
                    + TRUE["prefill_step_overhead_s"] + TRUE["prefill_seq_overhead_s"] * pn
                    + TRUE["prefill_token_overhead_s"] * pt)
             thr = pt / dur

@@ -72,3 +72,32 @@ def test_sustained_probe_models_the_dense_step():
     one = sustained.modelled_ms("llama-3-8b", "h200", None, 8000, 1)
     twenty = sustained.modelled_ms("llama-3-8b", "h200", None, 8000, 20)
     assert 0 < twenty < one         # the same GEMMs, a twentieth of the causal attention
+
+
+def test_duty_patterns_parse_and_bad_ones_name_the_term():
+    assert sustained.parse_duty("1x4,2x0,0x1") == [(1, 4), (2, 0), (0, 1)]
+    assert sustained.parse_duty("") == []
+    for bad in ("1x", "0x0", "-1x3", "ax2"):
+        with pytest.raises(SystemExit, match="--duty"):
+            sustained.parse_duty(bad)
+    with pytest.raises(SystemExit, match="--duty-shape 2048x3"):
+        sustained.main(["--out", "/nonexistent", "--duty", "1x4", "--duty-shape", "2048x3"])
+
+
+def test_duty_summary_measures_the_second_half():
+    # first half: prefill steps alone (slow clocks would show late); second half: one 40-ms
+    # prefill then three 4-ms decode steps, back to back
+    steps, t = [], 0.0
+    for _ in range(10):
+        steps.append(("prefill", t, 30.0))
+        t += 0.030
+    for _ in range(10):
+        steps.append(("prefill", t, 40.0))
+        t += 0.040
+        for _ in range(3):
+            steps.append(("decode", t, 4.0))
+            t += 0.004
+    sm = sustained.duty_summary(steps)
+    assert sm["prefill_ms"] == 40.0
+    assert sm["decode_ms"] == 4.0
+    assert sm["prefill_share"] == pytest.approx(40 / 52, rel=0.05)
