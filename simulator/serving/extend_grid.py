@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.specs.calibration import log2_interp_index
+from simulator.specs.calibration import bilinear_log2
 
 # A query block's fixed work in units of one key tile: fitted on chunks of equal prompts with
 # no past (20 x 400 and 40 x 200 tokens, H200: 21.6 ns per tile and head, the grid's rate at
@@ -136,12 +136,7 @@ class ExtendTileTimes:
         return cls(tiles, rows, np.asarray(pasts, float), log_s)
 
     def unit_s(self, rows: float, past: float) -> float:
-        i0, i1, wx = log2_interp_index(self.rows, rows)
-        j0, j1, wy = log2_interp_index(self.past, past)
-        e = self.log_unit_s
-        top = e[i0, j0] * (1 - wy) + e[i0, j1] * wy
-        bot = e[i1, j0] * (1 - wy) + e[i1, j1] * wy
-        return math.exp(top * (1 - wx) + bot * wx)
+        return math.exp(bilinear_log2(self.rows, self.past, self.log_unit_s, rows, past))
 
     def __call__(self, chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds of one launch (one layer) over ``chunks``."""

@@ -113,7 +113,7 @@ def _etas(values: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
     return a
 
 
-def log2_interp_index(axis: np.ndarray, x: float) -> tuple[int, int, float]:
+def _interp_index(axis: np.ndarray, x: float) -> tuple[int, int, float]:
     """Neighbours and weight for x on a log2 axis; clamped (held) outside it."""
     lx = math.log2(max(x, 1e-12))
     la = np.log2(axis)
@@ -124,6 +124,16 @@ def log2_interp_index(axis: np.ndarray, x: float) -> tuple[int, int, float]:
         return n, n, 0.0
     i = int(np.searchsorted(la, lx, side="right")) - 1
     return i, i + 1, float((lx - la[i]) / (la[i + 1] - la[i]))
+
+
+def bilinear_log2(xs: np.ndarray, ys: np.ndarray, table: np.ndarray, x: float, y: float
+                  ) -> float:
+    """``table`` [len(xs), len(ys)] at (x, y), bilinear in log2 of both axes, held outside."""
+    i0, i1, wx = _interp_index(xs, x)
+    j0, j1, wy = _interp_index(ys, y)
+    top = table[i0, j0] * (1 - wy) + table[i0, j1] * wy
+    bot = table[i1, j0] * (1 - wy) + table[i1, j1] * wy
+    return float(top * (1 - wx) + bot * wx)
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ class EtaGrid1D:
         return cls(x, _etas(d["eta"], x.shape, f"{where}.eta"), nk[0], nk[1])
 
     def __call__(self, x: float) -> float:
-        i, j, w = log2_interp_index(self.x, x)
+        i, j, w = _interp_index(self.x, x)
         return float(self.eta[i] * (1 - w) + self.eta[j] * w)
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,12 +188,7 @@ class EtaGrid2D:
         return cls(x, y, _etas(d["eta"], (len(x), len(y)), f"{where}.eta"), names)
 
     def __call__(self, x: float, y: float) -> float:
-        i0, i1, wx = log2_interp_index(self.x, x)
-        j0, j1, wy = log2_interp_index(self.y, y)
-        e = self.eta
-        top = e[i0, j0] * (1 - wy) + e[i0, j1] * wy
-        bot = e[i1, j0] * (1 - wy) + e[i1, j1] * wy
-        return float(top * (1 - wx) + bot * wx)
+        return bilinear_log2(self.x, self.y, self.eta, x, y)
 
     def to_dict(self) -> dict[str, Any]:
         return {self.names[0]: self.x.tolist(), self.names[1]: self.y.tolist(),
