@@ -60,6 +60,7 @@ from simulator.kv.mix import TierMix  # noqa: E402
 from simulator.metrics.summary import summarize  # noqa: E402
 from simulator.specs.calibration import (  # noqa: E402
     ISOLATED_PREFILL_MIN,
+    PREFILL_CLOCK_RECOVERY_MAX_S,
     Calibration,
     load_calibration,
 )
@@ -608,8 +609,10 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
         "- a prefill step long after the last one: kernels "
         f"x{calib.isolated_prefill_scale:.3g}"
         + (" (below the power limit the grids and back-to-back steps run at), back to back "
-           f"x1, the clocks recovering in {calib.prefill_clock_recovery_s * 1e3:.3g} ms "
-           "(exponential) in between; scripts/probe_sustained_prefill.py"
+           "x1, " + (f"the clocks recovering in {calib.prefill_clock_recovery_s * 1e3:.3g} ms "
+                     "(exponential) in between"
+                     if calib.prefill_clock_recovery_s else "any step in between: alone")
+           + "; scripts/probe_sustained_prefill.py"
            if calib.isolated_prefill_scale != 1.0 else " (not measured for this GPU)"),
     ]
     if calib.measured_raw.get("provenance"):
@@ -716,6 +719,12 @@ def main(argv: list[str] | None = None) -> int:
                          "burst's back-to-back chunks run at), measured by "
                          "scripts/probe_sustained_prefill.py: a step's time alone over its "
                          "time back to back; default: the calibration's (1 when it has none)")
+    ap.add_argument("--prefill-clock-recovery-ms", type=float, default=None,
+                    help="how fast the clocks come back after a prefill step: a prefill step "
+                         "GAP ms after the previous one runs at isolated + (1 - isolated) * "
+                         "exp(-GAP / this); 0: at once (any step in between and it runs at "
+                         "--isolated-prefill-scale); default: the calibration's (0 when it has "
+                         "none). scripts/probe_sustained_prefill.py --duty measures it")
     ap.add_argument("--prefill-fit", choices=("all", "none"), default="all",
                     help="all: fit the prefill-only costs (per step / request / prompt token) "
                          "from the fitting runs' Decode intervals that hold prefill steps and "
@@ -751,6 +760,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SimulatorInputError(
                 f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
                 f"[{ISOLATED_PREFILL_MIN:g}, 1]")
+        recovery_ms = a.prefill_clock_recovery_ms
+        if recovery_ms is not None and not 0 <= recovery_ms <= PREFILL_CLOCK_RECOVERY_MAX_S * 1e3:
+            raise SimulatorInputError(
+                f"--prefill-clock-recovery-ms {recovery_ms:g} must be in "
+                f"[0, {PREFILL_CLOCK_RECOVERY_MAX_S * 1e3:g}]")
         parts = []
         for arg in a.results:
             d, tag, rename = results_arg(arg)
@@ -765,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
         calib = load_calibration(load_gpu(a.gpu).key, a.calibration)
         if a.isolated_prefill_scale is not None:
             calib = replace(calib, isolated_prefill_scale=a.isolated_prefill_scale)
+        if recovery_ms is not None:
+            calib = replace(calib, prefill_clock_recovery_s=recovery_ms / 1e3)
         doc = Path(a.doc)
         plot_dir = plot_dir_of(a)
         plot_dir.mkdir(parents=True, exist_ok=True)

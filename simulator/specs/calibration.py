@@ -73,10 +73,12 @@ ISOLATED_PREFILL_FIELD = "isolated_prefill_scale"
 ISOLATED_PREFILL_MIN = 0.5
 # optional: how fast the clocks come back after a prefill step (seconds, exponential): a
 # prefill step ``gap`` seconds after the previous one ended runs its kernels at
-# isolated + (1 - isolated) * exp(-gap / recovery). H200, one 45-ms prefill step between 1 to
-# 64 decode steps (the probe's --duty): 25 ms (benchmarks.md, session 21)
+# isolated + (1 - isolated) * exp(-gap / recovery); 0 (the default): at once, any other step
+# in between and the prefill runs at ``isolated_prefill_scale``. The probe's --duty measured
+# 25 ms on an H200 (one 45-ms prefill between 1 and 64 synthetic decode steps), but the H200
+# serving runs fit better with 0 (benchmarks.md and simulator-validation-h200.md, session 21)
 PREFILL_CLOCK_RECOVERY_FIELD = "prefill_clock_recovery_s"
-PREFILL_CLOCK_RECOVERY_S = 0.025
+PREFILL_CLOCK_RECOVERY_S = 0.0
 PREFILL_CLOCK_RECOVERY_MAX_S = 10.0
 # a measured efficiency may exceed 1 where the datasheet peak understates this GPU (boost
 # clocks, an HBM part above spec); more than this is a units error in the calibration file
@@ -309,9 +311,11 @@ class Calibration:
         """The factor on a prefill step's kernel time ``gap_s`` seconds after the previous
         prefill step ended (0: back to back, at the grids' clocks: 1)."""
         s = self.isolated_prefill_scale
-        if s == 1.0:
+        if s == 1.0 or gap_s <= 0.0:
             return 1.0
-        return s + (1.0 - s) * math.exp(-max(gap_s, 0.0) / self.prefill_clock_recovery_s)
+        if self.prefill_clock_recovery_s == 0.0:
+            return s
+        return s + (1.0 - s) * math.exp(-gap_s / self.prefill_clock_recovery_s)
 
     def attention_scale(self, key: str) -> float:
         """The in-server decode attention factor of KV format ``key`` (its own where the
@@ -367,9 +371,9 @@ class Calibration:
                                       f"in [{ISOLATED_PREFILL_MIN:g}, 1]")
         recovery = d.get(PREFILL_CLOCK_RECOVERY_FIELD, PREFILL_CLOCK_RECOVERY_S)
         if (isinstance(recovery, bool) or not isinstance(recovery, (int, float))
-                or not 0 < recovery <= PREFILL_CLOCK_RECOVERY_MAX_S):
+                or not 0 <= recovery <= PREFILL_CLOCK_RECOVERY_MAX_S):
             raise SimulatorInputError(f"{where}.{PREFILL_CLOCK_RECOVERY_FIELD}={recovery!r} "
-                                      f"must be seconds in (0, {PREFILL_CLOCK_RECOVERY_MAX_S:g}]")
+                                      f"must be seconds in [0, {PREFILL_CLOCK_RECOVERY_MAX_S:g}]")
         eager_decode = d.get(EAGER_DECODE_FIELD)
         if eager_decode is not None:
             eager_decode = _optional_seconds(eager_decode, f"{where}.{EAGER_DECODE_FIELD}")

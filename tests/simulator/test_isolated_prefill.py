@@ -45,7 +45,7 @@ def test_the_recovery_loads_round_trips_and_names_a_bad_value(tmp_path):
     assert cal.prefill_clock_recovery_s == 0.05
     assert cal.to_dict()["prefill_clock_recovery_s"] == 0.05
     assert "prefill_clock_recovery_s" not in load_calibration("h100").to_dict()
-    for bad in (0, -0.1, 11.0, True, "slow"):
+    for bad in (-0.1, 11.0, True, "slow"):
         with pytest.raises(SimulatorInputError, match=f"prefill_clock_recovery_s={bad!r}"):
             load_calibration("h100", str(_calib_file(tmp_path, prefill_clock_recovery_s=bad)))
 
@@ -53,20 +53,26 @@ def test_the_recovery_loads_round_trips_and_names_a_bad_value(tmp_path):
 def test_the_clocks_recover_as_the_h200_duty_probe_measured():
     # one 45-ms prefill step between decode steps (benchmarks.md, session 21): its time over
     # the back-to-back time against the decode time between two prefills, floor 0.90
-    cal = replace(load_calibration("h100"), isolated_prefill_scale=0.90)
+    cal = replace(load_calibration("h100"), isolated_prefill_scale=0.90,
+                  prefill_clock_recovery_s=0.025)
     for gap_ms, measured in ((5.6, 0.981), (11.2, 0.969), (22.4, 0.939), (44.1, 0.908),
                              (86.1, 0.898)):
         assert cal.prefill_clock_scale(gap_ms / 1e3) == pytest.approx(measured, abs=0.01)
     assert cal.prefill_clock_scale(0.0) == 1.0
     assert cal.prefill_clock_scale(math.inf) == 0.90
     assert load_calibration("h100").prefill_clock_scale(0.01) == 1.0
+    # the default recovery 0: any step in between and the prefill runs as if alone
+    binary = replace(load_calibration("h100"), isolated_prefill_scale=0.92)
+    assert binary.prefill_clock_recovery_s == 0.0
+    assert binary.prefill_clock_scale(1e-4) == 0.92
+    assert binary.prefill_clock_scale(0.0) == 1.0
 
 
 def test_only_the_kernels_of_a_prefill_step_scale():
     sc = scenario()
     scale = 0.92
-    cost = replace(sc, calibration=replace(sc.calibration, isolated_prefill_scale=scale)
-                   ).server("bf16").cost
+    cost = replace(sc, calibration=replace(sc.calibration, isolated_prefill_scale=scale,
+                                           prefill_clock_recovery_s=0.025)).server("bf16").cost
     plain = sc.server("bf16").cost
     alone = StepShape(prefill_tokens=4096, prefill_pairs=4096 * 4096 / 2, prefill_seqs=1)
     after = replace(alone, prefill_gap_s=0.0)
@@ -112,3 +118,7 @@ def test_validate_simulator_rejects_a_scale_above_one(tmp_path, capsys):
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
     assert "--isolated-prefill-scale 1.09 must be in [0.5, 1]" in capsys.readouterr().err
+    rc = vs.main([str(tmp_path), "--prefill-clock-recovery-ms", "-5",
+                  "--doc", str(tmp_path / "d.md")])
+    assert rc == 2
+    assert "--prefill-clock-recovery-ms -5 must be in [0, 10000]" in capsys.readouterr().err
