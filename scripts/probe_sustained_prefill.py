@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +95,20 @@ class DenseStack:
         return x
 
 
-def timed_step(stack: DenseStack, x: torch.Tensor, seqs: int) -> tuple[float, float]:
-    """(wall start, milliseconds) of one step."""
+def timed_call(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall start, milliseconds) of one call of ``fn`` on the GPU."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.time()
     start.record()
-    stack.step(x, seqs)
+    fn()
     end.record()
     end.synchronize()
     return t0, start.elapsed_time(end)
+
+
+def timed_step(stack: DenseStack, x: torch.Tensor, seqs: int) -> tuple[float, float]:
+    """(wall start, milliseconds) of one step."""
+    return timed_call(lambda: stack.step(x, seqs))
 
 
 def decode_graph(stack: DenseStack, tokens: int) -> torch.cuda.CUDAGraph:
@@ -119,16 +125,6 @@ def decode_graph(stack: DenseStack, tokens: int) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g):
         stack.step(x, tokens)
     return g
-
-
-def timed_replay(g: torch.cuda.CUDAGraph) -> tuple[float, float]:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.time()
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return t0, start.elapsed_time(end)
 
 
 def parse_duty(text: str) -> list[tuple[int, int]]:
@@ -272,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 t_end = time.time() + a.duty_s
                 while time.time() < t_end:
                     steps += [("prefill", *timed_step(stack, xp, seqs)) for _ in range(p)]
-                    steps += [("decode", *timed_replay(g)) for _ in range(d)]
+                    steps += [("decode", *timed_call(g.replay)) for _ in range(d)]
                 duties.append({"prefills": p, "decodes": d, "steps": steps})
     finally:
         time.sleep(0.2)

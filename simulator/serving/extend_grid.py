@@ -132,7 +132,7 @@ class ExtendTileTimes:
                 past = 0 if p <= 1 else int(p)
                 w = tiles.work([(int(c), past)])
                 log_s[i, j] = math.log(seconds(int(c), past) / w.units)
-        rows = np.array([_cdiv(int(c), tiles.block_m) * tiles.block_m for c in chunks], float)
+        rows = np.array([tiles.work([(int(c), 0)]).rows for c in chunks], float)
         return cls(tiles, rows, np.asarray(pasts, float), log_s)
 
     def unit_s(self, rows: float, past: float) -> float:
