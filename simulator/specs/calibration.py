@@ -23,8 +23,10 @@ grid. Grid schema (every list strictly increasing, every eta in (0, ETA_GRID_MAX
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -115,24 +117,30 @@ def _etas(values: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
     return a
 
 
-def _interp_index(axis: np.ndarray, x: float) -> tuple[int, int, float]:
-    """Neighbours and weight for x on a log2 axis; clamped (held) outside it."""
+def log2_axis(axis: np.ndarray) -> tuple[float, ...]:
+    """``axis`` in log2, as the lookups take it: computed once per grid, since the cost model
+    looks a grid up on every simulated step."""
+    return tuple(math.log2(v) for v in axis)
+
+
+def _interp_index(log_axis: Sequence[float], x: float) -> tuple[int, int, float]:
+    """Neighbours and weight for x on an axis given in log2; clamped (held) outside it."""
     lx = math.log2(max(x, 1e-12))
-    la = np.log2(axis)
-    if lx <= la[0]:
+    if lx <= log_axis[0]:
         return 0, 0, 0.0
-    if lx >= la[-1]:
-        n = len(axis) - 1
+    n = len(log_axis) - 1
+    if lx >= log_axis[n]:
         return n, n, 0.0
-    i = int(np.searchsorted(la, lx, side="right")) - 1
-    return i, i + 1, float((lx - la[i]) / (la[i + 1] - la[i]))
+    i = bisect.bisect_right(log_axis, lx) - 1
+    return i, i + 1, (lx - log_axis[i]) / (log_axis[i + 1] - log_axis[i])
 
 
-def bilinear_log2(xs: np.ndarray, ys: np.ndarray, table: np.ndarray, x: float, y: float
-                  ) -> float:
-    """``table`` [len(xs), len(ys)] at (x, y), bilinear in log2 of both axes, held outside."""
-    i0, i1, wx = _interp_index(xs, x)
-    j0, j1, wy = _interp_index(ys, y)
+def bilinear_log2(log_xs: Sequence[float], log_ys: Sequence[float], table: np.ndarray,
+                  x: float, y: float) -> float:
+    """``table`` [len(xs), len(ys)] at (x, y), bilinear in log2 of both axes (given in log2,
+    ``log2_axis``), held outside."""
+    i0, i1, wx = _interp_index(log_xs, x)
+    j0, j1, wy = _interp_index(log_ys, y)
     top = table[i0, j0] * (1 - wy) + table[i0, j1] * wy
     bot = table[i1, j0] * (1 - wy) + table[i1, j1] * wy
     return float(top * (1 - wx) + bot * wx)
@@ -146,6 +154,10 @@ class EtaGrid1D:
     eta: np.ndarray
     n: int = 0
     k: int = 0
+    _log_x: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_log_x", log2_axis(self.x))
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> EtaGrid1D:
@@ -161,7 +173,7 @@ class EtaGrid1D:
         return cls(x, _etas(d["eta"], x.shape, f"{where}.eta"), nk[0], nk[1])
 
     def __call__(self, x: float) -> float:
-        i, j, w = _interp_index(self.x, x)
+        i, j, w = _interp_index(self._log_x, x)
         return float(self.eta[i] * (1 - w) + self.eta[j] * w)
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +190,12 @@ class EtaGrid2D:
     y: np.ndarray
     eta: np.ndarray
     names: tuple[str, str]
+    _log_x: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _log_y: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_log_x", log2_axis(self.x))
+        object.__setattr__(self, "_log_y", log2_axis(self.y))
 
     @classmethod
     def from_dict(cls, d: Any, names: tuple[str, str], where: str) -> EtaGrid2D:
@@ -190,7 +208,7 @@ class EtaGrid2D:
         return cls(x, y, _etas(d["eta"], (len(x), len(y)), f"{where}.eta"), names)
 
     def __call__(self, x: float, y: float) -> float:
-        return bilinear_log2(self.x, self.y, self.eta, x, y)
+        return bilinear_log2(self._log_x, self._log_y, self.eta, x, y)
 
     def to_dict(self) -> dict[str, Any]:
         return {self.names[0]: self.x.tolist(), self.names[1]: self.y.tolist(),
