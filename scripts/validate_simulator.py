@@ -304,7 +304,7 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         trace, warm = run.replay_inputs(radix_cache=not settings.disable_radix_cache)
         sc = scenario(model, gpu, calib, settings, h, run.config)
         res = sc.run(trace, fmt, warm_cache=warm)
-        s = windowed_summary(res, run.window_s)
+        s = windowed_summary(res, run.simulated_window_s)
         # with a radix cache, what ran before decides which prompts are cached
         after = "" if settings.disable_radix_cache else ", ".join(
             f"{r.workload}@{r.rate_req_s:.2f}rps" if r.rate_req_s else r.workload

@@ -26,7 +26,9 @@ The measured runs stop at a window W (``client.window_s``) while the simulator r
 request to its end, so simulated quantities are taken over the same window: output tokens and
 completions with time <= W (and over [W/2, W] for the steady rates), batch sizes of decode
 steps ending <= W, TTFT/TPOT over requests that finished <= W (bench_serving's completed
-requests). Fitting runs (default ``bf16/longgen``) are never validated.
+requests). A run whose every request finished before W (not ``time_limited``: a burst) ends
+at its last completion, so its simulated twin is taken to its own end
+(``HarnessRun.simulated_window_s``). Fitting runs (default ``bf16/longgen``) are never validated.
 """
 
 from __future__ import annotations
@@ -123,6 +125,14 @@ class HarnessRun:
     def window_s(self) -> float | None:
         w = self.client.get("window_s")
         return float(w) if isinstance(w, (int, float)) and w > 0 else None
+
+    @property
+    def simulated_window_s(self) -> float | None:
+        """The window the simulated run is measured over: the client's W when it stopped the
+        run there; None (the simulator's own end) when every request finished first, since
+        then the measured window is the real run's own makespan and cutting the simulated run
+        at it would drop (or pad) its tail whenever the two makespans differ."""
+        return self.window_s if self.client.get("time_limited", True) else None
 
 
 @dataclass

@@ -558,3 +558,26 @@ def test_backends_fitted_in_parallel_give_the_same_report(results, tmp_path):
     for f1, f2 in zip(one["fits"], two["fits"], strict=True):
         assert f2["step_overhead_s"] == pytest.approx(f1["step_overhead_s"])
     assert vs.main([str(results), "--doc", str(tmp_path / "d.md"), "--jobs", "0"]) == 2
+
+
+def test_a_burst_that_finished_is_simulated_to_its_own_end(tmp_path):
+    # the client stopped at its last completion: the simulated twin is measured to its own
+    # end, so a simulator slower than the server still counts its small-batch tail
+    from simulator.validation.harness import HarnessRun
+
+    trace = _trace(200, None, 5, (20, 400))
+    res = scenario().run(trace, "bf16")
+    makespan = max(r.finish for r in res.requests)
+    done = HarnessRun("bf16", "sharegpt", "sharegpt", tmp_path / "t.jsonl",
+                      {"window_s": 0.8 * makespan, "time_limited": False}, "", None, None)
+    assert done.simulated_window_s is None
+    cut_run = replace(done, client={"window_s": 0.8 * makespan, "time_limited": True})
+    assert cut_run.simulated_window_s == pytest.approx(0.8 * makespan)
+    whole = windowed_summary(res, done.simulated_window_s)
+    cut = windowed_summary(res, cut_run.simulated_window_s)
+    assert whole["completed"] == 200 > cut["completed"]
+    # the tail's decode steps carry the fewest requests: leaving them out raises the mean
+    assert whole["mean_batch"] < cut["mean_batch"]
+    outs = [r.gen for r in res.requests]
+    assert whole["peak_batch"] == 200
+    assert whole["mean_batch"] == pytest.approx((sum(outs) - 200) / (max(outs) - 1), rel=0.05)
