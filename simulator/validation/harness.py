@@ -483,6 +483,7 @@ def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
                                       / (w / 2) if w > 0 else math.nan),
         "completed": int(done.sum()),
         "mean_ttft_ms": float(ttft.mean()) if ttft.size else math.nan,
+        "median_ttft_ms": float(np.median(ttft)) if ttft.size else math.nan,
         "mean_tpot_ms": float(tpot.mean()) if tpot.size else math.nan,
         "mean_batch": float(running[dec].mean()) if dec.any() else math.nan,
         "peak_batch": int(running[dec].max()) if dec.any() else 0,

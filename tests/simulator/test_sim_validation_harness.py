@@ -144,6 +144,7 @@ def make_results(root: Path) -> dict:
                       "request_throughput": w["request_throughput"],
                       "steady_request_throughput": w["steady_request_throughput"],
                       "mean_ttft_ms": w["mean_ttft_ms"], "mean_tpot_ms": w["mean_tpot_ms"],
+                      "median_ttft_ms": w["median_ttft_ms"],
                       "window_s": window, "time_limited": True, "completed": w["completed"]}
             rec = {"config": cfg, "workload": label.split("@")[0], "label": label,
                    "trace_file": tf, "client": client,
@@ -193,6 +194,10 @@ def test_fit_on_the_fitting_run_and_validated_rows_pass(results, tmp_path):
                 ("TTFT mean (ms)", "bf16/ladder@0.5x"),
                 ("saturation output tok/s (steady)", "diffkv/sharegpt")]:
         assert by[key]["verdict"] == "PASS", by[key]
+    # the median TTFT is shown beside the mean, without a verdict
+    median = by[("TTFT median (ms)", "bf16/ladder@0.5x")]
+    assert median["target"] is None and median["verdict"] == "-"
+    assert median["measured"] > 0 and abs(median["error"]) < 0.10
     ratio = by[("DiffKV / bf16 output tok/s", "diffkv/sharegpt : bf16/sharegpt")]
     assert ratio["absolute"] and abs(ratio["error"]) <= 0.05
     text = doc.read_text()
