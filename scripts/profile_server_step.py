@@ -7,7 +7,11 @@ trace it writes. Prints and writes (``--out``/profile.md, profile.json):
 
 - the wall span of the profiled steps and the GPU busy time (union of kernel intervals):
   their difference is time the GPU waited for the host;
+- the prefill and the decode steps apart (a step ends at the sampler's argmax; a prefill step
+  launches the extend kernel): median span, GPU busy time, extend-kernel time, kernel count;
 - kernel time per kernel name, largest first, with its share of the busy time.
+
+``--summarize TRACE --steps N`` prints the same report for a trace written earlier.
 
 ``--requests`` may list several cumulative totals (``128,256,450``): each stage adds requests
 up to its total, waits ``--warm-s``, profiles, and writes ``profile-<total>.{md,json}`` with
@@ -43,6 +47,7 @@ import collections
 import gzip
 import json
 import re
+import statistics
 import sys
 import threading
 import time
@@ -188,6 +193,37 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+# one per forward step: the sampler's argmax ends every step, prefill or decode
+STEP_END_KERNEL = "ArgMaxOps"
+# SGLang's triton extend kernel: a step that launches it is a prefill step
+EXTEND_KERNEL = "_fwd_kernel"
+
+
+def forward_steps(kernels: list[dict]) -> list[dict]:
+    """The trace's kernels cut into forward steps at each sampling argmax: per step the span
+    from its first kernel's start to the argmax's end (ms), GPU busy (ms), the extend
+    kernel's time (ms), its kernel count, and whether it is a prefill step. Kernels after the
+    last argmax (a step the window cut) are left out."""
+    ks = sorted(kernels, key=lambda e: float(e["ts"]))
+    out, i = [], 0
+    for e in ks:
+        if STEP_END_KERNEL not in e["name"]:
+            continue
+        end = float(e["ts"]) + float(e["dur"])
+        step = []
+        while i < len(ks) and float(ks[i]["ts"]) < end:
+            step.append(ks[i])
+            i += 1
+        if not step:
+            continue
+        ext = [float(k["dur"]) for k in step if k["name"] == EXTEND_KERNEL]
+        out.append({"span_ms": (end - float(step[0]["ts"])) / 1e3,
+                    "busy_ms": union_ms([(float(k["ts"]), float(k["ts"]) + float(k["dur"]))
+                                         for k in step]),
+                    "extend_ms": sum(ext) / 1e3, "kernels": len(step), "prefill": bool(ext)})
+    return out
+
+
 def summarize(trace_path: Path, steps: int) -> dict:
     with gzip.open(trace_path, "rt") if trace_path.suffix == ".gz" else open(trace_path) as f:
         events = json.load(f)["traceEvents"]
@@ -215,17 +251,35 @@ def summarize(trace_path: Path, steps: int) -> dict:
             h[2] = max(h[2], float(e["dur"]) / 1e3)
     slow = sorted(host.items(), key=lambda kv: -kv[1][2])[:25]
     return {"trace": str(trace_path), "steps": steps, "wall_ms": wall_ms, "busy_ms": busy,
+            "forward_steps": forward_steps(kernels),
             "kernels": [{"name": n, "ms": t, "count": c} for n, t, c in rows],
             "host_calls": [{"cat": c, "name": n, "ms": t, "count": k, "max_ms": m}
                            for (c, n), (t, k, m) in slow]}
+
+
+def split_steps(steps: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(kind, steps) for the prefill and the decode steps, kinds without steps left out."""
+    return [(kind, st) for kind, sel in (("prefill", True), ("decode", False))
+            if (st := [f for f in steps if f["prefill"] is sel])]
+
+
+def step_line(kind: str, st: list[dict]) -> str:
+    """Medians over one kind of forward step: a step whose span is much longer than its GPU
+    busy time waited on the host (an eager prefill step launches every kernel itself)."""
+    def med(key: str) -> float:
+        return statistics.median(f[key] for f in st)
+    return (f"{kind} steps: {len(st)}, median span {med('span_ms'):.2f} ms, GPU busy "
+            f"{med('busy_ms'):.2f} ms, extend kernel {med('extend_ms'):.2f} ms, "
+            f"{med('kernels'):.0f} kernels")
 
 
 def report(s: dict) -> str:
     n = max(s["steps"], 1)
     lines = [f"profiled {s['steps']} steps: wall {s['wall_ms']:.1f} ms "
              f"({s['wall_ms'] / n:.2f} ms/step), GPU busy {s['busy_ms']:.1f} ms "
-             f"({s['busy_ms'] / n:.2f} ms/step, {100 * s['busy_ms'] / s['wall_ms']:.1f}%)", "",
-             "| kernel | ms/step | % of busy | launches/step |", "|---|---|---|---|"]
+             f"({s['busy_ms'] / n:.2f} ms/step, {100 * s['busy_ms'] / s['wall_ms']:.1f}%)"]
+    lines += [step_line(kind, st) for kind, st in split_steps(s.get("forward_steps") or [])]
+    lines += ["", "| kernel | ms/step | % of busy | launches/step |", "|---|---|---|---|"]
     for k in s["kernels"][:25]:
         lines.append(f"| `{k['name'][:90]}` | {k['ms'] / n:.3f} | "
                      f"{100 * k['ms'] / s['busy_ms']:.1f}% | {k['count'] / n:.0f} |")
@@ -241,7 +295,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model folder (required unless --attach)")
     ap.add_argument("--config", default="diffkv-mix", help="bf16, fp8, diffkv-mix")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="folder for the profiles (required unless --summarize)")
     ap.add_argument("--requests", default="400",
                     help="requests in flight when profiling; a comma list of cumulative "
                          "totals profiles once per stage")
@@ -274,7 +328,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--server-args", default="", help="extra launch_server arguments")
+    ap.add_argument("--summarize", metavar="TRACE", default="",
+                    help="print the report of a trace written earlier (--steps: how many "
+                         "steps it holds) and exit; --out is not written")
     a = ap.parse_args()
+    if a.summarize:
+        print(report(summarize(Path(a.summarize), a.steps)))
+        return 0
+    if not a.out:
+        raise SystemExit("--out is required (unless --summarize)")
     if a.attach:
         offsets = attach_offsets(a.at_seconds, a.server_log)
         return attach(f"http://127.0.0.1:{a.port}", Path(a.out), offsets, Path(a.server_log),

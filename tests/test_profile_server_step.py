@@ -110,3 +110,27 @@ def test_a_trace_is_read_once_it_is_whole(prof, tmp_path):
     path.write_bytes(whole)
     s = prof.summarize_when_written(path, 1, 2.0, poll_s=0.05)
     assert s is not None and s["busy_ms"] == pytest.approx(1.0)
+
+
+def test_forward_steps_split_at_the_sampler_and_prefill_steps_apart(prof, tmp_path):
+    argmax = "reduce_kernel<ArgMaxOps<float>>"
+    events = [  # a decode step (2 kernels), an eager prefill step with a host gap, a cut step
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 4000},
+        {"cat": "kernel", "name": argmax, "ts": 4000, "dur": 100},
+        {"cat": "kernel", "name": "gemm", "ts": 5000, "dur": 2000},
+        {"cat": "kernel", "name": "_fwd_kernel", "ts": 9000, "dur": 1000},
+        {"cat": "kernel", "name": argmax, "ts": 14900, "dur": 100},
+        {"cat": "kernel", "name": "gemm", "ts": 16000, "dur": 500},
+    ]
+    path = tmp_path / "z.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = prof.summarize(path, steps=2)
+    dec, pre = s["forward_steps"]
+    assert not dec["prefill"] and dec["span_ms"] == pytest.approx(4.1)
+    assert dec["busy_ms"] == pytest.approx(4.1) and dec["kernels"] == 2
+    assert pre["prefill"] and pre["span_ms"] == pytest.approx(10.0)
+    assert pre["busy_ms"] == pytest.approx(3.1) and pre["extend_ms"] == pytest.approx(1.0)
+    text = prof.report(s)
+    assert ("prefill steps: 1, median span 10.00 ms, GPU busy 3.10 ms, extend kernel 1.00 ms,"
+            " 3 kernels") in text
+    assert "decode steps: 1, median span 4.10 ms" in text
