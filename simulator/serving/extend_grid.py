@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.specs.calibration import bilinear_log2, log2_axis
+from simulator.specs.calibration import LogBilinear
 
 # A query block's fixed work in units of one key tile: fitted on chunks of equal prompts with
 # no past (20 x 400 and 40 x 200 tokens, H200: 21.6 ns per tile and head, the grid's rate at
@@ -116,15 +116,7 @@ class ExtendTileTimes:
     bilinear, held at the edges."""
 
     tiles: ExtendTiles
-    rows: np.ndarray
-    past: np.ndarray
-    log_unit_s: np.ndarray   # [rows, past]
-    _log_rows: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    _log_past: tuple[float, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_log_rows", log2_axis(self.rows))
-        object.__setattr__(self, "_log_past", log2_axis(self.past))
+    log_unit_s: LogBilinear   # ln(seconds per unit) over (rows, past)
 
     @classmethod
     def from_grid(cls, tiles: ExtendTiles, chunks: Sequence[int], pasts: Sequence[float],
@@ -139,11 +131,10 @@ class ExtendTileTimes:
                 w = tiles.work([(int(c), past)])
                 log_s[i, j] = math.log(seconds(int(c), past) / w.units)
         rows = np.array([tiles.work([(int(c), 0)]).rows for c in chunks], float)
-        return cls(tiles, rows, np.asarray(pasts, float), log_s)
+        return cls(tiles, LogBilinear(rows, np.asarray(pasts, float), log_s))
 
     def unit_s(self, rows: float, past: float) -> float:
-        return math.exp(bilinear_log2(self._log_rows, self._log_past, self.log_unit_s, rows,
-                                      past))
+        return math.exp(self.log_unit_s(rows, past))
 
     def __call__(self, chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds of one launch (one layer) over ``chunks``."""

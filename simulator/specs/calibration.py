@@ -135,15 +135,28 @@ def _interp_index(log_axis: Sequence[float], x: float) -> tuple[int, int, float]
     return i, i + 1, (lx - log_axis[i]) / (log_axis[i + 1] - log_axis[i])
 
 
-def bilinear_log2(log_xs: Sequence[float], log_ys: Sequence[float], table: np.ndarray,
-                  x: float, y: float) -> float:
-    """``table`` [len(xs), len(ys)] at (x, y), bilinear in log2 of both axes (given in log2,
-    ``log2_axis``), held outside."""
-    i0, i1, wx = _interp_index(log_xs, x)
-    j0, j1, wy = _interp_index(log_ys, y)
-    top = table[i0, j0] * (1 - wy) + table[i0, j1] * wy
-    bot = table[i1, j0] * (1 - wy) + table[i1, j1] * wy
-    return float(top * (1 - wx) + bot * wx)
+@dataclass(frozen=True)
+class LogBilinear:
+    """``table`` [len(x), len(y)] over two positive axes, bilinear in log2 of both, held
+    outside them; the axes' log2 are taken once (the cost model looks tables up every step)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    table: np.ndarray
+    _log_x: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _log_y: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_log_x", log2_axis(self.x))
+        object.__setattr__(self, "_log_y", log2_axis(self.y))
+
+    def __call__(self, x: float, y: float) -> float:
+        i0, i1, wx = _interp_index(self._log_x, x)
+        j0, j1, wy = _interp_index(self._log_y, y)
+        t = self.table
+        top = t[i0, j0] * (1 - wy) + t[i0, j1] * wy
+        bot = t[i1, j0] * (1 - wy) + t[i1, j1] * wy
+        return float(top * (1 - wx) + bot * wx)
 
 
 @dataclass(frozen=True)
@@ -190,12 +203,10 @@ class EtaGrid2D:
     y: np.ndarray
     eta: np.ndarray
     names: tuple[str, str]
-    _log_x: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    _log_y: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _lookup: LogBilinear = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_log_x", log2_axis(self.x))
-        object.__setattr__(self, "_log_y", log2_axis(self.y))
+        object.__setattr__(self, "_lookup", LogBilinear(self.x, self.y, self.eta))
 
     @classmethod
     def from_dict(cls, d: Any, names: tuple[str, str], where: str) -> EtaGrid2D:
@@ -208,7 +219,7 @@ class EtaGrid2D:
         return cls(x, y, _etas(d["eta"], (len(x), len(y)), f"{where}.eta"), names)
 
     def __call__(self, x: float, y: float) -> float:
-        return bilinear_log2(self._log_x, self._log_y, self.eta, x, y)
+        return self._lookup(x, y)
 
     def to_dict(self) -> dict[str, Any]:
         return {self.names[0]: self.x.tolist(), self.names[1]: self.y.tolist(),
