@@ -39,9 +39,11 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -131,15 +133,20 @@ def run_phases(url: str, plan: ProbePlan, seed: int = 0) -> list[dict[str, Any]]
     return rows
 
 
+# what a lone prefill step pays besides its kernels, zeroed to time the kernels alone
+FIXED_COST_FIELDS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
+                     "prefill_seq_overhead_s", "prefill_token_overhead_s",
+                     "eager_layer_overhead_s", "layer_overhead_s", "eager_prefill_launch_s")
+LAUNCH_MAX_MS, LAUNCH_STEP_MS = 50.0, 0.1
 # the simulated phases start this far apart: each has drained long before the next
 SIM_PHASE_GAP_S = 30.0
 SIM_BLOCK_TOKENS = 16   # prefix-cache block of the simulated prompts
 
 
-def model_rows(plan: ProbePlan, cfg: ServerConfig, log_path: Path, calib_path: str,
-               gpu: str, model: str = "llama-3-8b") -> list[dict[str, Any]]:
-    """The simulator's TTFT for every probe of every phase, on the server ``cfg`` started
-    with (its log gives SGLang's resolved settings) and the calibration at ``calib_path``."""
+def server_scenario(cfg: ServerConfig, log_path: Path, calib_path: str, gpu: str,
+                    model: str = "llama-3-8b") -> tuple[Any, str]:
+    """(the simulator's Scenario of the server ``cfg`` started with, its KV format): SGLang's
+    resolved settings from its log, the calibration at ``calib_path``."""
     from simulator.kv.mix import TierMix
     from simulator.specs.calibration import load_calibration
     from simulator.specs.gpu import load_gpu
@@ -147,7 +154,6 @@ def model_rows(plan: ProbePlan, cfg: ServerConfig, log_path: Path, calib_path: s
     from simulator.studies.scenario import Scenario
     from simulator.validation.harness import diffkv_mix, server_settings
     from simulator.validation.sglang_log import parse_server_log
-    from simulator.workload.schema import Trace, TraceRequest
 
     spec = load_gpu(gpu)
     calib = load_calibration(spec.key, calib_path)
@@ -155,8 +161,15 @@ def model_rows(plan: ProbePlan, cfg: ServerConfig, log_path: Path, calib_path: s
                    "kv_cache_dtype": cfg.kv_cache_dtype, "env": cfg.env_dict}
     settings, fmt = server_settings(harness_cfg, parse_server_log(log_path))
     dcfg, mix = diffkv_mix(harness_cfg)
-    sc = Scenario(load_model(model), spec, calib, settings, diffkv_config=dcfg,
-                  mix=TierMix(mix[0], mix[1]) if mix else None)
+    return Scenario(load_model(model), spec, calib, settings, diffkv_config=dcfg,
+                    mix=TierMix(mix[0], mix[1]) if mix else None), fmt
+
+
+def model_rows(plan: ProbePlan, sc: Any, fmt: str) -> list[dict[str, Any]]:
+    """The simulator's TTFT for every probe of every phase, on the scenario ``sc``."""
+    from simulator.workload.schema import Trace, TraceRequest
+
+    calib = sc.calibration
 
     def prompt(i: int, n: int) -> tuple[int, ...]:
         return tuple(1_000_000 * (i + 1) + b for b in range(n // SIM_BLOCK_TOKENS))
@@ -215,27 +228,88 @@ def format_table(summary: list[dict[str, Any]], hosts: dict[int, float]) -> str:
     return "\n".join(lines)
 
 
-def compare(results: Path, calibrations: dict[str, str], gpu: str) -> list[dict[str, Any]]:
-    """Measured against simulated medians for every (start, config, phase, length) of the
-    probe run in ``results``; ``calibrations``: backend (triton, diffkv) -> calibration."""
+def compare(results: Path, calibrations: dict[str, str], gpu: str
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(measured against simulated medians for every (start, config, phase, length) of the
+    probe run in ``results``, each start's ``launch_fit``); ``calibrations``: backend
+    (triton, diffkv) -> calibration."""
     data = json.loads((results / "prefill_ttft.json").read_text())
     plan = plan_from_args(build_parser().parse_args(data["argv"]))
     measured = {(s["start"], s["phase"], s["input_len"]): s for s in data["summary"]}
-    out = []
+    out: list[dict[str, Any]] = []
+    launches: list[dict[str, Any]] = []
     for start, name in sorted({(r["start"], r["config"]) for r in data["requests"]}):
         cfg = make_config(name)
         backend = "diffkv" if cfg.is_diffkv else "triton"
         if backend not in calibrations:
             raise BenchInputError(f"start {start} ({name}) needs --calibration {backend}=PATH")
         log = results / "logs" / f"server__{start}__{name}.log"
-        sim = summarize(model_rows(plan, cfg, log, calibrations[backend], gpu))
+        sc, fmt = server_scenario(cfg, log, calibrations[backend], gpu)
+        sim = summarize(model_rows(plan, sc, fmt))
+        zero_load = [m for m in data["summary"] if m["start"] == start
+                     and m["phase"] != "loaded" and m["median_ms"]]
+        points = [(kernel_ms(sc, fmt, m["phase"], m["input_len"]), m["median_ms"])
+                  for m in zero_load]
+        launches.append({"start": start, "config": name, "backend": backend,
+                         **launch_fit(points)})
         for s in sim:
             m = measured[(start, s["phase"], s["input_len"])]
             err = (s["median_ms"] / m["median_ms"] - 1) if m["median_ms"] else None
             out.append({"start": start, "config": name, "phase": s["phase"],
                         "input_len": s["input_len"], "measured_ms": m["median_ms"],
                         "model_ms": s["median_ms"], "error": err})
-    return out
+    return out, launches
+
+
+def kernel_ms(sc: Any, fmt: str, phase: str, input_len: int) -> float:
+    """The modelled kernel time, ms, of a lone probe's prefill step (no fixed cost): a
+    whole prompt, or with the radix cache on a one-token extend for a cached prompt."""
+    from simulator.validation.fit import prefill_shape
+
+    calib = replace(sc.calibration, **{f: 0.0 for f in FIXED_COST_FIELDS})
+    server = replace(sc, calibration=calib).server(fmt)
+    cached = phase != "fresh" and not sc.settings.disable_radix_cache
+    tokens, past = (1, input_len - 1) if cached else (input_len, 0)
+    return server.cost.step_time(prefill_shape(server, 1, tokens, past)) * 1e3
+
+
+def launch_fit(points: list[tuple[float, float]]) -> dict[str, Any]:
+    """Lone prefills as (modelled kernel ms, measured TTFT ms) fitted to TTFT = c +
+    max(launch, kernels): the eager launch time (``eager_prefill_launch_s``) and the rest,
+    by a search over the launch time in LAUNCH_STEP_MS steps (c: the median offset), against
+    the sum c + kernels; both with their rms relative error."""
+    if len(points) < 3:
+        raise BenchInputError(f"{len(points)} lone-prefill medians: the launch fit needs >= 3")
+    k = np.array([p[0] for p in points])
+    m = np.array([p[1] for p in points])
+
+    def rms(pred: np.ndarray) -> float:
+        return float(np.sqrt(np.mean((pred / m - 1.0) ** 2)))
+
+    best = None
+    for launch in np.arange(0.0, LAUNCH_MAX_MS, LAUNCH_STEP_MS):
+        body = np.maximum(k, launch)
+        c = float(np.median(m - body))
+        err = rms(body + c)
+        if best is None or err < best[0] - 1e-12:
+            best = (err, float(launch), c)
+    c_sum = float(np.median(m - k))
+    return {"launch_ms": round(best[1], 2), "offset_ms": round(best[2], 2),
+            "rms": best[0], "sum_offset_ms": round(c_sum, 2), "sum_rms": rms(k + c_sum)}
+
+
+def format_launches(launches: list[dict[str, Any]]) -> str:
+    lines = ["lone prefills fitted to TTFT = c + max(launch, kernels), and to c + kernels:"]
+    for f in launches:
+        lines.append(f"  start {f['start']} {f['config']:>10} ({f['backend']}): launch "
+                     f"{f['launch_ms']:.1f} ms, c {f['offset_ms']:.1f} ms, rms "
+                     f"{f['rms']:.1%}; sum: c {f['sum_offset_ms']:.1f} ms, rms "
+                     f"{f['sum_rms']:.1%}")
+    for be in sorted({f["backend"] for f in launches}):
+        v = [f["launch_ms"] for f in launches if f["backend"] == be]
+        lines.append(f"  {be}: --eager-prefill-launch-ms {be}={statistics.median(v):.1f} "
+                     f"(median of {len(v)} start(s))")
+    return "\n".join(lines)
 
 
 def format_comparison(rows: list[dict[str, Any]]) -> str:
@@ -369,11 +443,12 @@ def main_compare(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if not (a.compare / "prefill_ttft.json").is_file():
         ap.error(f"--compare {a.compare}: no prefill_ttft.json there (a probe run's --out)")
     try:
-        rows = compare(a.compare, calibrations, a.gpu)
+        rows, launches = compare(a.compare, calibrations, a.gpu)
     except (BenchInputError, SimulatorInputError) as e:
         print(f"probe_prefill_ttft: error: {e}", file=sys.stderr)
         return 2
     print(format_comparison(rows))
+    print(format_launches(launches))
     return 0
 
 

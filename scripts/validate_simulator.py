@@ -170,6 +170,23 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
 
 
+def eager_launch_arg(items: list[str]) -> dict[str, float]:
+    """``--eager-prefill-launch-ms BACKEND=MS`` items as {backend: ms}."""
+    out: dict[str, float] = {}
+    for item in items:
+        be, sep, ms = item.partition("=")
+        try:
+            value = float(ms)
+        except ValueError:
+            value = math.nan
+        if not sep or be not in ("triton", "diffkv") or not 0 <= value < 1e3:
+            raise SimulatorInputError(
+                f"--eager-prefill-launch-ms {item!r}: want triton=MS or diffkv=MS, MS a "
+                "number of milliseconds in [0, 1000)")
+        out[be] = value
+    return out
+
+
 def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
                 job: tuple[str, list[str]]) -> tuple[str, Calibration, dict[str, Any]]:
     """One backend's step costs from its fitting runs ``job`` = (backend, run keys): the
@@ -178,12 +195,16 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     base = calib
     if a.diffkv_prefill_step_ms and be == "diffkv":
         base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
+    if be in a.eager_prefill_launch_ms:
+        base = replace(base, eager_prefill_launch_s=a.eager_prefill_launch_ms[be] / 1e3)
     be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
                                prefill=a.prefill_fit == "all",
                                decode_only=frozenset(a.fit_decode_run))
     if be in a.refine_on_metrics:
         fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals)
-    if base is not calib:
+    if base.eager_prefill_launch_s:
+        info["eager_launch_s"] = base.eager_prefill_launch_s
+    if base.prefill_step_overhead_s != calib.prefill_step_overhead_s:
         info["given_prefill_step_s"] = base.prefill_step_overhead_s
         info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
                                   "profile; kept only if not fitted")
@@ -629,7 +650,10 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                      + step_costs_note(fi, fi["run"])
                      + (f"; the prefill step cost given: {1e3 * fi['given_prefill_step_s']:.1f}"
                         f" ms ({fi['prefill_source']})" if fi.get("given_prefill_step_s")
-                        else ""))
+                        else "")
+                     + (f"; an eager prefill step lasts max({1e3 * fi['eager_launch_s']:.1f} ms "
+                        "of launches, its kernels) (--eager-prefill-launch-ms)"
+                        if fi.get("eager_launch_s") else ""))
         if fi.get("refinement"):
             lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:
@@ -711,6 +735,13 @@ def main(argv: list[str] | None = None) -> int:
                          "fitted: a saturation run whose large and eager decode batches the "
                          "open-loop runs do not reach, while its prefill bursts (long prompts, "
                          "full chunks) are left out of the prefill costs; never validated")
+    ap.add_argument("--eager-prefill-launch-ms", action="append", default=[],
+                    metavar="BACKEND=MS",
+                    help="host time to launch an eager prefill step's kernels, for BACKEND "
+                         "(triton or diffkv): its step lasts max(launches, kernels) instead "
+                         "of their sum (calibration field eager_prefill_launch_s), from "
+                         "scripts/probe_prefill_ttft.py --compare; repeatable; default: the "
+                         "calibration's (0: the sum)")
     ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
                     help="fixed cost of a DiffKV prefill step beyond the modelled kernels "
                          "(its extend path's scoring/compression launches), from the backend "
@@ -763,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SimulatorInputError(
                 f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
                 f"[{ISOLATED_PREFILL_MIN:g}, 1]")
+        a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
         recovery_ms = a.prefill_clock_recovery_ms
         if recovery_ms is not None and not 0 <= recovery_ms <= PREFILL_CLOCK_RECOVERY_MAX_S * 1e3:
             raise SimulatorInputError(

@@ -116,7 +116,7 @@ def test_compare_puts_the_simulator_beside_the_measurement(fake_url: str,
     (out / "logs").mkdir()
     (out / "logs" / "server__0__bf16.log").write_text((tmp_path / "fake.log").read_text())
     calib = str(ROOT / "simulator" / "calibration" / "default.json")
-    rows = probe.compare(out, {"triton": calib}, "h200")
+    rows, launches = probe.compare(out, {"triton": calib}, "h200")
     got = {(r["phase"], r["input_len"]): r for r in rows}
     assert set(got) == {(p, n) for p in probe.PHASES for n in (64, 2048)}
     for r in rows:

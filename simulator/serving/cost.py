@@ -1,6 +1,8 @@
 """Per-step cost: for each operator the larger of bytes / (eta_mem * bandwidth) and
 flops / (eta_comp * peak), summed over operators and layers, plus per-layer, per-step and
-per-sequence fixed costs (and eager-mode launch costs when no CUDA graph covers the step).
+per-sequence fixed costs (and eager-mode launch costs when no CUDA graph covers the step; a
+prefill step whose launches the calibration times, ``eager_prefill_launch_s``, runs its kernels
+under them and lasts the longer of the two).
 
 Operators per layer: the four weight GEMM groups (qkv, o, gate+up, down), decode attention
 (bytes follow the KV format: the pool says how many bytes a context reads), prefill attention
@@ -244,7 +246,10 @@ class CostModel:
         t = self.layers * per_layer + self.lm_head_time(sampled)
         if s.prefill_tokens:
             t *= c.prefill_clock_scale(s.prefill_gap_s)   # the grids ran at the power limit
-        t += self.layers * self.layer_overhead(s)
+        if s.prefill_tokens and c.eager_prefill_launch_s > 0.0:
+            t = max(t, c.eager_prefill_launch_s)   # the kernels run under their launches
+        else:
+            t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:
             t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
                   + c.prefill_token_overhead_s * s.prefill_tokens)

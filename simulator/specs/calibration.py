@@ -50,9 +50,15 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # steps (the request's way into the scheduler, the first token's way back out through the
 # detokenizer and HTTP; with --skip-tokenizer-init), the same for every request, so it adds to
 # TTFT and end-to-end latency and occupies nothing
+# ``eager_prefill_launch_s`` is the host's time to launch an eager prefill step's kernels
+# (about 400 for a Llama-3-8B forward), which the GPU runs as they arrive: a short prompt's
+# step lasts as long as its launches, a long one's as long as its kernels, so the step pays
+# max(launches, kernels) in place of kernels + layers * ``eager_layer_overhead_s``.
+# scripts/probe_prefill_ttft.py --compare estimates it from lone prefills of several lengths;
+# 0 (the default): the sum
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s", "release_overhead_s",
-                           "first_token_latency_s")
+                           "first_token_latency_s", "eager_prefill_launch_s")
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -321,6 +327,7 @@ class Calibration:
     prefill_token_overhead_s: float = 0.0
     release_overhead_s: float = 0.0
     first_token_latency_s: float = 0.0
+    eager_prefill_launch_s: float = 0.0
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     isolated_prefill_scale: float = 1.0

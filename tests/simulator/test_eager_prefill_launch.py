@@ -1,0 +1,95 @@
+"""An eager prefill step whose launches the calibration times (``eager_prefill_launch_s``)
+runs its kernels under them and lasts the longer of the two: the calibration field, the cost
+model, validate_simulator's option, and the probe's fit that estimates it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+from sim_helpers import ROOT, load_script, scenario
+
+from simulator.errors import SimulatorInputError
+from simulator.serving.cost import StepShape
+from simulator.specs.calibration import load_calibration
+
+
+def _prefill(tokens: int, past: int = 0) -> StepShape:
+    return StepShape(prefill_tokens=tokens, prefill_pairs=tokens * past + tokens * tokens / 2,
+                     prefill_past_tokens=past, prefill_seqs=1)
+
+
+def test_the_field_loads_round_trips_and_names_a_bad_value(tmp_path):
+    base = load_calibration("h100").to_dict()
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
+        "eager_prefill_launch_s": 0.009}}}))
+    cal = load_calibration("h100", str(f))
+    assert cal.eager_prefill_launch_s == 0.009
+    assert cal.to_dict()["eager_prefill_launch_s"] == 0.009
+    assert load_calibration("h100").eager_prefill_launch_s == 0.0
+    assert "eager_prefill_launch_s" not in load_calibration("h100").to_dict()
+    f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
+        "eager_prefill_launch_s": -0.001}}}))
+    with pytest.raises(SimulatorInputError, match="eager_prefill_launch_s"):
+        load_calibration("h100", str(f))
+
+
+def test_a_short_prefill_lasts_its_launches_a_long_one_its_kernels():
+    sc = scenario()
+    launch = 0.009
+    summed = sc.server("bf16").cost
+    cost = replace(sc, calibration=replace(sc.calibration,
+                                           eager_prefill_launch_s=launch)).server("bf16").cost
+    c = cost.calib
+
+    def fixed(s: StepShape) -> float:
+        return (c.step_overhead_s + c.seq_overhead_s * s.prefill_seqs
+                + c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
+                + c.prefill_token_overhead_s * s.prefill_tokens)
+
+    def kernels(s: StepShape) -> float:
+        return summed.step_time(s) - fixed(s) - summed.layers * summed.layer_overhead(s)
+
+    extend, long = _prefill(1, 1000), _prefill(8192)
+    assert kernels(extend) < launch < kernels(long)
+    # launch-bound: the kernels hide under the launches
+    assert cost.step_time(extend) == pytest.approx(fixed(extend) + launch)
+    # kernel-bound: the launches hide under the kernels, and no per-layer launch cost is added
+    assert cost.step_time(long) == pytest.approx(fixed(long) + kernels(long))
+    assert cost.step_time(long) < summed.step_time(long)
+    # decode steps keep their graph or eager per-layer costs
+    decode = StepShape(decode_reqs=8, decode_kv_tokens=8000, decode_read_bytes=1e6)
+    assert cost.step_time(decode) == summed.step_time(decode)
+
+
+def test_validate_simulator_reads_the_option_per_backend(tmp_path, capsys):
+    vs = load_script("validate_simulator")
+    assert vs.eager_launch_arg(["triton=8.9", "diffkv=13.8"]) == {"triton": 8.9,
+                                                                  "diffkv": 13.8}
+    for bad in ("flashinfer=3", "triton", "triton=-1", "diffkv=fast"):
+        with pytest.raises(SimulatorInputError, match="--eager-prefill-launch-ms"):
+            vs.eager_launch_arg([bad])
+    rc = vs.main([str(tmp_path), "--eager-prefill-launch-ms", "triton=x",
+                  "--doc", str(tmp_path / "d.md")])
+    assert rc == 2
+    assert "--eager-prefill-launch-ms 'triton=x'" in capsys.readouterr().err
+
+
+def test_the_probe_fit_finds_the_launch_time_it_was_built_with():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import probe_prefill_ttft as probe  # a dataclass inside: imported, not loaded by path
+    launch, offset = 9.0, 10.0
+    kernels = [3.1, 4.4, 6.0, 11.8, 23.1, 104.0]
+    points = [(k, offset + max(launch, k)) for k in kernels]
+    fit = probe.launch_fit(points)
+    assert fit["launch_ms"] == pytest.approx(launch, abs=0.11)
+    assert fit["offset_ms"] == pytest.approx(offset, abs=0.11)
+    assert fit["rms"] < 0.01 < fit["sum_rms"]
+    # kernels that always outlast the launches cannot tell a launch time from none
+    summed = probe.launch_fit([(k, 5.0 + k) for k in (40.0, 60.0, 90.0)])
+    assert summed["launch_ms"] <= 40.0 and summed["rms"] < 1e-9
+    with pytest.raises(Exception, match=">= 3"):
+        probe.launch_fit(points[:2])
