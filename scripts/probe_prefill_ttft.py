@@ -13,7 +13,10 @@ token, each ``--gap-s`` after the last:
   loaded L   the cached prompts once more while ``--load-batch`` requests stream tokens (the
              decode batch of a mid-ladder server; each probe waits for the step in flight)
 
-for every L of ``--lengths``. The table gives each (start, configuration, phase, L) the
+for every L of ``--lengths``. ``--prime N`` first sends the first N requests of a bundled
+trace (``--prime-trace``, default azure-conv) all at once, as bench_e2e.py's burst does, so the
+phases run on a server in the state such a burst leaves (its radix cache full, its pool
+churned). The table gives each (start, configuration, phase, L) the
 median and the 10th / 90th percentile of the time to the first token, with a host-speed
 reading (``simulator/calibration/host_probe.py``) taken before the start. Writes
 OUT/prefill_ttft.json (every request) and OUT/logs/ (the servers' logs).
@@ -23,9 +26,9 @@ OUT/prefill_ttft.json (every request) and OUT/logs/ (the servers' logs).
     python3 scripts/probe_prefill_ttft.py --url http://127.0.0.1:30000 --out /tmp/p
                                            # a server already running (no start, no stop)
 
-``--compare`` (CPU only) replays the same phases through the simulator, for each start with
-that server's settings (its log) and the calibration of its backend, and prints the measured
-median beside the model's:
+``--compare`` (CPU only) replays the same phases (not the prime burst) through the simulator,
+for each start with that server's settings (its log) and the calibration of its backend, and
+prints the measured median beside the model's:
 
     C=docs/simulator-validation-h200/calibration-fitted
     python3 scripts/probe_prefill_ttft.py --compare docs/data/h200-2026-11-24/s23-probes/a \
@@ -112,6 +115,27 @@ def ttft_ms(rec: cl.RequestRecord) -> float | None:
     if rec.first_token_s is None or rec.error is not None:
         return None
     return (rec.first_token_s - rec.arrival_s) * 1e3
+
+
+PRIME_WINDOW_S = 120.0
+PRIME_SEED_OFFSET = 1   # the burst's prompts must share no prefix with the probes'
+
+
+def prime(url: str, n: int, trace_name: str, seed: int = 0) -> dict[str, Any]:
+    """Send the first ``n`` requests of the bundled trace ``trace_name`` at once and wait
+    for the server to go idle; what it took."""
+    from sglang_diffkv.bench.workloads import sharegpt_trace, to_specs
+
+    specs = to_specs(sharegpt_trace(n, trace_name))
+    t0 = time.monotonic()
+    run = cl.run_async(cl.replay(url, specs, all_at_once=True, seed=seed + PRIME_SEED_OFFSET,
+                                 max_duration_s=PRIME_WINDOW_S))
+    if run.time_limited:
+        cl.run_async(cl.abort_all(url))
+    cl.run_async(cl.wait_idle(url, 60.0))
+    done = sum(r.completed for r in run.records)
+    return {"requests": n, "trace": trace_name, "completed": done,
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def run_phases(url: str, plan: ProbePlan, seed: int = 0) -> list[dict[str, Any]]:
@@ -362,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "phase; default 16)")
     ap.add_argument("--load-input", type=int, default=512,
                     help="prompt tokens of each load request (default 512)")
+    ap.add_argument("--prime", type=int, default=0, metavar="N",
+                    help="first send N requests of --prime-trace all at once (default 0)")
+    ap.add_argument("--prime-trace", default="azure-conv",
+                    help="bundled trace of the --prime burst (default azure-conv)")
     ap.add_argument("--ready-timeout-s", type=float, default=400.0)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip a start that the longest start so far says would end past "
@@ -385,6 +413,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--starts {a.starts}: must be >= 1")
     if a.budget_s is not None and not a.budget_s > 0:
         ap.error(f"--budget-s {a.budget_s}: must be > 0")
+    if a.prime < 0:
+        ap.error(f"--prime {a.prime}: must be >= 0")
+    if a.prime:
+        from sglang_diffkv.bench.workloads import sharegpt_trace
+        try:
+            sharegpt_trace(a.prime, a.prime_trace)
+        except (BenchInputError, SimulatorInputError) as e:
+            ap.error(f"--prime {a.prime} --prime-trace {a.prime_trace}: {e}")
+    primes: dict[int, dict[str, Any]] = {}
     if a.url is None and a.model is None:
         ap.error("give --model (servers to start) or --url (a running server)")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -392,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     hosts: dict[int, float] = {}
     if a.url is not None:
         hosts[0] = python_loop_ms()
+        if a.prime:
+            primes[0] = prime(a.url, a.prime, a.prime_trace, a.seed)
         rows += [{**r, "start": 0, "config": "url"} for r in run_phases(a.url, plan, a.seed)]
     else:
         try:
@@ -417,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"start {i}: {cfg.name} ready after {ready:.0f} s; host {hosts[i]:.0f} "
                       "ms", flush=True)
                 t0 = time.monotonic()
+                if a.prime:
+                    primes[i] = prime(opts.base_url, a.prime, a.prime_trace, a.seed)
+                    print(f"start {i}: primed: {primes[i]}", flush=True)
                 rows += [{**r, "start": i, "config": cfg.name}
                          for r in run_phases(opts.base_url, plan, a.seed)]
                 print(f"start {i}: probed in {time.monotonic() - t0:.0f} s", flush=True)
@@ -427,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                 longest = max(longest, time.monotonic() - t_start)
     summary = summarize(rows)
     (a.out / "prefill_ttft.json").write_text(json.dumps(
-        {"argv": sys.argv[1:] if argv is None else argv, "host_ms": hosts,
+        {"argv": sys.argv[1:] if argv is None else argv, "host_ms": hosts, "primes": primes,
          "summary": summary, "requests": rows}, indent=1))
     print(format_table(summary, hosts))
     return 0

@@ -130,3 +130,25 @@ def test_compare_puts_the_simulator_beside_the_measurement(fake_url: str,
     assert "cached" in table and "model" in table
     with pytest.raises(BenchInputError, match="diffkv|triton"):
         probe.compare(out, {"diffkv": calib}, "h200")
+
+
+def test_a_prime_burst_runs_first_and_is_recorded(fake_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert probe.main(["--url", fake_url, "--out", str(out), "--lengths", "4",
+                       "--per-length", "2", "--gap-s", "0.02", "--load-batch", "0",
+                       "--prime", "6", "--prime-trace", "azure-conv"]) == 0
+    data = json.loads((out / "prefill_ttft.json").read_text())
+    assert data["primes"]["0"]["requests"] == 6
+    assert data["primes"]["0"]["completed"] == 6
+    assert data["primes"]["0"]["trace"] == "azure-conv"
+    assert len(data["requests"]) == 2 * 2    # fresh and cached; no loaded phase
+    assert all(r["error"] is None for r in data["requests"])
+
+
+def test_a_bad_prime_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for argv, word in ((["--prime", "-1"], "--prime -1"),
+                       (["--prime", "5", "--prime-trace", "nope"], "--prime-trace nope")):
+        with pytest.raises(SystemExit) as e:
+            probe.main(["--out", str(tmp_path), "--url", "http://127.0.0.1:9", *argv])
+        assert e.value.code == 2
+        assert word in capsys.readouterr().err
