@@ -68,6 +68,8 @@ from simulator.errors import SimulatorInputError  # noqa: E402
 PHASES = ("fresh", "cached", "loaded")
 MAX_CONTEXT = 8192   # Llama-3-8B's
 PROBE_TIMEOUT_S = 5.0  # a probe not answered by then counts as failed
+PRIME_WINDOW_S = 120.0
+PRIME_SEED_OFFSET = 1   # the burst's prompts must share no prefix with the probes'
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,6 @@ def ttft_ms(rec: cl.RequestRecord) -> float | None:
     if rec.first_token_s is None or rec.error is not None:
         return None
     return (rec.first_token_s - rec.arrival_s) * 1e3
-
-
-PRIME_WINDOW_S = 120.0
-PRIME_SEED_OFFSET = 1   # the burst's prompts must share no prefix with the probes'
 
 
 def prime(url: str, n: int, trace_name: str, seed: int = 0) -> dict[str, Any]:
