@@ -23,7 +23,8 @@ have none, and kept only when it cuts the decode rows' error by ``RELEASE_GAIN``
 ``eager_decode_layer_overhead_s``, the per-layer cost of a decode step above the largest
 captured batch, which runs outside the CUDA graphs: its launches and host work, fitted when the
 rows hold enough eager and graphed decode intervals; a prefill step keeps the calibration's
-``eager_layer_overhead_s`` in its kernel time and its own terms absorb the rest; ``s_attn``:
+``eager_layer_overhead_s`` in its kernel time (or, with ``eager_prefill_launch_s``, lasts the
+longer of its launches and its kernels) and its own terms absorb the rest; ``s_attn``:
 ``decode_attention_scale``, the decode attention kernel in a serving step against its grid
 measured alone: long contexts at a large batch weigh it, short ones at a small batch hardly).
 An interval's decode tokens are approximated by the interval times the mean of its two lines'
