@@ -25,7 +25,7 @@ What a Decode line's throughput implies: SGLang logs every ``decode_log_interval
 steps ``gen throughput = (sum of the interval's decode batch sizes) / (wall time since the
 previous Decode line)``, and that wall time includes prefill forwards and idle time between
 the decode steps. So only intervals with a Decode line before them and no Prefill line in
-between measure decode steps alone (``ServerLog.decode_clean``); for those the mean step time
+between measure decode steps alone (``sglang_log.decode_intervals``); for those the mean step time
 is (mean batch over the interval) / throughput, with the mean batch approximated by the mean
 of the two lines' ``#running-req`` (the batch only shrinks inside a prefill-free interval).
 Intervals after a prefill are dropped, as is the first line (its interval starts at server
@@ -54,7 +54,7 @@ import numpy as np
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import ACT_BYTES, StepShape
 from simulator.serving.server import ResolvedServer
-from simulator.validation.sglang_log import ServerLog
+from simulator.validation.sglang_log import ServerLog, decode_intervals
 
 MIN_SAMPLES = 8
 # below this relative spread (std / mean) of a feature across the samples (the intervals'
@@ -76,21 +76,16 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def decode_samples(log: ServerLog, graphed: bool | None = None) -> np.ndarray:
-    """(mean batch, mean KV tokens, mean step seconds) per clean decode interval (see the
+    """(mean batch, mean KV tokens, mean step seconds) per decode-only interval (see the
     module docstring). ``graphed``: keep only lines whose ``cuda graph:`` flag is this value
     (None: all)."""
     rows = []
-    n = len(log.decode_running)
-    for i in range(1, n):
-        if not log.decode_clean[i]:
+    for iv in decode_intervals(log, 1):
+        if iv.prefills:
             continue
-        if graphed is not None and log.decode_cuda_graph[i] not in (None, graphed):
+        if graphed is not None and log.decode_cuda_graph[iv.index] not in (None, graphed):
             continue
-        g = log.decode_gen_throughput[i]
-        b = 0.5 * (log.decode_running[i - 1] + log.decode_running[i])
-        t = 0.5 * (log.decode_tokens[i - 1] + log.decode_tokens[i])
-        if b > 0 and g > 0:
-            rows.append((b, t, b / g))
+        rows.append((iv.batch, iv.tokens, iv.wall_s))
     return np.array(rows, dtype=float).reshape(-1, 3)
 
 

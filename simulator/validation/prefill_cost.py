@@ -12,13 +12,12 @@ mostly its eager launches.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
 
 from simulator.errors import SimulatorInputError
-from simulator.validation.sglang_log import ServerLog
+from simulator.validation.sglang_log import ServerLog, decode_intervals
 
 MIN_CLEAN = 8   # decode-only intervals needed to fit the decode step's line
 
@@ -40,14 +39,9 @@ def prefill_cost(log: ServerLog, steps: int) -> PrefillCost:
     ``steps``: the server's decode_log_interval."""
     if steps < 1:
         raise SimulatorInputError(f"decode_log_interval {steps} must be >= 1")
-    dl, pl = log.decode_line_no, log.prefill_line_no
-    rows = []
-    for i in range(1, len(dl)):
-        j0, j1 = bisect.bisect_left(pl, dl[i - 1]), bisect.bisect_left(pl, dl[i])
-        g = log.decode_gen_throughput[i]
-        b = 0.5 * (log.decode_running[i - 1] + log.decode_running[i])
-        if g > 0 and b > 0:
-            rows.append((b, steps * b / g, j1 - j0, sum(log.prefill_new_tokens[j0:j1])))
+    rows = [(iv.batch, iv.wall_s, len(iv.prefills),
+             sum(log.prefill_new_tokens[j] for j in iv.prefills))
+            for iv in decode_intervals(log, steps)]
     a = np.array(rows, dtype=float).reshape(-1, 4)
     clean = a[a[:, 2] == 0]
     if len(clean) < MIN_CLEAN:

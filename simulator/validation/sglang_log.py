@@ -14,8 +14,9 @@ running batch; their mean is compared with the simulator's decode-step mean.
 
 ``gen throughput`` is the decode tokens of the interval since the previous Decode line divided
 by the wall time of that interval, which includes any prefill forwards (and idle time) in it.
-``decode_clean[i]`` is True when line i had a Decode line before it and no Prefill line in
-between: only such intervals measure decode steps alone (see ``fit.decode_intervals``).
+``decode_intervals`` walks the spans between consecutive Decode lines: each is the interval's
+decode steps plus the prefill steps of the Prefill lines inside it, so only those without a
+Prefill line measure decode steps alone (``fit.decode_samples``).
 For Prefill lines the new sequences, SGLang's ``input throughput`` (the previous Prefill line's
 new tokens over the time between the two lines) and whether the previous scheduler line was a
 Prefill line are kept, so back-to-back prefill steps can be timed (``fit.prefill_samples``).
@@ -24,7 +25,9 @@ Line numbers (1-based) are kept so a fit can name the lines it used.
 
 from __future__ import annotations
 
+import bisect
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +61,6 @@ class ServerLog:
     decode_tokens: list[int] = field(default_factory=list)
     decode_usage: list[float] = field(default_factory=list)
     decode_gen_throughput: list[float] = field(default_factory=list)
-    decode_clean: list[bool] = field(default_factory=list)
     decode_line_no: list[int] = field(default_factory=list)
     decode_cuda_graph: list[bool | None] = field(default_factory=list)
     server_args: dict[str, str] = field(default_factory=dict)
@@ -79,6 +81,43 @@ class ServerLog:
         return sum(self.prefill_cached_tokens) / total if total else None
 
 
+@dataclass(frozen=True)
+class DecodeInterval:
+    """The span between Decode lines ``index - 1`` and ``index``: ``steps`` decode steps plus
+    one prefill step per Prefill line in it (``prefills``: their positions in the log's
+    prefill lists)."""
+
+    index: int
+    first_line: int
+    last_line: int
+    running: tuple[int, int]     # the two lines' #running-req
+    tokens: float                # mean KV tokens of the two lines
+    wall_s: float                # steps * mean batch / the later line's gen throughput
+    prefills: range
+
+    @property
+    def batch(self) -> float:
+        """The interval's decode batch, taken as the mean of its two lines'."""
+        return 0.5 * (self.running[0] + self.running[1])
+
+
+def decode_intervals(log: ServerLog, steps: int, first: int = 1) -> Iterator[DecodeInterval]:
+    """The intervals ending at Decode lines ``first``.. that have a wall time (a gen
+    throughput and a batch above 0); ``steps``: the server's decode_log_interval."""
+    pf = log.prefill_line_no
+    for i in range(max(1, first), len(log.decode_running)):
+        g = log.decode_gen_throughput[i]
+        run = (log.decode_running[i - 1], log.decode_running[i])
+        batch = 0.5 * (run[0] + run[1])
+        if not (g > 0 and batch > 0):
+            continue
+        a, b = log.decode_line_no[i - 1], log.decode_line_no[i]
+        yield DecodeInterval(i, a, b, run,
+                             0.5 * (log.decode_tokens[i - 1] + log.decode_tokens[i]),
+                             steps * batch / g,
+                             range(bisect.bisect_left(pf, a), bisect.bisect_left(pf, b)))
+
+
 def parse_server_log(path: str | Path) -> ServerLog:
     p = Path(path)
     try:
@@ -86,7 +125,6 @@ def parse_server_log(path: str | Path) -> ServerLog:
     except OSError as e:
         raise SimulatorInputError(f"cannot read SGLang log {str(p)!r}: {e.strerror}") from e
     log = ServerLog(str(p))
-    after_decode = False     # the last scheduler line was a Decode line
     after_prefill = False    # the last scheduler line was a Prefill line
     for no, line in enumerate(text.splitlines(), start=1):
         if not log.server_args and (sa := _SERVER_ARGS.search(line)):
@@ -103,15 +141,12 @@ def parse_server_log(path: str | Path) -> ServerLog:
             log.decode_usage.append(float(m.group(3)))
             g = _GEN.search(line)
             log.decode_gen_throughput.append(float(g.group(1)) if g else float("nan"))
-            log.decode_clean.append(after_decode)
             log.decode_line_no.append(no)
             cg = _GRAPH.search(line)
             log.decode_cuda_graph.append(None if cg is None else cg.group(1) == "True")
-            after_decode = True
             after_prefill = False
             continue
         if m := _PREFILL.search(line):
-            after_decode = False
             log.prefill_new_seqs.append(int(m.group(1)))
             log.prefill_new_tokens.append(int(m.group(2)))
             log.prefill_cached_tokens.append(int(m.group(3)))

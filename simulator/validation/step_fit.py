@@ -56,7 +56,7 @@ from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
 from simulator.serving.server import ResolvedServer
 from simulator.validation.fit import SPREAD_MIN, _nnls, _shape, prefill_samples, prefill_shape
-from simulator.validation.sglang_log import ServerLog
+from simulator.validation.sglang_log import ServerLog, decode_intervals
 
 COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
          "prefill_seq_overhead_s", "prefill_token_overhead_s", "release_overhead_s",
@@ -152,23 +152,18 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
     rows = rows if rows is not None else StepRows()
     fmt = server.cost.attention_key
     n = decode_log_interval(log)
-    pf_no = np.asarray(log.prefill_line_no, dtype=np.int64)
     used: list[tuple[int, int]] = []
     first = max(1, int(skip_fraction * len(log.decode_running)))
     start_line = log.decode_line_no[first - 1] if log.decode_running else 0
-    for i in range(first, len(log.decode_running)):
-        a, b = log.decode_line_no[i - 1], log.decode_line_no[i]
-        flags = {log.decode_cuda_graph[i - 1], log.decode_cuda_graph[i]} - {None}
+    for iv in decode_intervals(log, n, first):
+        a, b = iv.first_line, iv.last_line
+        flags = {log.decode_cuda_graph[iv.index - 1], log.decode_cuda_graph[iv.index]} - {None}
         if graphed is not None and flags - {graphed}:
             continue
-        g = log.decode_gen_throughput[i]
-        b0, b1 = log.decode_running[i - 1], log.decode_running[i]
-        if not (g > 0 and b0 > 0 and b1 > 0):
+        b0, b1 = iv.running
+        if not (b0 > 0 and b1 > 0):
             continue
-        batch = 0.5 * (b0 + b1)
-        kv = 0.5 * (log.decode_tokens[i - 1] + log.decode_tokens[i])
-        wall = n * batch / g
-        dec = _shape(server, batch, kv)
+        dec = _shape(server, iv.batch, iv.tokens)
         # the model must run the interval's steps the way the server did (a batch crossing
         # the largest captured size inside the interval, or a mixed pair of flags, is both)
         if len(flags) > 1 or (flags and server.cost.graphed(dec) not in flags):
@@ -176,10 +171,9 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         rest, attn, eager = _kernels(server, dec)
         base = n * rest
         feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, 0.0, n * eager, n * attn]
-        idx = np.nonzero((pf_no > a) & (pf_no < b))[0]
-        if not idx.size:
+        if not iv.prefills:
             feats[RELEASE] = float(max(0, b0 - b1))
-        for j in idx:
+        for j in iv.prefills:
             seqs = log.prefill_new_seqs[j]
             tok = log.prefill_new_tokens[j]
             if seqs <= 0 or tok <= 0:
@@ -193,7 +187,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             feats[3] += shape.prefill_seqs
             feats[4] += shape.prefill_tokens
         used.append((a, b))
-        rows.add(wall, base, feats, f"{name} lines {a}-{b}",
+        rows.add(iv.wall_s, base, feats, f"{name} lines {a}-{b}",
                  "prefill-interval" if feats[2] else "decode", fmt)
     for seqs, tok, cached, secs, no in prefill_samples(log):
         if no < start_line or any(a < no < b for a, b in used):
