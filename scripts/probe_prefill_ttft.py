@@ -42,6 +42,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -270,8 +271,8 @@ def compare(results: Path, calibrations: dict[str, str], gpu: str
         sim = summarize(model_rows(plan, sc, fmt))
         zero_load = [m for m in data["summary"] if m["start"] == start
                      and m["phase"] != "loaded" and m["median_ms"]]
-        points = [(kernel_ms(sc, fmt, m["phase"], m["input_len"]), m["median_ms"])
-                  for m in zero_load]
+        kernels = kernel_times(sc, fmt)
+        points = [(kernels(m["phase"], m["input_len"]), m["median_ms"]) for m in zero_load]
         launches.append({"start": start, "config": name, "backend": backend,
                          **launch_fit(points)})
         for s in sim:
@@ -283,16 +284,21 @@ def compare(results: Path, calibrations: dict[str, str], gpu: str
     return out, launches
 
 
-def kernel_ms(sc: Any, fmt: str, phase: str, input_len: int) -> float:
-    """The modelled kernel time, ms, of a lone probe's prefill step (no fixed cost): a
-    whole prompt, or with the radix cache on a one-token extend for a cached prompt."""
+def kernel_times(sc: Any, fmt: str) -> Callable[[str, int], float]:
+    """(phase, prompt length) -> the modelled kernel time, ms, of a lone probe's prefill step
+    (no fixed cost): a whole prompt, or with the radix cache on a one-token extend for a
+    cached prompt."""
     from simulator.validation.fit import prefill_shape
 
     calib = replace(sc.calibration, **{f: 0.0 for f in FIXED_COST_FIELDS})
     server = replace(sc, calibration=calib).server(fmt)
-    cached = phase != "fresh" and not sc.settings.disable_radix_cache
-    tokens, past = (1, input_len - 1) if cached else (input_len, 0)
-    return server.cost.step_time(prefill_shape(server, 1, tokens, past)) * 1e3
+
+    def kernel_ms(phase: str, input_len: int) -> float:
+        cached = phase != "fresh" and not sc.settings.disable_radix_cache
+        tokens, past = (1, input_len - 1) if cached else (input_len, 0)
+        return server.cost.step_time(prefill_shape(server, 1, tokens, past)) * 1e3
+
+    return kernel_ms
 
 
 def launch_fit(points: list[tuple[float, float]]) -> dict[str, Any]:
