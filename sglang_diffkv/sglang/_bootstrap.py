@@ -25,6 +25,10 @@ TARGETS: dict[str, str] = {
     "sglang.srt.layers.attention.attention_registry": "patch_attention_registry",
     "sglang.srt.model_executor.model_runner_kv_cache_mixin": "patch_kv_cache_mixin",
     "sglang.srt.managers.schedule_policy": "patch_schedule_policy",
+    "sglang.srt.managers.scheduler": "patch_scheduler",
+    "sglang.srt.model_executor.model_runner": "patch_model_runner",
+    "sglang.srt.layers.attention.triton_backend": "patch_triton_backend",
+    "sglang.srt.mem_cache.memory_pool": "patch_memory_pool",
 }
 
 

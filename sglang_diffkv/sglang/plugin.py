@@ -7,6 +7,7 @@ Every patch is idempotent (newer sglang may also call ``register`` through its
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from sglang_diffkv.sglang.args import BACKEND_NAME, uses_diffkv, wrap_post_init
@@ -109,3 +110,44 @@ def patch_schedule_policy(mod: Any) -> None:
         return result
 
     cls.add_one_req = add_one_req
+
+
+def patch_scheduler(mod: Any) -> None:
+    """With SGLANG_DIFFKV_LOOP_TRACE=DIR set, time the scheduler loop's phases into DIR
+    (``sglang_diffkv.loop_trace``); without it the scheduler is left as it is."""
+    from sglang_diffkv.loop_trace import install
+
+    trace_dir = _loop_trace_dir()
+    if trace_dir and install(mod.Scheduler, trace_dir):
+        logger.info("DiffKV: scheduler loop trace on, written to %s when the loop idles",
+                    trace_dir)
+
+
+def _loop_trace_dir() -> str:
+    from sglang_diffkv.loop_trace import TRACE_ENV
+
+    return os.environ.get(TRACE_ENV, "").strip()
+
+
+def _time_methods(cls: Any, spans: dict[str, str]) -> None:
+    """With the loop trace on, each run_batch record carries the host time of these methods
+    (method name -> span name) inside it."""
+    if not _loop_trace_dir():
+        return
+    from sglang_diffkv.loop_trace import time_method
+
+    for name, span in spans.items():
+        time_method(cls, name, span)
+
+
+def patch_model_runner(mod: Any) -> None:
+    _time_methods(mod.ModelRunner, {"forward_extend": "runner_extend"})
+
+
+def patch_triton_backend(mod: Any) -> None:
+    _time_methods(mod.TritonAttnBackend, {"forward_extend": "attn_extend",
+                                          "init_forward_metadata": "attn_metadata"})
+
+
+def patch_memory_pool(mod: Any) -> None:
+    _time_methods(mod.MHATokenToKVPool, {"set_kv_buffer": "kv_store"})

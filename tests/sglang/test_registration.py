@@ -63,3 +63,19 @@ def test_register_is_idempotent_in_process():
     plugin.register()
     assert server_args.ATTENTION_BACKEND_CHOICES.count("diffkv") == 1
     assert ModelRunnerKVCacheMixin._init_pools is init_pools
+
+
+def test_loop_trace_wraps_the_scheduler_only_when_asked(tmp_path):
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import harness; "
+            "from sglang.srt.managers.scheduler import Scheduler; "
+            "from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool as P; "
+            "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend as T; "
+            "from sglang.srt.model_executor.model_runner import ModelRunner as R; "
+            "print(Scheduler.run_batch.__module__, Scheduler.self_check_during_idle.__module__, "
+            "*(hasattr(f, '_sglang_diffkv_loop_traced') for f in "
+            "(P.set_kv_buffer, T.forward_extend, T.init_forward_metadata, R.forward_extend)))")
+    assert _fresh_python(code).splitlines()[-1].split() == [
+        "sglang.srt.managers.scheduler", "sglang.srt.managers.scheduler_runtime_checker_mixin",
+        *["False"] * 4]
+    traced = _fresh_python(code, SGLANG_DIFFKV_LOOP_TRACE=str(tmp_path))
+    assert traced.splitlines()[-1].split() == ["sglang_diffkv.loop_trace"] * 2 + ["True"] * 4

@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""Busy segments of SGLang scheduler loop traces (SGLANG_DIFFKV_LOOP_TRACE, see
+sglang_diffkv/loop_trace.py), one table row per segment, and how each run's one-token
+extends cost the host compared with the first run's. CPU only.
+
+    python scripts/loop_trace_report.py fp8=/tmp/s24/1/fp8/loop bf16=/tmp/s24/1/bf16/loop
+
+Each LABEL=PATH names a loop-*.jsonl[.gz] file, a folder holding them, or a scripts/bench_e2e.py
+result folder of a server started with SGLANG_DIFFKV_LOOP_TRACE=FOLDER/loop (results.json
+beside loop/): then each workload run's window (from its start to the next run's) is a
+segment, named by the run (sharegpt, ladder@6rps, ...), and the comparison pairs runs of the
+same name. Otherwise a folder with several
+files (one per scheduler process) gives each file its own rows, labelled LABEL:loop-PID, and
+the comparison pairs a run's n-th file with the first run's n-th file. Segments are the
+stretches of the loop between idle gaps longer than --gap-s; those shorter than --min-s
+(warm-up probes, stray requests) are left out and not numbered. A one-token extend is a
+run_batch of an extend batch with at most 2 new tokens (a prompt the radix cache held);
+"1tok spans" are the host ms inside its run_batch of the methods the trace times
+(runner_extend: the model runner's eager forward; attn_extend: the attention backend's
+extend, KV store included; attn_metadata; kv_store: the KV pool's set_kv_buffer).
+
+    python scripts/loop_trace_report.py fp8=docs/data/h200-2026-11-25/s24-loop/c3/fp8 \
+        bf16=docs/data/h200-2026-11-25/s24-loop/c3/bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sglang_diffkv.loop_trace import (  # noqa: E402
+    Mode,
+    ModeStats,
+    Phase,
+    Record,
+    read_loop_trace,
+    segments,
+    summarize,
+    trace_files,
+)
+
+ONE_TOKEN_MAX = 2  # new tokens of an extend that counts as one-token
+
+
+class ReportInputError(Exception):
+    """A path that holds no loop trace, or a trace that does not read."""
+
+
+def label_path(value: str) -> tuple[str, str]:
+    """argparse type of a LABEL=PATH argument."""
+    label, sep, path = value.partition("=")
+    if not sep or not label or not path:
+        raise argparse.ArgumentTypeError(f"expected LABEL=PATH, got {value!r}")
+    return label, path
+
+
+def label_files(path: str | Path) -> list[Path]:
+    """The trace files PATH names: itself, or the loop-*.jsonl[.gz] files of a folder."""
+    p = Path(path)
+    if p.is_dir():
+        files = trace_files(p)
+        if not files:
+            raise ReportInputError(f"{p}: no loop-*.jsonl[.gz] files in this folder")
+        return files
+    if p.is_file():
+        return [p]
+    raise ReportInputError(f"{p}: no such file or folder")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between order statistics; None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _mode_ms(stats: ModeStats | None, what: str) -> float | None:
+    if stats is None or not stats.iterations:
+        return None
+    return stats.mean_ms(what)
+
+
+def one_token_ms(seg: list[Record]) -> list[float]:
+    """Host ms of each run_batch of an extend with at most ONE_TOKEN_MAX new tokens."""
+    return [1e3 * (r.t1 - r.t0) for r in seg
+            if r.phase == Phase.RUN and r.mode == Mode.EXTEND and r.tokens <= ONE_TOKEN_MAX]
+
+
+def run_windows(results_json: Path) -> list[tuple[str, float, float]]:
+    """(run name, wall start, wall end) of each run of a bench_e2e.py results.json; a run
+    ends where the next begins (the last: its client duration plus a minute)."""
+    try:
+        runs = json.loads(results_json.read_text())["runs"]
+        starts = [(str(r["label"]), float(r["wall_start_unix"]),
+                   float(r["client"]["duration"])) for r in runs]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReportInputError(f"{results_json}: not a bench_e2e.py results file ({e})") from e
+    return [(name, t0, starts[i + 1][1] if i + 1 < len(starts) else t0 + dur + 60.0)
+            for i, (name, t0, dur) in enumerate(starts)]
+
+
+def one_token_spans_ms(seg: list[Record]) -> dict[str, float]:
+    """Mean host ms per one-token extend of each span timed inside its run_batch."""
+    runs = [r for r in seg
+            if r.phase == Phase.RUN and r.mode == Mode.EXTEND and r.tokens <= ONE_TOKEN_MAX]
+    names = sorted({k for r in runs for k in r.spans})
+    return {k: 1e3 * statistics.fmean(r.spans.get(k, 0.0) for r in runs) for k in names}
+
+
+def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: float = 5.0,
+                 t_ref: float | None = None, file: str = "", part: int = 0,
+                 windows: list[tuple[str, float, float]] | None = None) -> list[dict]:
+    """One row per busy segment of at least ``min_s`` seconds, numbered from 0 among those,
+    or, given ``windows`` (name, wall start, wall end), one per window that holds records,
+    named by it.
+
+    ``start_s`` counts from ``t_ref`` (default: the first record). Numbers without data
+    (no decode iterations, no one-token extends) are None.
+    """
+    if not records:
+        return []
+    ref = records[0].t0 if t_ref is None else t_ref
+    if windows is None:
+        named = list(enumerate(segments(records, gap_s)))
+    else:
+        named = [(name, [r for r in records if t0 <= r.t0 < t1]) for name, t0, t1 in windows]
+    rows: list[dict] = []
+    for name, seg in named:
+        if not seg:
+            continue
+        s = summarize(seg)
+        if s.duration_s < min_s:
+            continue
+        one = one_token_ms(seg)
+        ext = s.modes.get(Mode.EXTEND)
+        dec = s.modes.get(Mode.DECODE)
+        rows.append({
+            "label": label,
+            "file": file,
+            "part": part,
+            "segment": len(rows) if windows is None else name,
+            "start_s": s.start - ref,
+            "duration_s": s.duration_s,
+            "prefills": s.requests,
+            "queue_median_ms": median(s.queue_ms),
+            "queue_mean_ms": mean(s.queue_ms),
+            "step_median_ms": median(s.step_ms),
+            "step_mean_ms": mean(s.step_ms),
+            "extend_iterations": ext.iterations if ext is not None else 0,
+            "one_token_n": len(one),
+            "one_token_p10_ms": percentile(one, 10),
+            "one_token_median_ms": median(one),
+            "one_token_mean_ms": mean(one),
+            "decode_iterations": dec.iterations if dec is not None else 0,
+            "decode_wall_ms": _mode_ms(dec, "wall"),
+            "decode_wait_ms": _mode_ms(dec, "wait"),
+            "decode_run_ms": _mode_ms(dec, "run"),
+            "one_token_spans_ms": one_token_spans_ms(seg),
+        })
+    return rows
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def compare_rows(rows: list[dict]) -> list[dict]:
+    """Every other label's one-token extend host times minus the first label's, per
+    (file position, kept segment number); pairs missing on either side are left out."""
+    if not rows:
+        return []
+    base_label = rows[0]["label"]
+    base = {(r["part"], r["segment"]): r for r in rows if r["label"] == base_label}
+    out: list[dict] = []
+    for r in rows:
+        if r["label"] == base_label:
+            continue
+        b = base.get((r["part"], r["segment"]))
+        if b is None:
+            continue
+        out.append({
+            "label": r["label"],
+            "base": base_label,
+            "part": r["part"],
+            "segment": r["segment"],
+            "one_token_n": r["one_token_n"],
+            "base_one_token_n": b["one_token_n"],
+            "d_one_token_median_ms": _diff(r["one_token_median_ms"], b["one_token_median_ms"]),
+            "d_one_token_mean_ms": _diff(r["one_token_mean_ms"], b["one_token_mean_ms"]),
+        })
+    return out
+
+
+def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float) -> list[dict]:
+    """segment_rows for every LABEL=PATH, each file apart, start times from the label's
+    first record."""
+    rows: list[dict] = []
+    for label, path in runs:
+        results = Path(path) / "results.json"
+        windows = run_windows(results) if results.is_file() else None
+        files = label_files(Path(path) / "loop" if windows is not None else path)
+        traces = []
+        for f in files:
+            try:
+                traces.append(read_loop_trace(f))
+            except (OSError, ValueError) as e:
+                raise ReportInputError(str(e)) from e
+        starts = [t[0].t0 for t in traces if t]
+        t_ref = min(starts) if starts else None
+        for part, (f, recs) in enumerate(zip(files, traces, strict=True)):
+            rows += segment_rows(recs, label, gap_s, min_s, t_ref=t_ref, file=str(f), part=part,
+                                 windows=windows)
+    return rows
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _pair(a: float | None, b: float | None, spec: str) -> str:
+    return f"{_f(a, spec)}/{_f(b, spec)}"
+
+
+def _names(rows: list[dict]) -> dict[tuple[str, int], str]:
+    """Printed label of each (label, part): LABEL, or LABEL:loop-PID when it has several."""
+    parts: dict[str, set[int]] = {}
+    for r in rows:
+        parts.setdefault(r["label"], set()).add(r["part"])
+    return {(r["label"], r["part"]):
+            r["label"] if len(parts[r["label"]]) == 1 else f"{r['label']}:{Path(r['file']).stem}"
+            for r in rows}
+
+
+def _seg_width(rows: list[dict]) -> int:
+    return max([3] + [len(str(r["segment"])) for r in rows])
+
+
+def _spans(spans: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.2f}" for k, v in spans.items()) or "-"
+
+
+def format_segments(rows: list[dict]) -> list[str]:
+    names = _names(rows)
+    w = max([5] + [len(n) for n in names.values()])
+    sw = _seg_width(rows)
+    head = (f"{'label':{w}} {'seg':>{sw}} {'start s':>7} {'dur s':>6} {'pref':>5} "
+            f"{'queue ms':>15} {'step ms':>15} {'ext it':>6} {'1tok n':>6} "
+            f"{'1tok run ms p10/med/mean':>24} {'dec it':>6} {'wall':>6} {'wait':>6} "
+            f"{'run':>6}  1tok spans ms")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        one = (f"{_f(r['one_token_p10_ms'], '.2f')}/{_f(r['one_token_median_ms'], '.2f')}/"
+               f"{_f(r['one_token_mean_ms'], '.2f')}")
+        lines.append(
+            f"{names[(r['label'], r['part'])]:{w}} {r['segment']!s:>{sw}} {r['start_s']:7.1f} "
+            f"{r['duration_s']:6.1f} {r['prefills']:5d} "
+            f"{_pair(r['queue_median_ms'], r['queue_mean_ms'], '.1f'):>15} "
+            f"{_pair(r['step_median_ms'], r['step_mean_ms'], '.1f'):>15} "
+            f"{r['extend_iterations']:6d} {r['one_token_n']:6d} {one:>24} "
+            f"{r['decode_iterations']:6d} {_f(r['decode_wall_ms'], '.2f'):>6} "
+            f"{_f(r['decode_wait_ms'], '.2f'):>6} {_f(r['decode_run_ms'], '.2f'):>6}  "
+            f"{_spans(r['one_token_spans_ms'])}")
+    lines.append(
+        "seg: kept segment; start s: after the label's first record; pref: prefills finished; "
+        "queue ms: received -> prefill launched, step ms: launched -> first token streamed "
+        "(median/mean per request); ext it: extend iterations; 1tok: run_batch host ms of "
+        f"extends with <= {ONE_TOKEN_MAX} new tokens; dec it: decode iterations; wall, wait, "
+        "run: decode iteration mean ms (iteration start to the next, wait for the previous "
+        "batch's tokens, run_batch); 1tok spans: mean host ms inside a one-token extend's "
+        "run_batch of each timed method")
+    return lines
+
+
+def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
+    names = _names(seg_rows)
+    w = max([5] + [len(n) for n in names.values()])
+    sw = _seg_width(seg_rows)
+    head = (f"{'label':{w}} {'vs':{w}} {'seg':>{sw}} {'1tok n':>6} {'base n':>6} "
+            f"{'d median ms':>11} {'d mean ms':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{names[(r['label'], r['part'])]:{w}} {names[(r['base'], r['part'])]:{w}} "
+            f"{r['segment']!s:>{sw}} {r['one_token_n']:6d} {r['base_one_token_n']:6d} "
+            f"{_f(r['d_one_token_median_ms'], '+.2f'):>11} "
+            f"{_f(r['d_one_token_mean_ms'], '+.2f'):>9}")
+    lines.append(
+        "d median/mean ms: run_batch host ms of one-token extends, label minus vs, in the same "
+        "segment (kept segment number, or run); '-' where a side has none")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=label_path, metavar="LABEL=PATH",
+                    help="a name for the run and its loop-*.jsonl[.gz] file or folder")
+    ap.add_argument("--gap-s", type=float, default=0.3,
+                    help="idle seconds that end a busy segment (default: %(default)s)")
+    ap.add_argument("--min-s", type=float, default=5.0,
+                    help="leave out segments shorter than this, s (default: %(default)s)")
+    ap.add_argument("--json", type=Path, metavar="OUT",
+                    help="also write every number here as JSON")
+    a = ap.parse_args(argv)
+    labels = [label for label, _ in a.runs]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        ap.error(f"label given more than once: {', '.join(dup)}")
+    try:
+        rows = report_rows(a.runs, a.gap_s, a.min_s)
+    except ReportInputError as e:
+        print(f"loop_trace_report: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(format_segments(rows)))
+    comparison = compare_rows(rows) if len(a.runs) >= 2 else []
+    if len(a.runs) >= 2:
+        print()
+        print("\n".join(format_compare(comparison, rows)))
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"gap_s": a.gap_s, "min_s": a.min_s, "segments": rows,
+                                      "comparison": comparison}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
