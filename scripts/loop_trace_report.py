@@ -32,6 +32,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -76,13 +78,7 @@ def label_files(path: str | Path) -> list[Path]:
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear between order statistics; None when empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if values else None
 
 
 def median(values: list[float]) -> float | None:
@@ -99,10 +95,15 @@ def _mode_ms(stats: ModeStats | None, what: str) -> float | None:
     return stats.mean_ms(what)
 
 
-def one_token_ms(seg: list[Record]) -> list[float]:
-    """Host ms of each run_batch of an extend with at most ONE_TOKEN_MAX new tokens."""
-    return [1e3 * (r.t1 - r.t0) for r in seg
+def one_token_runs(seg: list[Record]) -> list[Record]:
+    """The run_batch records of extends with at most ONE_TOKEN_MAX new tokens."""
+    return [r for r in seg
             if r.phase == Phase.RUN and r.mode == Mode.EXTEND and r.tokens <= ONE_TOKEN_MAX]
+
+
+def one_token_ms(seg: list[Record]) -> list[float]:
+    """Host ms of each one-token extend's run_batch."""
+    return [1e3 * (r.t1 - r.t0) for r in one_token_runs(seg)]
 
 
 def run_windows(results_json: Path) -> list[tuple[str, float, float]]:
@@ -120,8 +121,7 @@ def run_windows(results_json: Path) -> list[tuple[str, float, float]]:
 
 def one_token_spans_ms(seg: list[Record]) -> dict[str, float]:
     """Mean host ms per one-token extend of each span timed inside its run_batch."""
-    runs = [r for r in seg
-            if r.phase == Phase.RUN and r.mode == Mode.EXTEND and r.tokens <= ONE_TOKEN_MAX]
+    runs = one_token_runs(seg)
     names = sorted({k for r in runs for k in r.spans})
     return {k: 1e3 * statistics.fmean(r.spans.get(k, 0.0) for r in runs) for k in names}
 

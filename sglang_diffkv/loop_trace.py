@@ -53,14 +53,8 @@ class Mode(IntEnum):
     OTHER = 3
 
 
-WRAPPED = {
-    "recv_requests": Phase.RECV,
-    "process_input_requests": Phase.INPUT,
-    "get_next_batch_to_run": Phase.NEXT,
-    "run_batch": Phase.RUN,
-    "process_batch_result": Phase.RESULT,
-    "launch_batch_sample_if_needed": Phase.SAMPLE,
-}
+WRAPPED = ("recv_requests", "process_input_requests", "get_next_batch_to_run", "run_batch",
+           "process_batch_result", "launch_batch_sample_if_needed")
 _MARK = "_sglang_diffkv_loop_traced"
 # host seconds per timed method (``time_method``) since the current run_batch began: the
 # scheduler loop is one thread, and only a traced process (SGLANG_DIFFKV_LOOP_TRACE) writes it
