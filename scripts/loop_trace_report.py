@@ -19,6 +19,12 @@ run_batch of an extend batch with at most 2 new tokens (a prompt the radix cache
 (runner_extend: the model runner's eager forward; attn_extend: the attention backend's
 extend, KV store included; attn_metadata; kv_store: the KV pool's set_kv_buffer).
 
+For a result folder whose logs.tar.gz holds the bench client's per-request records, a third
+table splits each run's client TTFT at the scheduler: pre (send -> received: HTTP, the
+tokenizer manager, the wait for the loop's next poll), queue, step (launched -> first token
+streamed) and post (streamed -> the client's first token). Client and scheduler share the
+machine's clock; requests are joined in time order.
+
     python scripts/loop_trace_report.py fp8=docs/data/h200-2026-11-25/s24-loop/c3/fp8 \
         bf16=docs/data/h200-2026-11-25/s24-loop/c3/bf16
 """
@@ -26,10 +32,13 @@ extend, KV store included; attn_metadata; kv_store: the KV pool's set_kv_buffer)
 from __future__ import annotations
 
 import argparse
+import bisect
+import gzip
 import json
 import math
 import statistics
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +51,9 @@ from sglang_diffkv.loop_trace import (  # noqa: E402
     ModeStats,
     Phase,
     Record,
+    RequestTimes,
     read_loop_trace,
+    request_times,
     segments,
     summarize,
     trace_files,
@@ -179,6 +190,79 @@ def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: f
     return rows
 
 
+def client_requests(folder: Path, config: str, run: str) -> list[tuple[float, float]] | None:
+    """(send, first token) seconds after the run's start of each of its requests that streamed
+    a token, as the bench client wrote them (logs.tar.gz: logs/requests__CONFIG__RUN.jsonl.gz);
+    None when the folder holds no such file."""
+    try:
+        with tarfile.open(folder / "logs.tar.gz") as tar:
+            member = tar.extractfile(f"logs/requests__{config}__{run}.jsonl.gz")
+            data = member.read() if member is not None else None
+    except (OSError, KeyError, tarfile.TarError):
+        return None
+    if data is None:
+        return None
+    out: list[tuple[float, float]] = []
+    name = f"{folder}/logs.tar.gz:requests__{config}__{run}.jsonl.gz"
+    for lineno, line in enumerate(gzip.decompress(data).decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            first = rec.get("first_token_s")
+            if first is not None and first > 0:
+                out.append((float(rec["send_s"]), float(first)))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ReportInputError(f"{name}:{lineno}: bad request record: {e}") from e
+    return sorted(out)
+
+
+def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]]) -> dict:
+    """Where each client request's TTFT went. ``sends``: (send, first token) on the
+    scheduler's wall clock. Each is joined with the first request the scheduler received at
+    or after its send that no earlier send took (time order: two requests sent within a
+    millisecond may swap, which moves no mean). pre: send -> received (HTTP, the tokenizer
+    manager, the wait for the loop's next poll); queue: received -> launched; step: launched
+    -> first token streamed; post: streamed -> the client's first token (detokenizer, HTTP)."""
+    got = sorted(times.values(), key=lambda t: t.received)
+    received = [t.received for t in got]
+    parts: dict[str, list[float]] = {k: [] for k in ("ttft", "pre", "queue", "step", "post")}
+    j = 0
+    for send, first in sorted(sends):
+        j = bisect.bisect_left(received, send, lo=j)
+        if j >= len(got):
+            break
+        t = got[j]
+        j += 1
+        for k, v in (("ttft", first - send), ("pre", t.received - send),
+                     ("queue", t.launched - t.received), ("step", t.streamed - t.launched),
+                     ("post", first - t.streamed)):
+            parts[k].append(1e3 * v)
+    row: dict = {"client_n": len(sends), "joined_n": len(parts["ttft"])}
+    for k, v in parts.items():
+        row[f"{k}_median_ms"] = median(v)
+        row[f"{k}_mean_ms"] = mean(v)
+    return row
+
+
+def ttft_split_rows(label: str, folder: Path, records: list[Record]) -> list[dict]:
+    """ttft_split of each run of a bench_e2e.py result folder whose client records it holds."""
+    results = folder / "results.json"
+    try:
+        configs = [str(r.get("config", "")) for r in json.loads(results.read_text())["runs"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ReportInputError(f"{results}: not a bench_e2e.py results file ({e})") from e
+    rows: list[dict] = []
+    for config, (name, t0, t1) in zip(configs, run_windows(results), strict=True):
+        sends = client_requests(folder, config, name)
+        if not sends:
+            continue
+        seg = [r for r in records if t0 <= r.t0 < t1]
+        joined = ttft_split(request_times(seg), [(t0 + s, t0 + f) for s, f in sends])
+        rows.append({"label": label, "run": name, **joined})
+    return rows
+
+
 def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
@@ -210,10 +294,12 @@ def compare_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float) -> list[dict]:
+def report_rows(runs: list[tuple[str, str]], gap_s: float,
+                min_s: float) -> tuple[list[dict], list[dict]]:
     """segment_rows for every LABEL=PATH, each file apart, start times from the label's
-    first record."""
+    first record; and the TTFT split of each run of the bench_e2e.py result folders."""
     rows: list[dict] = []
+    splits: list[dict] = []
     for label, path in runs:
         results = Path(path) / "results.json"
         windows = run_windows(results) if results.is_file() else None
@@ -229,7 +315,10 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float) -> list
         for part, (f, recs) in enumerate(zip(files, traces, strict=True)):
             rows += segment_rows(recs, label, gap_s, min_s, t_ref=t_ref, file=str(f), part=part,
                                  windows=windows)
-    return rows
+        if windows is not None:
+            merged = sorted((r for t in traces for r in t), key=lambda r: r.t0)
+            splits += ttft_split_rows(label, Path(path), merged)
+    return rows, splits
 
 
 def _f(v: float | None, spec: str) -> str:
@@ -309,6 +398,28 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
     return lines
 
 
+def format_splits(rows: list[dict]) -> list[str]:
+    w = max([5] + [len(r["label"]) for r in rows])
+    rw = max([3] + [len(r["run"]) for r in rows])
+    head = (f"{'label':{w}} {'run':{rw}} {'joined':>9} {'client TTFT ms':>15} {'pre ms':>11} "
+            f"{'queue ms':>9} {'step ms':>11} {'post ms':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['label']:{w}} {r['run']:{rw}} {str(r['joined_n']) + '/' + str(r['client_n']):>9} "
+            f"{_pair(r['ttft_median_ms'], r['ttft_mean_ms'], '.1f'):>15} "
+            f"{_pair(r['pre_median_ms'], r['pre_mean_ms'], '.1f'):>11} "
+            f"{_pair(r['queue_median_ms'], r['queue_mean_ms'], '.1f'):>9} "
+            f"{_pair(r['step_median_ms'], r['step_mean_ms'], '.1f'):>11} "
+            f"{_pair(r['post_median_ms'], r['post_mean_ms'], '.1f'):>9}")
+    lines.append(
+        "median/mean per request of the client's requests joined with the scheduler's receipts "
+        "in time order (joined/streamed); pre: client send -> scheduler received (HTTP, "
+        "tokenizer manager, the wait for the loop's next poll); queue: -> prefill launched; "
+        "step: -> first token streamed; post: -> the client's first token (detokenizer, HTTP)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -326,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if dup:
         ap.error(f"label given more than once: {', '.join(dup)}")
     try:
-        rows = report_rows(a.runs, a.gap_s, a.min_s)
+        rows, splits = report_rows(a.runs, a.gap_s, a.min_s)
     except ReportInputError as e:
         print(f"loop_trace_report: error: {e}", file=sys.stderr)
         return 2
@@ -335,10 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(a.runs) >= 2:
         print()
         print("\n".join(format_compare(comparison, rows)))
+    if splits:
+        print()
+        print("\n".join(format_splits(splits)))
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"gap_s": a.gap_s, "min_s": a.min_s, "segments": rows,
-                                      "comparison": comparison}, indent=1) + "\n")
+                                      "comparison": comparison, "ttft_split": splits},
+                                     indent=1) + "\n")
     return 0
 
 

@@ -311,6 +311,39 @@ class SegmentSummary:
     step_ms: list[float]  # per request: its prefill launched -> its first token streamed
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When the scheduler received a request (end of process_input_requests), launched its
+    prefill (start of that extend's run_batch) and streamed its first token (end of that
+    extend's process_batch_result); seconds on the wall clock."""
+
+    received: float
+    launched: float
+    streamed: float
+
+
+def request_times(seg: list[Record]) -> dict[str, RequestTimes]:
+    """Per request id, in the order of receipt: the requests of ``seg`` that were received,
+    launched and streamed in it. A prompt prefilled in chunks is launched with its first chunk
+    and streams its first token with its last, so ``streamed`` is the last extend result
+    that carried the request."""
+    received: dict[str, float] = {}
+    launched: dict[str, float] = {}
+    streamed: dict[str, float] = {}
+    for r in seg:
+        if r.phase == Phase.INPUT:
+            for rid in r.rids:
+                received.setdefault(rid, r.t1)
+        elif r.phase == Phase.RUN and r.mode == Mode.EXTEND:
+            for rid in r.rids:
+                launched.setdefault(rid, r.t0)
+        elif r.phase == Phase.RESULT and r.mode == Mode.EXTEND:
+            for rid in r.rids:
+                streamed[rid] = r.t1
+    return {rid: RequestTimes(t, launched[rid], streamed[rid]) for rid, t in received.items()
+            if rid in launched and rid in streamed}
+
+
 def _iterations(seg: list[Record]) -> Iterable[list[Record]]:
     cur: list[Record] = []
     for r in seg:
@@ -340,22 +373,9 @@ def summarize(seg: list[Record]) -> SegmentSummary:
         if run is not None:
             st.tokens += run.tokens
             st.size += run.size
-    received: dict[str, float] = {}
-    launched: dict[str, float] = {}
-    queue: list[float] = []
-    step: list[float] = []
-    for r in seg:
-        if r.phase == Phase.INPUT:
-            for rid in r.rids:
-                received.setdefault(rid, r.t1)
-        elif r.phase == Phase.RUN and r.mode == Mode.EXTEND:
-            for rid in r.rids:
-                launched.setdefault(rid, r.t0)
-        elif r.phase == Phase.RESULT and r.mode == Mode.EXTEND:
-            for rid in r.rids:
-                if rid in launched and rid in received:
-                    queue.append(1e3 * (launched[rid] - received[rid]))
-                    step.append(1e3 * (r.t1 - launched[rid]))
+    times = request_times(seg)
+    queue = [1e3 * (t.launched - t.received) for t in times.values()]
+    step = [1e3 * (t.streamed - t.launched) for t in times.values()]
     return SegmentSummary(seg[0].t0, seg[-1].t1 - seg[0].t0, len(step), modes, queue, step)
 
 

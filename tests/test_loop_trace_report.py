@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -333,7 +336,8 @@ def _bench_folder(root: Path, name: str, run_ms: tuple[float, float], store_ms: 
         _last_run(tr)["x"] = {"kv_store": (store_ms + 1.0) / 1e3}
         tr.it(50.0, DEC, 3.0, result=EXT, finish=("b",))
     tr.write(folder / "loop" / "loop-7.jsonl")
-    runs = [{"label": label, "wall_start_unix": t0, "client": {"duration": 8.0}}
+    runs = [{"config": name, "label": label, "wall_start_unix": t0,
+             "client": {"duration": 8.0}}
             for label, t0 in (("ladder@6rps", 1000.0), ("ladder@10rps", 1010.0))]
     (folder / "results.json").write_text(json.dumps({"runs": runs}))
     return folder
@@ -365,3 +369,57 @@ def test_a_results_file_that_does_not_read_is_an_error(tmp_path: Path,
     (folder / "results.json").write_text(json.dumps({"runs": [{"label": "a"}]}))
     assert ltr.main([f"x={folder}"]) == 2
     assert "not a bench_e2e.py results file" in capsys.readouterr().err
+
+
+def _client_log(folder: Path, files: dict[str, str]) -> None:
+    """logs.tar.gz holding logs/NAME (gzipped TEXT) for each NAME: TEXT."""
+    with tarfile.open(folder / "logs.tar.gz", "w:gz") as tar:
+        for name, text in files.items():
+            data = gzip.compress(text.encode())
+            info = tarfile.TarInfo(f"logs/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _req(send_ms: float, first_ms: float | None) -> str:
+    return json.dumps({"send_s": send_ms / 1e3,
+                       "first_token_s": None if first_ms is None else first_ms / 1e3}) + "\n"
+
+
+def test_client_ttft_is_split_at_the_schedulers_receipt_launch_and_stream(tmp_path: Path) -> None:
+    # ladder@6rps from 1000 s, one-token extends of 10 and 12 ms: request a is received at
+    # 2 ms, launched at 3, streamed at 23 + 12 = 35 (with b's launch); b received at 22,
+    # launched at 23, streamed at 56 (the decode iteration's result)
+    fp8 = _bench_folder(tmp_path, "fp8", (10.0, 14.0), 2.0)
+    _client_log(fp8, {"requests__fp8__ladder@6rps.jsonl.gz":
+                      _req(0.5, 35.7) + _req(20.0, 56.4) + _req(30.0, None)})
+    out = tmp_path / "r.json"
+    assert ltr.main([f"fp8={fp8}", "--min-s", "0", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["ttft_split"]  # ladder@10rps has no client file
+    assert (row["label"], row["run"], row["client_n"], row["joined_n"]) == (
+        "fp8", "ladder@6rps", 2, 2)
+    want = {"ttft": (35.2, 36.4), "pre": (1.5, 2.0), "queue": (1.0, 1.0),
+            "step": (32.0, 33.0), "post": (0.7, 0.4)}
+    for k, (a, b) in want.items():
+        assert row[f"{k}_mean_ms"] == pytest.approx((a + b) / 2, abs=1e-6), k
+        assert row[f"{k}_median_ms"] == pytest.approx((a + b) / 2, abs=1e-6), k
+    # the parts add up to the client's TTFT
+    assert sum(row[f"{k}_mean_ms"] for k in ("pre", "queue", "step", "post")) == pytest.approx(
+        row["ttft_mean_ms"])
+
+
+def test_a_send_after_every_receipt_is_not_joined(tmp_path: Path) -> None:
+    fp8 = _bench_folder(tmp_path, "fp8", (10.0, 14.0), 2.0)
+    _client_log(fp8, {"requests__fp8__ladder@6rps.jsonl.gz": _req(0.5, 35.7) + _req(25.0, 60.0)})
+    rows, splits = ltr.report_rows([("fp8", str(fp8))], 0.3, 0.0)
+    assert rows and [(s["client_n"], s["joined_n"]) for s in splits] == [(2, 1)]
+    assert splits[0]["pre_mean_ms"] == pytest.approx(1.5)
+
+
+def test_a_bad_client_record_is_named_with_its_line(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    fp8 = _bench_folder(tmp_path, "fp8", (10.0, 14.0), 2.0)
+    _client_log(fp8, {"requests__fp8__ladder@6rps.jsonl.gz": _req(0.5, 35.7) + "{not json\n"})
+    assert ltr.main([f"fp8={fp8}"]) == 2
+    err = capsys.readouterr().err
+    assert "requests__fp8__ladder@6rps.jsonl.gz:2: bad request record" in err
