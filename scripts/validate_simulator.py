@@ -689,9 +689,11 @@ def kept_findings(doc: Path) -> str:
 
 def scratch_name(results_dir: str) -> str:
     """Where a folder's packed logs are unpacked under --scratch: its parent's name and its
-    own, so two folders called alike (e2e-s10-longgen/diffkv, e2e-s11/diffkv) do not share."""
+    own, to read, and a digest of its whole path, so that two folders called alike
+    (s24-loop/c3/fp8, s25-pin/c3/fp8) never share one (they would read each other's traces)."""
     p = Path(results_dir).resolve()
-    return f"{p.parent.name}--{p.name}"
+    digest = hashlib.sha1(str(p).encode()).hexdigest()[:8]
+    return f"{p.parent.name}--{p.name}--{digest}"
 
 
 def results_arg(arg: str) -> tuple[str, str | None, dict[str, str]]:

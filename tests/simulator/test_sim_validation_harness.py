@@ -432,6 +432,16 @@ def test_a_regenerated_report_keeps_the_hand_written_findings(tmp_path):
     assert mod.kept_findings(doc) == ""
 
 
+def test_folders_named_alike_unpack_to_their_own_scratch(tmp_path):
+    mod = _script()
+    a, b = tmp_path / "s24" / "c3" / "fp8", tmp_path / "s25" / "c3" / "fp8"
+    name_a, name_b = mod.scratch_name(str(a)), mod.scratch_name(str(b))
+    assert name_a != name_b
+    assert name_a.startswith("c3--fp8--") and name_b.startswith("c3--fp8--")
+    assert mod.scratch_name(str(a)) == name_a  # the same folder reuses its scratch
+    assert mod.scratch_name(str(tmp_path / "s24" / "c3" / ".." / "c3" / "fp8")) == name_a
+
+
 def test_a_log_only_flag_is_the_same_launch():
     """A server re-run with SGLang's per-request time stats on (log lines only) merges with
     its runs without; any other difference in the command, or in the environment, does not."""
