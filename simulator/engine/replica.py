@@ -69,11 +69,14 @@ class Replica:
         env, sched, log = self.env, self.scheduler, self.log
         step_time = self.cost.step_time
         last_start = math.inf      # start of the step just run (inf: none, the server idled)
+        last_decode = False        # whether that step was decode-only
         prefill_end = -math.inf    # end of the last prefill step: the GPU's clocks recover
         while True:
             batch = sched.next_batch(last_start if self.overlap else math.inf)
+            formed_now = False   # formed at this step's start, not while the last one ran
             if batch is None and self.overlap and sched.waiting and last_start != math.inf:
                 batch = sched.next_batch()      # nothing launched: the loop sees them now
+                formed_now = True
             if batch is None:
                 last_start = math.inf
                 sched.on_idle()
@@ -81,9 +84,16 @@ class Replica:
                 yield self._wake
                 self._wake = None
                 continue
-            last_start = env.now
             if batch.chunks:
-                batch.shape = replace(batch.shape, prefill_gap_s=env.now - prefill_end)
+                # under overlap the host formed this batch, and began its eager launches,
+                # when the step just run started; a decode step's graph launch leaves the
+                # host free for that, a prefill's own launches do not
+                head = (env.now - last_start if self.overlap and last_decode and not formed_now
+                        and last_start != math.inf else 0.0)
+                batch.shape = replace(batch.shape, prefill_gap_s=env.now - prefill_end,
+                                      launch_head_start_s=head)
+            last_start = env.now
+            last_decode = not batch.chunks
             dt = step_time(batch.shape)
             yield env.timeout(dt)
             now = env.now

@@ -2,7 +2,8 @@
 flops / (eta_comp * peak), summed over operators and layers, plus per-layer, per-step and
 per-sequence fixed costs (and eager-mode launch costs when no CUDA graph covers the step; a
 prefill step whose launches the calibration times, ``eager_prefill_launch_s``, runs its kernels
-under them and lasts the longer of the two).
+under them and lasts the longer of the two, its launches counted from when the host began
+them: under the overlap scheduler, the start of the decode step before it).
 
 Operators per layer: the four weight GEMM groups (qkv, o, gate+up, down), decode attention
 (bytes follow the KV format: the pool says how many bytes a context reads), prefill attention
@@ -55,6 +56,10 @@ class StepShape:
     # seconds from the end of the previous prefill step to this step's start (0: back to
     # back; inf: none before), for the GPU's clocks (Calibration.prefill_clock_scale)
     prefill_gap_s: float = math.inf
+    # seconds the host has been launching this prefill step's kernels when the step starts:
+    # under the overlap scheduler an eager prefill is launched while the GPU runs the decode
+    # step before it, so its launch floor (eager_prefill_launch_s) counts from there
+    launch_head_start_s: float = 0.0
 
 
 def _alike_chunks(tokens: int, past_tokens: int, seqs: int) -> tuple[tuple[int, int], ...]:
@@ -247,7 +252,8 @@ class CostModel:
         if s.prefill_tokens:
             t *= c.prefill_clock_scale(s.prefill_gap_s)   # the grids ran at the power limit
         if s.prefill_tokens and c.eager_prefill_launch_s > 0.0:
-            t = max(t, c.eager_prefill_launch_s)   # the kernels run under their launches
+            # the kernels run under their launches, which began launch_head_start_s ago
+            t = max(t, c.eager_prefill_launch_s - s.launch_head_start_s)
         else:
             t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:

@@ -24,7 +24,9 @@ have none, and kept only when it cuts the decode rows' error by ``RELEASE_GAIN``
 captured batch, which runs outside the CUDA graphs: its launches and host work, fitted when the
 rows hold enough eager and graphed decode intervals; a prefill step keeps the calibration's
 ``eager_layer_overhead_s`` in its kernel time (or, with ``eager_prefill_launch_s``, lasts the
-longer of its launches and its kernels) and its own terms absorb the rest; ``s_attn``:
+longer of its launches and its kernels, the launches begun a decode step's kernel time before
+it, as the overlap scheduler launches a prefill while a decode step runs) and its own terms
+absorb the rest; ``s_attn``:
 ``decode_attention_scale``, the decode attention kernel in a serving step against its grid
 measured alone: long contexts at a large batch weigh it, short ones at a small batch hardly).
 An interval's decode tokens are approximated by the interval times the mean of its two lines'
@@ -155,6 +157,8 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
     used: list[tuple[int, int]] = []
     first = max(1, int(skip_fraction * len(log.decode_running)))
     start_line = log.decode_line_no[first - 1] if log.decode_running else 0
+    overlapped = (server.cost.calib.eager_prefill_launch_s > 0.0
+                  and not server.deployment.settings.disable_overlap_schedule)
     for iv in decode_intervals(log, n, first):
         a, b = iv.first_line, iv.last_line
         flags = {log.decode_cuda_graph[iv.index - 1], log.decode_cuda_graph[iv.index]} - {None}
@@ -178,7 +182,11 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             tok = log.prefill_new_tokens[j]
             if seqs <= 0 or tok <= 0:
                 continue
-            shape = prefill_shape(server, seqs, tok, log.prefill_cached_tokens[j])
+            # launched while a decode step ran (the overlap scheduler): its launches had
+            # that step's kernel time of head start (the fitted fixed terms left out)
+            shape = replace(prefill_shape(server, seqs, tok, log.prefill_cached_tokens[j]),
+                            launch_head_start_s=rest + attn * server.cost.attention_scale
+                            if overlapped else 0.0)
             p_rest, _, _ = _kernels(server, shape)
             base += p_rest
             feats[0] += 1

@@ -93,3 +93,49 @@ def test_the_probe_fit_finds_the_launch_time_it_was_built_with():
     assert summed["launch_ms"] <= 40.0 and summed["rms"] < 1e-9
     with pytest.raises(Exception, match=">= 3"):
         probe.launch_fit(points[:2])
+
+
+def test_launches_begun_under_the_step_before_count_toward_the_floor():
+    sc = scenario()
+    launch = 0.009
+    cost = replace(sc, calibration=replace(sc.calibration,
+                                           eager_prefill_launch_s=launch)).server("bf16").cost
+    extend = _prefill(1, 1000)
+    alone = cost.step_time(extend)
+    # 2 ms of the launches ran under the decode step before: 2 ms fewer remain
+    assert cost.step_time(replace(extend, launch_head_start_s=0.002)) == pytest.approx(
+        alone - 0.002)
+    # launches done before the step starts leave the kernels alone: never below them
+    kernels_only = cost.step_time(replace(extend, launch_head_start_s=1.0))
+    assert alone - launch < kernels_only < alone - 0.002
+    assert cost.step_time(replace(extend, launch_head_start_s=0.05)) == kernels_only
+    # without a launch time the head start changes nothing
+    summed = sc.server("bf16").cost
+    assert summed.step_time(replace(extend, launch_head_start_s=0.004)) == summed.step_time(
+        extend)
+
+
+def _two_requests(sc, overlap: bool):
+    """A on an idle server at 0 s, decoding 40 tokens; B, alike, arriving while A decodes:
+    (step kinds, step times) of the run."""
+    from simulator.workload.schema import Trace, TraceRequest
+    cal = replace(sc.calibration, eager_prefill_launch_s=0.05)  # every prefill launch-bound
+    run = replace(sc, calibration=cal, settings=replace(
+        sc.settings, disable_overlap_schedule=not overlap))
+    trace = Trace((TraceRequest(0.0, 64, 40), TraceRequest(0.12, 64, 40)))
+    log = run.run(trace, "bf16").replicas[0].log
+    return log.kind, log.dt
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prefill_formed_while_a_decode_step_ran_launched_during_it(overlap):
+    kind, dt = _two_requests(scenario(), overlap)
+    prefills = [i for i, k in enumerate(kind) if k == 0]
+    assert len(prefills) == 2 and prefills[0] == 0
+    a, b = prefills
+    assert kind[b - 1] == 1     # B's prefill follows a decode step
+    if overlap:
+        # B's launches began when that decode step started: they end 50 ms after it
+        assert dt[b - 1] + dt[b] == pytest.approx(dt[a], rel=1e-6)
+    else:
+        assert dt[b] == pytest.approx(dt[a], rel=1e-6)

@@ -16,7 +16,7 @@ from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import load_calibration
 from simulator.validation.fit import _shape, prefill_shape
 from simulator.validation.sglang_log import parse_server_log
-from simulator.validation.step_fit import fit_step_costs, step_rows
+from simulator.validation.step_fit import _kernels, fit_step_costs, step_rows
 
 TRUE = {"step_overhead_s": 5e-4, "seq_overhead_s": 1e-5, "prefill_step_overhead_s": 8e-3,
         "prefill_seq_overhead_s": 0.0, "prefill_token_overhead_s": 2e-6,
@@ -29,10 +29,12 @@ def _server(fmt="bf16", **costs):
     return replace(scenario(), calibration=cal).server(fmt)
 
 
-def _log(tmp_path, intervals, idle_at=None, fmt="bf16", release_s=0.0, **truth_costs):
+def _log(tmp_path, intervals, idle_at=None, fmt="bf16", release_s=0.0, head_start=False,
+         **truth_costs):
     """Decode lines every N decode steps, with Prefill lines between them; each interval's
     gen throughput is its decode tokens over the wall time that the true costs give, plus
-    ``release_s`` per request a decode-only interval's batch lost."""
+    ``release_s`` per request a decode-only interval's batch lost. ``head_start``: a
+    prefill's launches began a decode step's kernel time before it (the overlap scheduler)."""
     truth = _server(fmt, **{**TRUE, **truth_costs})
     lines = ["max_total_num_tokens=400000, chunked_prefill_size=8192",
              f"server_args=ServerArgs(decode_log_interval={N}, chunked_prefill_size=8192)"]
@@ -56,7 +58,12 @@ def _log(tmp_path, intervals, idle_at=None, fmt="bf16", release_s=0.0, **truth_c
             lines.append(f"[2026-11-22 12:00:00] Prefill batch, #new-seq: 1, #new-token: {tok}, "
                          f"#cached-token: 0, token usage: 0.05, #running-req: {b}, "
                          f"#queue-req: 0, cuda graph: False, input throughput (token/s): 0.00")
-            wall += truth.cost.step_time(prefill_shape(truth, 1, tok, 0))
+            shape = prefill_shape(truth, 1, tok, 0)
+            if head_start:
+                rest, attn, _ = _kernels(truth, _shape(truth, mb, mkv))
+                shape = replace(shape, launch_head_start_s=rest + attn
+                                * truth.cost.attention_scale)
+            wall += truth.cost.step_time(shape)
         if i == idle_at:
             wall *= 3.0      # the server idled inside this interval
         lines.append(decode_line(b, kv, N * mb / wall))
@@ -91,6 +98,24 @@ def test_fit_recovers_known_costs_and_drops_idle(tmp_path):
               "prefill_token_overhead_s", "decode_attention_scale"):
         assert fit[k] == pytest.approx(TRUE[k], rel=0.05, abs=2e-7), k
     assert fit["mape"] < 1e-3 < fit["mape_before"]
+
+
+def test_launch_bound_prefills_count_their_launches_from_the_decode_step_before(tmp_path):
+    launch = 0.012   # above every decode step's kernels here, and most prefills'
+    log = _log(tmp_path, _intervals(5), head_start=True, eager_prefill_launch_s=launch)
+    start = {**{k: 0.0 for k in TRUE}, "decode_attention_scale": TRUE["decode_attention_scale"],
+             "eager_prefill_launch_s": launch}
+    rows = step_rows(_server(**start), log, "fit", graphed=True)
+    fit = fit_step_costs(_server(**start), rows)
+    for k in ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
+              "prefill_token_overhead_s", "decode_attention_scale"):
+        assert fit[k] == pytest.approx(TRUE[k], rel=0.05, abs=2e-7), k
+    assert fit["mape"] < 1e-3
+    # read as if the launches began with the prefill step (no overlap), the log fits worse
+    cal = replace(load_calibration("h100"), **start)
+    flat_srv = replace(scenario(disable_overlap_schedule=True), calibration=cal).server("bf16")
+    flat = fit_step_costs(flat_srv, step_rows(flat_srv, log, "fit", graphed=True))
+    assert flat["mape"] > 10 * fit["mape"]
 
 
 def test_decode_only_rows_keep_the_prefill_costs(tmp_path):
