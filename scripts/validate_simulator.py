@@ -170,20 +170,24 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
 
 
+LAUNCH_KEYS = ("triton", "diffkv", "bf16", "fp8")  # backends, or a triton KV format
+
+
 def eager_launch_arg(items: list[str]) -> dict[str, float]:
-    """``--eager-prefill-launch-ms BACKEND=MS`` items as {backend: ms}."""
+    """``--eager-prefill-launch-ms KEY=MS`` items as {key: ms}, KEY a backend (triton,
+    diffkv) or one of the triton backend's KV formats (bf16, fp8: that format's own)."""
     out: dict[str, float] = {}
     for item in items:
-        be, sep, ms = item.partition("=")
+        key, sep, ms = item.partition("=")
         try:
             value = float(ms)
         except ValueError:
             value = math.nan
-        if not sep or be not in ("triton", "diffkv") or not 0 <= value < 1e3:
+        if not sep or key not in LAUNCH_KEYS or not 0 <= value < 1e3:
             raise SimulatorInputError(
-                f"--eager-prefill-launch-ms {item!r}: want triton=MS or diffkv=MS, MS a "
-                "number of milliseconds in [0, 1000)")
-        out[be] = value
+                f"--eager-prefill-launch-ms {item!r}: want KEY=MS, KEY one of "
+                f"{', '.join(LAUNCH_KEYS)}, MS a number of milliseconds in [0, 1000)")
+        out[key] = value
     return out
 
 
@@ -195,8 +199,12 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     base = calib
     if a.diffkv_prefill_step_ms and be == "diffkv":
         base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
-    if be in a.eager_prefill_launch_ms:
-        base = replace(base, eager_prefill_launch_s=a.eager_prefill_launch_ms[be] / 1e3)
+    launch = a.eager_prefill_launch_ms
+    if be in launch:
+        base = replace(base, eager_prefill_launch_s=launch[be] / 1e3)
+    own = {k: ms / 1e3 for k, ms in launch.items() if k not in ("triton", "diffkv")}
+    if own:
+        base = replace(base, eager_prefill_launches={**base.eager_prefill_launches, **own})
     be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
                                prefill=a.prefill_fit == "all",
                                decode_only=frozenset(a.fit_decode_run))
@@ -204,6 +212,8 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
         fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals)
     if base.eager_prefill_launch_s:
         info["eager_launch_s"] = base.eager_prefill_launch_s
+    if base.eager_prefill_launches:
+        info["eager_launches_s"] = dict(base.eager_prefill_launches)
     if base.prefill_step_overhead_s != calib.prefill_step_overhead_s:
         info["given_prefill_step_s"] = base.prefill_step_overhead_s
         info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
@@ -653,7 +663,9 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         else "")
                      + (f"; an eager prefill step lasts max({1e3 * fi['eager_launch_s']:.1f} ms "
                         "of launches, its kernels) (--eager-prefill-launch-ms)"
-                        if fi.get("eager_launch_s") else ""))
+                        if fi.get("eager_launch_s") else "")
+                     + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
+                               for k, v in fi.get("eager_launches_s", {}).items()))
         if fi.get("refinement"):
             lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:
@@ -738,10 +750,12 @@ def main(argv: list[str] | None = None) -> int:
                          "open-loop runs do not reach, while its prefill bursts (long prompts, "
                          "full chunks) are left out of the prefill costs; never validated")
     ap.add_argument("--eager-prefill-launch-ms", action="append", default=[],
-                    metavar="BACKEND=MS",
-                    help="host time to launch an eager prefill step's kernels, for BACKEND "
-                         "(triton or diffkv): its step lasts max(launches, kernels) instead "
-                         "of their sum (calibration field eager_prefill_launch_s), from "
+                    metavar="KEY=MS",
+                    help="host time to launch an eager prefill step's kernels, for KEY: a "
+                         "backend (triton or diffkv) or a triton KV format (bf16, fp8) whose "
+                         "launches differ: its step lasts max(launches, kernels) instead "
+                         "of their sum (calibration fields eager_prefill_launch_s and "
+                         "eager_prefill_launch_s_by_format), from "
                          "scripts/probe_prefill_ttft.py --compare; repeatable; default: the "
                          "calibration's (0: the sum)")
     ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,

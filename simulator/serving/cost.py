@@ -83,6 +83,7 @@ class CostModel:
         self.attn_mem_rate = calib.attention_eta(attention_key) * self.bw
         self.attention_key = attention_key
         self.attention_scale = calib.attention_scale(attention_key)
+        self.prefill_launch_s = calib.prefill_launch_s(attention_key)
         self.attn_comp_rate = calib.eta_comp_decode_attention * self.flops
         self.pf_comp_rate = calib.eta_comp_prefill_attention * self.flops
         self.net_rate = calib.eta_interconnect * gpu.interconnect_bandwidth
@@ -251,9 +252,9 @@ class CostModel:
         t = self.layers * per_layer + self.lm_head_time(sampled)
         if s.prefill_tokens:
             t *= c.prefill_clock_scale(s.prefill_gap_s)   # the grids ran at the power limit
-        if s.prefill_tokens and c.eager_prefill_launch_s > 0.0:
+        if s.prefill_tokens and self.prefill_launch_s > 0.0:
             # the kernels run under their launches, which began launch_head_start_s ago
-            t = max(t, c.eager_prefill_launch_s - s.launch_head_start_s)
+            t = max(t, self.prefill_launch_s - s.launch_head_start_s)
         else:
             t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:

@@ -72,6 +72,10 @@ ATTENTION_SCALE_FIELD = "decode_attention_scale"
 # default above, e.g. SGLang's triton backend on an fp8 cache vs a bf16 one
 ATTENTION_SCALES_FIELD = "decode_attention_scale_by_format"
 ATTENTION_SCALE_MAX = 4.0
+# optional: ``eager_prefill_launch_s`` for one KV format (calibration key) where it differs,
+# e.g. SGLang's triton backend on an fp8 cache, whose KV store launches four more kernels a
+# layer (session 22's profile: 469 launches a prefill step against bf16's 405)
+PREFILL_LAUNCHES_FIELD = "eager_prefill_launch_s_by_format"
 # optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step long after the
 # last one. Compute-bound work runs the GPU at its power limit, below its boost clock, within
 # one step: the kernel grids (timed in loops) and a burst's back-to-back chunks run there, a
@@ -328,6 +332,7 @@ class Calibration:
     release_overhead_s: float = 0.0
     first_token_latency_s: float = 0.0
     eager_prefill_launch_s: float = 0.0
+    eager_prefill_launches: dict[str, float] = field(default_factory=dict)
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     isolated_prefill_scale: float = 1.0
@@ -357,6 +362,11 @@ class Calibration:
         """The in-server decode attention factor of KV format ``key`` (its own where the
         file gives one, else the default ``decode_attention_scale``)."""
         return self.decode_attention_scales.get(key, self.decode_attention_scale)
+
+    def prefill_launch_s(self, key: str) -> float:
+        """The host's time to launch an eager prefill step on KV format ``key`` (its own
+        where the file gives one, else ``eager_prefill_launch_s``; 0: not timed)."""
+        return self.eager_prefill_launches.get(key, self.eager_prefill_launch_s)
 
     def attention_eta(self, key: str) -> float:
         if key not in self.eta_mem_decode_attention:
@@ -400,6 +410,12 @@ class Calibration:
                                       f"to factors, got {by_format!r}")
         scales = {str(k): _attention_scale(v, f"{where}.{ATTENTION_SCALES_FIELD}.{k}")
                   for k, v in by_format.items()}
+        launches = d.get(PREFILL_LAUNCHES_FIELD, {})
+        if not isinstance(launches, dict):
+            raise SimulatorInputError(f"{where}.{PREFILL_LAUNCHES_FIELD} must map KV formats "
+                                      f"to seconds, got {launches!r}")
+        launches = {str(k): _optional_seconds(v, f"{where}.{PREFILL_LAUNCHES_FIELD}.{k}")
+                    for k, v in launches.items()}
         isolated = d.get(ISOLATED_PREFILL_FIELD, 1.0)
         if (isinstance(isolated, bool) or not isinstance(isolated, (int, float))
                 or not ISOLATED_PREFILL_MIN <= isolated <= 1.0):
@@ -419,6 +435,7 @@ class Calibration:
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    decode_attention_scale=scale, decode_attention_scales=scales,
+                   eager_prefill_launches=launches,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
                    prefill_clock_recovery_s=float(recovery),
@@ -436,6 +453,8 @@ class Calibration:
             d[ATTENTION_SCALE_FIELD] = self.decode_attention_scale
         if self.decode_attention_scales:
             d[ATTENTION_SCALES_FIELD] = dict(self.decode_attention_scales)
+        if self.eager_prefill_launches:
+            d[PREFILL_LAUNCHES_FIELD] = dict(self.eager_prefill_launches)
         if self.isolated_prefill_scale != 1.0:
             d[ISOLATED_PREFILL_FIELD] = self.isolated_prefill_scale
         if self.prefill_clock_recovery_s != PREFILL_CLOCK_RECOVERY_S:

@@ -37,6 +37,26 @@ def test_the_field_loads_round_trips_and_names_a_bad_value(tmp_path):
         load_calibration("h100", str(f))
 
 
+def test_a_kv_format_may_have_its_own_launch_time(tmp_path):
+    base = load_calibration("h100").to_dict()
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
+        "eager_prefill_launch_s": 0.015,
+        "eager_prefill_launch_s_by_format": {"fp8": 0.0174}}}}))
+    cal = load_calibration("h100", str(f))
+    assert (cal.prefill_launch_s("fp8"), cal.prefill_launch_s("bf16")) == (0.0174, 0.015)
+    assert cal.to_dict()["eager_prefill_launch_s_by_format"] == {"fp8": 0.0174}
+    sc = replace(scenario(), calibration=cal)
+    extend = _prefill(1, 1000)   # launch-bound on both caches
+    gap = sc.server("fp8").cost.step_time(extend) - sc.server("bf16").cost.step_time(extend)
+    assert gap == pytest.approx(0.0024, abs=1e-9)
+    for bad in ({"fp8": -0.001}, [0.01]):
+        f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
+            "eager_prefill_launch_s_by_format": bad}}}))
+        with pytest.raises(SimulatorInputError, match="eager_prefill_launch_s_by_format"):
+            load_calibration("h100", str(f))
+
+
 def test_a_short_prefill_lasts_its_launches_a_long_one_its_kernels():
     sc = scenario()
     launch = 0.009
@@ -69,6 +89,7 @@ def test_validate_simulator_reads_the_option_per_backend(tmp_path, capsys):
     vs = load_script("validate_simulator")
     assert vs.eager_launch_arg(["triton=8.9", "diffkv=13.8"]) == {"triton": 8.9,
                                                                   "diffkv": 13.8}
+    assert vs.eager_launch_arg(["triton=15", "fp8=17.4"]) == {"triton": 15.0, "fp8": 17.4}
     for bad in ("flashinfer=3", "triton", "triton=-1", "diffkv=fast"):
         with pytest.raises(SimulatorInputError, match="--eager-prefill-launch-ms"):
             vs.eager_launch_arg([bad])
