@@ -40,6 +40,7 @@ import statistics
 import sys
 import tarfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -117,17 +118,25 @@ def one_token_ms(seg: list[Record]) -> list[float]:
     return [1e3 * (r.t1 - r.t0) for r in one_token_runs(seg)]
 
 
-def run_windows(results_json: Path) -> list[tuple[str, float, float]]:
-    """(run name, wall start, wall end) of each run of a bench_e2e.py results.json; a run
-    ends where the next begins (the last: its client duration plus a minute)."""
+class RunWindow(NamedTuple):
+    name: str     # the run's label: sharegpt, ladder@6rps, ...
+    config: str   # the server configuration it ran on
+    start: float  # wall clock
+    end: float
+
+
+def run_windows(results_json: Path) -> list[RunWindow]:
+    """Each run of a bench_e2e.py results.json; a run ends where the next begins (the last:
+    its client duration plus a minute)."""
     try:
         runs = json.loads(results_json.read_text())["runs"]
-        starts = [(str(r["label"]), float(r["wall_start_unix"]),
+        starts = [(str(r["label"]), str(r.get("config", "")), float(r["wall_start_unix"]),
                    float(r["client"]["duration"])) for r in runs]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ReportInputError(f"{results_json}: not a bench_e2e.py results file ({e})") from e
-    return [(name, t0, starts[i + 1][1] if i + 1 < len(starts) else t0 + dur + 60.0)
-            for i, (name, t0, dur) in enumerate(starts)]
+    return [RunWindow(name, config, t0,
+                      starts[i + 1][2] if i + 1 < len(starts) else t0 + dur + 60.0)
+            for i, (name, config, t0, dur) in enumerate(starts)]
 
 
 def one_token_spans_ms(seg: list[Record]) -> dict[str, float]:
@@ -139,9 +148,9 @@ def one_token_spans_ms(seg: list[Record]) -> dict[str, float]:
 
 def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: float = 5.0,
                  t_ref: float | None = None, file: str = "", part: int = 0,
-                 windows: list[tuple[str, float, float]] | None = None) -> list[dict]:
+                 windows: list[RunWindow] | None = None) -> list[dict]:
     """One row per busy segment of at least ``min_s`` seconds, numbered from 0 among those,
-    or, given ``windows`` (name, wall start, wall end), one per window that holds records,
+    or, given ``windows`` (the runs of a results file), one per window that holds records,
     named by it.
 
     ``start_s`` counts from ``t_ref`` (default: the first record). Numbers without data
@@ -153,7 +162,7 @@ def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: f
     if windows is None:
         named = list(enumerate(segments(records, gap_s)))
     else:
-        named = [(name, [r for r in records if t0 <= r.t0 < t1]) for name, t0, t1 in windows]
+        named = [(w.name, [r for r in records if w.start <= r.t0 < w.end]) for w in windows]
     rows: list[dict] = []
     for name, seg in named:
         if not seg:
@@ -190,20 +199,21 @@ def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: f
     return rows
 
 
-def client_requests(folder: Path, config: str, run: str) -> list[tuple[float, float]] | None:
+def client_requests(tar: tarfile.TarFile, name: str, config: str,
+                    run: str) -> list[tuple[float, float]] | None:
     """(send, first token) seconds after the run's start of each of its requests that streamed
-    a token, as the bench client wrote them (logs.tar.gz: logs/requests__CONFIG__RUN.jsonl.gz);
-    None when the folder holds no such file."""
+    a token, as the bench client wrote them into a result folder's logs.tar.gz (``tar``, read
+    as ``name``: logs/requests__CONFIG__RUN.jsonl.gz); None when it holds no such file."""
+    member = f"logs/requests__{config}__{run}.jsonl.gz"
     try:
-        with tarfile.open(folder / "logs.tar.gz") as tar:
-            member = tar.extractfile(f"logs/requests__{config}__{run}.jsonl.gz")
-            data = member.read() if member is not None else None
+        f = tar.extractfile(member)
+        data = f.read() if f is not None else None
     except (OSError, KeyError, tarfile.TarError):
         return None
     if data is None:
         return None
     out: list[tuple[float, float]] = []
-    name = f"{folder}/logs.tar.gz:requests__{config}__{run}.jsonl.gz"
+    where = f"{name}:{member.removeprefix('logs/')}"
     for lineno, line in enumerate(gzip.decompress(data).decode().splitlines(), 1):
         if not line.strip():
             continue
@@ -213,7 +223,7 @@ def client_requests(folder: Path, config: str, run: str) -> list[tuple[float, fl
             if first is not None and first > 0:
                 out.append((float(rec["send_s"]), float(first)))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ReportInputError(f"{name}:{lineno}: bad request record: {e}") from e
+            raise ReportInputError(f"{where}:{lineno}: bad request record: {e}") from e
     return sorted(out)
 
 
@@ -245,21 +255,25 @@ def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]])
     return row
 
 
-def ttft_split_rows(label: str, folder: Path, records: list[Record]) -> list[dict]:
-    """ttft_split of each run of a bench_e2e.py result folder whose client records it holds."""
-    results = folder / "results.json"
+def ttft_split_rows(label: str, folder: Path, records: list[Record],
+                    windows: list[RunWindow]) -> list[dict]:
+    """ttft_split of each run (``windows``) of a bench_e2e.py result folder whose client
+    records its logs.tar.gz holds."""
+    archive = folder / "logs.tar.gz"
     try:
-        configs = [str(r.get("config", "")) for r in json.loads(results.read_text())["runs"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ReportInputError(f"{results}: not a bench_e2e.py results file ({e})") from e
+        tar = tarfile.open(archive)
+    except (OSError, tarfile.TarError):
+        return []
     rows: list[dict] = []
-    for config, (name, t0, t1) in zip(configs, run_windows(results), strict=True):
-        sends = client_requests(folder, config, name)
-        if not sends:
-            continue
-        seg = [r for r in records if t0 <= r.t0 < t1]
-        joined = ttft_split(request_times(seg), [(t0 + s, t0 + f) for s, f in sends])
-        rows.append({"label": label, "run": name, **joined})
+    with tar:
+        for w in windows:
+            sends = client_requests(tar, str(archive), w.config, w.name)
+            if not sends:
+                continue
+            seg = [r for r in records if w.start <= r.t0 < w.end]
+            joined = ttft_split(request_times(seg),
+                                [(w.start + s, w.start + f) for s, f in sends])
+            rows.append({"label": label, "run": w.name, **joined})
     return rows
 
 
@@ -317,7 +331,7 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float,
                                  windows=windows)
         if windows is not None:
             merged = sorted((r for t in traces for r in t), key=lambda r: r.t0)
-            splits += ttft_split_rows(label, Path(path), merged)
+            splits += ttft_split_rows(label, Path(path), merged, windows)
     return rows, splits
 
 

@@ -115,6 +115,9 @@ def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
     return log
 
 
+BACKENDS = ("triton", "diffkv")  # what backend() returns: each fits its own step costs
+
+
 def backend(fmt: str) -> str:
     """Which fixed costs a KV format shares: SGLang's triton backend (bf16, fp8) or the
     DiffKV backend (its own decode kernels and per-step host work; both decode under CUDA
@@ -170,7 +173,7 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
 
 
-LAUNCH_KEYS = ("triton", "diffkv", "bf16", "fp8")  # backends, or a triton KV format
+LAUNCH_KEYS = (*BACKENDS, "bf16", "fp8")  # backends, or a triton KV format
 
 
 def eager_launch_arg(items: list[str]) -> dict[str, float]:
@@ -202,7 +205,7 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     launch = a.eager_prefill_launch_ms
     if be in launch:
         base = replace(base, eager_prefill_launch_s=launch[be] / 1e3)
-    own = {k: ms / 1e3 for k, ms in launch.items() if k not in ("triton", "diffkv")}
+    own = {k: ms / 1e3 for k, ms in launch.items() if k not in BACKENDS}
     if own:
         base = replace(base, eager_prefill_launches={**base.eager_prefill_launches, **own})
     be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
@@ -781,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
                          "their back-to-back Prefill bursts; none: decode-only intervals, the "
                          "calibration's prefill costs kept (default: %(default)s)")
     ap.add_argument("--refine-on-metrics", action="append", default=[],
-                    choices=("triton", "diffkv"),
+                    choices=BACKENDS,
                     help="after the interval fit, move BACKEND's fitted step costs until its "
                          "fitting runs' simulated metrics (throughput, batch, TPOT, TTFT) "
                          "match their measured ones (simulator/validation/refine.py); "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -308,6 +308,16 @@ def _attention_scale(v: Any, where: str) -> float:
     return float(v)
 
 
+def _by_format(d: dict[str, Any], name: str, value: Callable[[Any, str], float], what: str,
+               where: str) -> dict[str, float]:
+    """Optional field ``name`` of ``d``: KV format -> a value that ``value`` checks."""
+    by_format = d.get(name, {})
+    if not isinstance(by_format, dict):
+        raise SimulatorInputError(f"{where}.{name} must map KV formats to {what}, "
+                                  f"got {by_format!r}")
+    return {str(k): value(v, f"{where}.{name}.{k}") for k, v in by_format.items()}
+
+
 @dataclass(frozen=True)
 class Calibration:
     gpu: str
@@ -404,18 +414,8 @@ class Calibration:
                     for f in OPTIONAL_SECONDS_FIELDS}
         scale = _attention_scale(d.get(ATTENTION_SCALE_FIELD, 1.0),
                                  f"{where}.{ATTENTION_SCALE_FIELD}")
-        by_format = d.get(ATTENTION_SCALES_FIELD, {})
-        if not isinstance(by_format, dict):
-            raise SimulatorInputError(f"{where}.{ATTENTION_SCALES_FIELD} must map KV formats "
-                                      f"to factors, got {by_format!r}")
-        scales = {str(k): _attention_scale(v, f"{where}.{ATTENTION_SCALES_FIELD}.{k}")
-                  for k, v in by_format.items()}
-        launches = d.get(PREFILL_LAUNCHES_FIELD, {})
-        if not isinstance(launches, dict):
-            raise SimulatorInputError(f"{where}.{PREFILL_LAUNCHES_FIELD} must map KV formats "
-                                      f"to seconds, got {launches!r}")
-        launches = {str(k): _optional_seconds(v, f"{where}.{PREFILL_LAUNCHES_FIELD}.{k}")
-                    for k, v in launches.items()}
+        scales = _by_format(d, ATTENTION_SCALES_FIELD, _attention_scale, "factors", where)
+        launches = _by_format(d, PREFILL_LAUNCHES_FIELD, _optional_seconds, "seconds", where)
         isolated = d.get(ISOLATED_PREFILL_FIELD, 1.0)
         if (isinstance(isolated, bool) or not isinstance(isolated, (int, float))
                 or not ISOLATED_PREFILL_MIN <= isolated <= 1.0):
