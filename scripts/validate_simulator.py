@@ -212,7 +212,8 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
                                prefill=a.prefill_fit == "all",
                                decode_only=frozenset(a.fit_decode_run))
     if be in a.refine_on_metrics:
-        fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals)
+        fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals,
+                                  hold=frozenset(a.refine_hold))
     if base.eager_prefill_launch_s:
         info["eager_launch_s"] = base.eager_prefill_launch_s
     if base.eager_prefill_launches:
@@ -262,16 +263,17 @@ def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
 
 
 def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: Calibration,
-           model: str, gpu: str, max_evals: int) -> tuple[Calibration, dict[str, Any]]:
+           model: str, gpu: str, max_evals: int, hold: frozenset[str] = frozenset()
+           ) -> tuple[Calibration, dict[str, Any]]:
     """The interval fit ``fitted`` of one backend, refined on its fitting runs' metrics
     (``refine.refine_costs``), with the client's first-token latency, which no log interval
-    shows, started from the open-loop TTFT residual; the calibration file is rewritten with
-    the refined terms."""
+    shows, started from the open-loop TTFT residual; the terms in ``hold`` keep the interval
+    fit's values. The calibration file is rewritten with the refined terms."""
     be = info["backend"]
     fitting = set(info["runs"])
     runs = [r for r in h.runs if is_fitting_run(r, fitting)]
     sub = replace(h, runs=runs)
-    names = [n for n in info["fitted"] if n in UNITS] + ["first_token_latency_s"]
+    names = [n for n in info["fitted"] if n in UNITS and n not in hold] + ["first_token_latency_s"]
 
     def evaluate(c: Calibration) -> list[dict]:
         # no run counts as fitting here, so the rows carry the targets they would have
@@ -790,6 +792,12 @@ def main(argv: list[str] | None = None) -> int:
                          "match their measured ones (simulator/validation/refine.py); "
                          "repeatable; each simulation replays every fitting run of the "
                          "backend, so this takes minutes")
+    ap.add_argument("--refine-hold", action="append", default=[], metavar="TERM",
+                    choices=[n for n in UNITS if n != "first_token_latency_s"],
+                    help="a fitted term the refinement leaves at the interval fit's value, "
+                         "e.g. decode_attention_scale: the Decode intervals time the decode "
+                         "attention across batch and context, while the fitting runs' metrics "
+                         "barely move with it below the batches a burst runs; repeatable")
     ap.add_argument("--refine-evals", type=int, default=DEFAULT_MAX_EVALS,
                     help="simulations the refinement may run per backend "
                          "(default: %(default)s)")

@@ -558,6 +558,25 @@ def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
                     "--refine-evals", "1"]) == 2
 
 
+def test_refinement_holds_the_terms_it_is_told_to(results, tmp_path):
+    vs = _script()
+    out_json = tmp_path / "rows.json"
+    assert vs.main([str(results), "--doc", str(tmp_path / "d.md"), "--json", str(out_json),
+                    "--refine-on-metrics", "triton", "--refine-evals", "12",
+                    "--refine-hold", "decode_attention_scale"]) == 0
+    fit = json.loads(out_json.read_text())["fit"]
+    how = fit["refine"]
+    assert "decode_attention_scale" in fit["fitted"]
+    assert "decode_attention_scale" not in how["names"] and "step_overhead_s" in how["names"]
+    # the file keeps the interval fit's scale while the refined terms are rewritten
+    entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
+    assert entry["decode_attention_scale"] == pytest.approx(fit["decode_attention_scale"],
+                                                            rel=1e-3)
+    with pytest.raises(SystemExit):
+        vs.main([str(results), "--doc", str(tmp_path / "d.md"),
+                 "--refine-hold", "first_token_latency_s"])
+
+
 def test_backends_fitted_in_parallel_give_the_same_report(results, tmp_path):
     vs = _script()
     fits = ["--fit-run", "bf16/longgen", "--fit-run", "diffkv/sharegpt"]
