@@ -1,0 +1,72 @@
+"""Session 27's ad-hoc reading of DiffKV loop traces (sglang_diffkv/loop_trace.py), kept with
+the data it was run on. CPU only:
+
+    python docs/data/h200-2026-11-25/s27-dk-sharegpt/loop_costs.py LOOP.jsonl.gz [...]
+
+Two tables, by decode batch:
+- a prefill's cost: the wall time of an extend iteration and the four decode iterations after
+  it, less four decode iterations of the same batch with no batch change around them;
+- a release's cost: the four decode iterations from one whose batch shrank (a request
+  finished, no prefill) less the same unchanged-batch iterations.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+AFTER = 4       # decode iterations counted after the event
+BUSY_S = 0.08   # an iteration longer than this spans idle time: left out
+BIN = 16
+
+
+def iterations(path: str) -> list[dict]:
+    recs = [json.loads(line) for line in gzip.open(path, "rt")][1:]
+    its: list[dict] = []
+    for r in recs:
+        if r["p"] == 0:
+            its.append({"t0": r["t0"], "ph": {}})
+        if its:
+            its[-1]["ph"][r["p"]] = r
+    for a, b in zip(its, its[1:], strict=False):
+        a["wall"] = b["t0"] - a["t0"]
+    return its[:-1]
+
+
+def main(paths: list[str]) -> None:
+    base: dict[int, list[float]] = defaultdict(list)
+    prefill: dict[int, list[float]] = defaultdict(list)
+    release: dict[int, list[float]] = defaultdict(list)
+    for path in paths:
+        its = iterations(path)
+        mode = [(it["ph"].get(3) or {}).get("m") for it in its]
+        n = [(it["ph"].get(3) or {}).get("n", 0) for it in its]
+        for i in range(1, len(its) - AFTER - 1):
+            walls = [its[j]["wall"] * 1e3 for j in range(i, i + AFTER + 1)]
+            if max(walls) > BUSY_S * 1e3 or mode[i - 1] != 2:
+                continue
+            after = mode[i + 1:i + AFTER + 1]
+            steady = all(n[j] == n[i + 1] for j in range(i + 1, i + AFTER + 1))
+            if mode[i] == 1 and all(m == 2 for m in after):
+                prefill[n[i + 1] // BIN].append(sum(walls))
+            elif mode[i] == 2 and all(m == 2 for m in after):
+                if n[i] == n[i - 1] and steady and n[i + 1] == n[i]:
+                    base[n[i] // BIN].append(sum(walls[1:]))
+                elif 0 < n[i - 1] - n[i] and all(n[j] == n[i] for j in range(i, i + AFTER)):
+                    release[n[i] // BIN].append(sum(walls[:AFTER]))
+    print(f"batch    | steps ms/it | prefill n, cost ms | release n, cost ms  (each: wall less "
+          f"{AFTER} unchanged-batch iterations)")
+    for b in sorted(base):
+        ref = float(np.mean(base[b]))
+        p, r = prefill.get(b, []), release.get(b, [])
+        ps = f"{len(p):4d} {np.mean(p) - ref:6.2f}" if len(p) >= 5 else "   -      -"
+        rs = f"{len(r):4d} {np.mean(r) - ref:6.2f}" if len(r) >= 5 else "   -      -"
+        print(f"{b * BIN:3d}-{b * BIN + BIN - 1:3d}  | {ref / AFTER:11.2f} | {ps:>18} | {rs:>18}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
