@@ -761,7 +761,10 @@ def main(argv: list[str] | None = None) -> int:
                          "launches differ: its step lasts max(launches, kernels) instead "
                          "of their sum (calibration fields eager_prefill_launch_s and "
                          "eager_prefill_launch_s_by_format), from "
-                         "scripts/probe_prefill_ttft.py --compare; repeatable; default: the "
+                         "scripts/probe_prefill_ttft.py --compare or a loop trace's run_batch "
+                         "host time of an extend; triton's launches begin under the decode "
+                         "step before (the overlap scheduler), DiffKV's after it (its prefill "
+                         "allocation waits for that step); repeatable; default: the "
                          "calibration's (0: the sum)")
     ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
                     help="fixed cost of a DiffKV prefill step beyond the modelled kernels "

@@ -87,9 +87,11 @@ class Replica:
             if batch.chunks:
                 # under overlap the host formed this batch, and began its eager launches,
                 # when the step just run started; a decode step's graph launch leaves the
-                # host free for that, a prefill's own launches do not
+                # host free for that, a prefill's own launches do not, nor does a KV format
+                # whose prefill allocation waits for the step in flight
                 head = (env.now - last_start if self.overlap and last_decode and not formed_now
-                        and last_start != math.inf else 0.0)
+                        and last_start != math.inf and self.cost.prefill_launch_overlaps
+                        else 0.0)
                 batch.shape = replace(batch.shape, prefill_gap_s=env.now - prefill_end,
                                       launch_head_start_s=head)
             last_start = env.now

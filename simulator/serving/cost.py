@@ -3,7 +3,8 @@ flops / (eta_comp * peak), summed over operators and layers, plus per-layer, per
 per-sequence fixed costs (and eager-mode launch costs when no CUDA graph covers the step; a
 prefill step whose launches the calibration times, ``eager_prefill_launch_s``, runs its kernels
 under them and lasts the longer of the two, its launches counted from when the host began
-them: under the overlap scheduler, the start of the decode step before it).
+them: under the overlap scheduler, the start of the decode step before it, except for a KV
+format whose prefill allocation waits for that step, ``SYNCED_PREFILL_KEYS``).
 
 Operators per layer: the four weight GEMM groups (qkv, o, gate+up, down), decode attention
 (bytes follow the KV format: the pool says how many bytes a context reads), prefill attention
@@ -36,6 +37,11 @@ from simulator.specs.model import ModelSpec
 ACT_BYTES = 2  # bf16 activations
 # KV formats whose prefill runs SGLang's triton extend kernel (the others run DiffKV's)
 TRITON_EXTEND_KEYS = frozenset({"bf16", "fp8"})
+# KV formats whose prefill allocation waits on the host for the forward in flight (DiffKV's
+# pool reads its allocation's success flag): their eager launches cannot begin under the
+# decode step before them, so a prefill's launch floor counts from its own start (H200 loop
+# traces, sessions 26-27: 5-7 ms in get_next_batch before every DiffKV extend, 0.8-1.0 bf16)
+SYNCED_PREFILL_KEYS = frozenset({"diffkv"})
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ class CostModel:
         self.attention_key = attention_key
         self.attention_scale = calib.attention_scale(attention_key)
         self.prefill_launch_s = calib.prefill_launch_s(attention_key)
+        self.prefill_launch_overlaps = attention_key not in SYNCED_PREFILL_KEYS
         self.attn_comp_rate = calib.eta_comp_decode_attention * self.flops
         self.pf_comp_rate = calib.eta_comp_prefill_attention * self.flops
         self.net_rate = calib.eta_interconnect * gpu.interconnect_bandwidth

@@ -157,7 +157,7 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
     used: list[tuple[int, int]] = []
     first = max(1, int(skip_fraction * len(log.decode_running)))
     start_line = log.decode_line_no[first - 1] if log.decode_running else 0
-    overlapped = (server.cost.prefill_launch_s > 0.0
+    overlapped = (server.cost.prefill_launch_s > 0.0 and server.cost.prefill_launch_overlaps
                   and not server.deployment.settings.disable_overlap_schedule)
     for iv in decode_intervals(log, n, first):
         a, b = iv.first_line, iv.last_line

@@ -136,7 +136,7 @@ def test_launches_begun_under_the_step_before_count_toward_the_floor():
         extend)
 
 
-def _two_requests(sc, overlap: bool):
+def _two_requests(sc, overlap: bool, fmt: str = "bf16"):
     """A on an idle server at 0 s, decoding 40 tokens; B, alike, arriving while A decodes:
     (step kinds, step times) of the run."""
     from simulator.workload.schema import Trace, TraceRequest
@@ -144,7 +144,7 @@ def _two_requests(sc, overlap: bool):
     run = replace(sc, calibration=cal, settings=replace(
         sc.settings, disable_overlap_schedule=not overlap))
     trace = Trace((TraceRequest(0.0, 64, 40), TraceRequest(0.12, 64, 40)))
-    log = run.run(trace, "bf16").replicas[0].log
+    log = run.run(trace, fmt).replicas[0].log
     return log.kind, log.dt
 
 
@@ -160,3 +160,15 @@ def test_a_prefill_formed_while_a_decode_step_ran_launched_during_it(overlap):
         assert dt[b - 1] + dt[b] == pytest.approx(dt[a], rel=1e-6)
     else:
         assert dt[b] == pytest.approx(dt[a], rel=1e-6)
+
+
+def test_a_prefill_whose_allocation_waits_for_the_step_in_flight_gets_no_head_start():
+    # DiffKV's prefill allocation syncs with the forward in flight, so its launches begin
+    # only when the decode step before it has ended, even under the overlap scheduler
+    from simulator.serving.cost import SYNCED_PREFILL_KEYS
+    assert "diffkv" in SYNCED_PREFILL_KEYS and "bf16" not in SYNCED_PREFILL_KEYS
+    kind, dt = _two_requests(scenario(), overlap=True, fmt="diffkv")
+    a, b = [i for i, k in enumerate(kind) if k == 0]
+    assert kind[b - 1] == 1
+    assert dt[b] == pytest.approx(dt[a], rel=1e-6)
+    assert dt[b - 1] + dt[b] > dt[a] * 1.05

@@ -118,6 +118,21 @@ def test_launch_bound_prefills_count_their_launches_from_the_decode_step_before(
     assert flat["mape"] > 10 * fit["mape"]
 
 
+def test_a_diffkv_prefill_counts_its_launches_from_its_own_start(tmp_path):
+    # DiffKV's prefill allocation waits for the decode step in flight: no head start
+    launch = 0.012
+    log = _log(tmp_path, _intervals(5), fmt="diffkv", head_start=False,
+               eager_prefill_launch_s=launch)
+    start = {**{k: 0.0 for k in TRUE}, "decode_attention_scale": TRUE["decode_attention_scale"],
+             "eager_prefill_launch_s": launch}
+    srv = _server("diffkv", **start)
+    fit = fit_step_costs(srv, step_rows(srv, log, "fit", graphed=True))
+    for k in ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
+              "prefill_token_overhead_s", "decode_attention_scale"):
+        assert fit[k] == pytest.approx(TRUE[k], rel=0.05, abs=2e-7), k
+    assert fit["mape"] < 1e-3
+
+
 def test_decode_only_rows_keep_the_prefill_costs(tmp_path):
     log = _log(tmp_path, _intervals(1, prefill=False))
     given = {**{k: 0.0 for k in TRUE}, "prefill_step_overhead_s": 0.019,
