@@ -176,9 +176,8 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
 LAUNCH_KEYS = (*BACKENDS, "bf16", "fp8")  # backends, or a triton KV format
 
 
-def eager_launch_arg(items: list[str]) -> dict[str, float]:
-    """``--eager-prefill-launch-ms KEY=MS`` items as {key: ms}, KEY a backend (triton,
-    diffkv) or one of the triton backend's KV formats (bf16, fp8: that format's own)."""
+def key_ms_arg(option: str, items: list[str], keys: tuple[str, ...]) -> dict[str, float]:
+    """``OPTION KEY=MS`` items as {key: ms}, each KEY one of ``keys``, MS in [0, 1000)."""
     out: dict[str, float] = {}
     for item in items:
         key, sep, ms = item.partition("=")
@@ -186,12 +185,18 @@ def eager_launch_arg(items: list[str]) -> dict[str, float]:
             value = float(ms)
         except ValueError:
             value = math.nan
-        if not sep or key not in LAUNCH_KEYS or not 0 <= value < 1e3:
+        if not sep or key not in keys or not 0 <= value < 1e3:
             raise SimulatorInputError(
-                f"--eager-prefill-launch-ms {item!r}: want KEY=MS, KEY one of "
-                f"{', '.join(LAUNCH_KEYS)}, MS a number of milliseconds in [0, 1000)")
+                f"{option} {item!r}: want KEY=MS, KEY one of {', '.join(keys)}, MS a number "
+                "of milliseconds in [0, 1000)")
         out[key] = value
     return out
+
+
+def eager_launch_arg(items: list[str]) -> dict[str, float]:
+    """``--eager-prefill-launch-ms KEY=MS`` items as {key: ms}, KEY a backend (triton,
+    diffkv) or one of the triton backend's KV formats (bf16, fp8: that format's own)."""
+    return key_ms_arg("--eager-prefill-launch-ms", items, LAUNCH_KEYS)
 
 
 def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
@@ -211,9 +216,16 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
                                prefill=a.prefill_fit == "all",
                                decode_only=frozenset(a.fit_decode_run))
+    first_token = a.first_token_latency_ms.get(be)
+    if first_token is not None:
+        fitted_cal = replace(fitted_cal, first_token_latency_s=first_token / 1e3)
+        info["first_token_s"] = first_token / 1e3
     if be in a.refine_on_metrics:
         fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals,
-                                  hold=frozenset(a.refine_hold))
+                                  hold=frozenset(a.refine_hold),
+                                  first_token_given=first_token is not None)
+    elif first_token is not None:
+        set_first_token_latency(Path(info["file"]), first_token / 1e3)
     if base.eager_prefill_launch_s:
         info["eager_launch_s"] = base.eager_prefill_launch_s
     if base.eager_prefill_launches:
@@ -262,30 +274,43 @@ def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
     return run.key in fitting or f"{run.config}/{run.workload}" in fitting
 
 
+def set_first_token_latency(path: Path, seconds: float) -> None:
+    """Write a given first-token latency into a fitted calibration file."""
+    data = json.loads(path.read_text())
+    next(iter(data["gpus"].values()))["first_token_latency_s"] = seconds
+    write_calibration(path, data)
+
+
 def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: Calibration,
-           model: str, gpu: str, max_evals: int, hold: frozenset[str] = frozenset()
-           ) -> tuple[Calibration, dict[str, Any]]:
+           model: str, gpu: str, max_evals: int, hold: frozenset[str] = frozenset(),
+           first_token_given: bool = False) -> tuple[Calibration, dict[str, Any]]:
     """The interval fit ``fitted`` of one backend, refined on its fitting runs' metrics
     (``refine.refine_costs``), with the client's first-token latency, which no log interval
-    shows, started from the open-loop TTFT residual; the terms in ``hold`` keep the interval
-    fit's values. The calibration file is rewritten with the refined terms."""
+    shows, started from the open-loop TTFT residual, or kept at ``fitted``'s where it was
+    measured (``first_token_given``); the terms in ``hold`` keep the interval fit's values.
+    The calibration file is rewritten with the refined terms."""
     be = info["backend"]
     fitting = set(info["runs"])
     runs = [r for r in h.runs if is_fitting_run(r, fitting)]
     sub = replace(h, runs=runs)
-    names = [n for n in info["fitted"] if n in UNITS and n not in hold] + ["first_token_latency_s"]
+    names = [n for n in info["fitted"] if n in UNITS and n not in hold]
+    if not first_token_given:
+        names.append("first_token_latency_s")
 
     def evaluate(c: Calibration) -> list[dict]:
         # no run counts as fitting here, so the rows carry the targets they would have
         return validate(sub, {"base": base, be: c}, model, gpu, set())[0]
 
-    fitted = replace(fitted, first_token_latency_s=first_token_latency_guess(evaluate(fitted)))
+    if not first_token_given:
+        fitted = replace(fitted,
+                         first_token_latency_s=first_token_latency_guess(evaluate(fitted)))
     refined, how = refine_costs(fitted, names, evaluate, max_evals)
     print(f"validate_simulator: {be}: {how.note()}", file=sys.stderr)
     path = Path(info["file"])
     data = json.loads(path.read_text())
     entry = next(iter(data["gpus"].values()))
     entry.update(how.after)
+    entry["first_token_latency_s"] = refined.first_token_latency_s
     if refined.decode_attention_scales:
         entry["decode_attention_scale_by_format"] = refined.decode_attention_scales
     entry["provenance"]["refined"] = how.note()
@@ -670,7 +695,10 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         "of launches, its kernels) (--eager-prefill-launch-ms)"
                         if fi.get("eager_launch_s") else "")
                      + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
-                               for k, v in fi.get("eager_launches_s", {}).items()))
+                               for k, v in fi.get("eager_launches_s", {}).items())
+                     + (f"; the client's first-token latency given: "
+                        f"{1e3 * fi['first_token_s']:.1f} ms (--first-token-latency-ms)"
+                        if "first_token_s" in fi else ""))
         if fi.get("refinement"):
             lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:
@@ -801,6 +829,13 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. decode_attention_scale: the Decode intervals time the decode "
                          "attention across batch and context, while the fitting runs' metrics "
                          "barely move with it below the batches a burst runs; repeatable")
+    ap.add_argument("--first-token-latency-ms", action="append", default=[],
+                    metavar="BACKEND=MS",
+                    help="the client's first-token latency beyond the scheduler (HTTP, "
+                         "tokenizer and detokenizer processes) for BACKEND (triton or "
+                         "diffkv), measured, e.g. scripts/loop_trace_report.py's pre + post "
+                         "ms at low load; the refinement keeps it instead of fitting it to "
+                         "the fitting runs' TTFT; repeatable; default: fitted")
     ap.add_argument("--refine-evals", type=int, default=DEFAULT_MAX_EVALS,
                     help="simulations the refinement may run per backend "
                          "(default: %(default)s)")
@@ -825,6 +860,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
                 f"[{ISOLATED_PREFILL_MIN:g}, 1]")
         a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
+        a.first_token_latency_ms = key_ms_arg("--first-token-latency-ms",
+                                              a.first_token_latency_ms, BACKENDS)
         recovery_ms = a.prefill_clock_recovery_ms
         if recovery_ms is not None and not 0 <= recovery_ms <= PREFILL_CLOCK_RECOVERY_MAX_S * 1e3:
             raise SimulatorInputError(

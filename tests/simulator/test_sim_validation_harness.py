@@ -577,6 +577,30 @@ def test_refinement_holds_the_terms_it_is_told_to(results, tmp_path):
                  "--refine-hold", "first_token_latency_s"])
 
 
+def test_a_given_first_token_latency_is_kept_by_the_refinement(results, tmp_path):
+    vs = _script()
+    out_json = tmp_path / "rows.json"
+    doc = tmp_path / "d.md"
+    assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
+                    "--refine-on-metrics", "triton", "--refine-evals", "12",
+                    "--first-token-latency-ms", "triton=7.5"]) == 0
+    fit = json.loads(out_json.read_text())["fit"]
+    assert "first_token_latency_s" not in fit["refine"]["names"]
+    assert "step_overhead_s" in fit["refine"]["names"]
+    entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
+    assert entry["first_token_latency_s"] == pytest.approx(0.0075)
+    assert "first-token latency given: 7.5 ms" in doc.read_text()
+    # without refinement the given latency still lands in the fitted file
+    assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
+                    "--first-token-latency-ms", "triton=4"]) == 0
+    fit = json.loads(out_json.read_text())["fit"]
+    entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
+    assert entry["first_token_latency_s"] == pytest.approx(0.004)
+    for bad in ("triton", "bf16=7", "diffkv=-1", "triton=x"):
+        assert vs.main([str(results), "--doc", str(doc), "--first-token-latency-ms",
+                        bad]) == 2
+
+
 def test_backends_fitted_in_parallel_give_the_same_report(results, tmp_path):
     vs = _script()
     fits = ["--fit-run", "bf16/longgen", "--fit-run", "diffkv/sharegpt"]
