@@ -213,19 +213,18 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     own = {k: ms / 1e3 for k, ms in launch.items() if k not in BACKENDS}
     if own:
         base = replace(base, eager_prefill_launches={**base.eager_prefill_launches, **own})
+    first_token = a.first_token_latency_ms.get(be)
+    if first_token is not None:
+        base = replace(base, first_token_latency_s=first_token / 1e3)
     be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
                                prefill=a.prefill_fit == "all",
                                decode_only=frozenset(a.fit_decode_run))
-    first_token = a.first_token_latency_ms.get(be)
-    if first_token is not None:
-        fitted_cal = replace(fitted_cal, first_token_latency_s=first_token / 1e3)
-        info["first_token_s"] = first_token / 1e3
     if be in a.refine_on_metrics:
         fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals,
                                   hold=frozenset(a.refine_hold),
                                   first_token_given=first_token is not None)
-    elif first_token is not None:
-        set_first_token_latency(Path(info["file"]), first_token / 1e3)
+    if first_token is not None:
+        info["first_token_s"] = base.first_token_latency_s
     if base.eager_prefill_launch_s:
         info["eager_launch_s"] = base.eager_prefill_launch_s
     if base.eager_prefill_launches:
@@ -274,13 +273,6 @@ def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
     return run.key in fitting or f"{run.config}/{run.workload}" in fitting
 
 
-def set_first_token_latency(path: Path, seconds: float) -> None:
-    """Write a given first-token latency into a fitted calibration file."""
-    data = json.loads(path.read_text())
-    next(iter(data["gpus"].values()))["first_token_latency_s"] = seconds
-    write_calibration(path, data)
-
-
 def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: Calibration,
            model: str, gpu: str, max_evals: int, hold: frozenset[str] = frozenset(),
            first_token_given: bool = False) -> tuple[Calibration, dict[str, Any]]:
@@ -310,7 +302,6 @@ def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: C
     data = json.loads(path.read_text())
     entry = next(iter(data["gpus"].values()))
     entry.update(how.after)
-    entry["first_token_latency_s"] = refined.first_token_latency_s
     if refined.decode_attention_scales:
         entry["decode_attention_scale_by_format"] = refined.decode_attention_scales
     entry["provenance"]["refined"] = how.note()
