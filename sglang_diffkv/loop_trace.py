@@ -344,7 +344,9 @@ def request_times(seg: list[Record]) -> dict[str, RequestTimes]:
             if rid in launched and rid in streamed}
 
 
-def _iterations(seg: list[Record]) -> Iterable[list[Record]]:
+def iterations(seg: list[Record]) -> Iterable[list[Record]]:
+    """The records of ``seg`` split into scheduler loop iterations, each from its
+    ``recv_requests`` (the records before the first one form their own)."""
     cur: list[Record] = []
     for r in seg:
         if r.phase == Phase.RECV and cur:
@@ -356,7 +358,7 @@ def _iterations(seg: list[Record]) -> Iterable[list[Record]]:
 
 
 def summarize(seg: list[Record]) -> SegmentSummary:
-    iters = list(_iterations(seg))
+    iters = list(iterations(seg))
     modes: dict[Mode, ModeStats] = {}
     for i, it in enumerate(iters):
         run = next((r for r in it if r.phase == Phase.RUN), None)

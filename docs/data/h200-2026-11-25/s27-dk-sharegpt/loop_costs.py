@@ -12,29 +12,27 @@ Two tables, by decode batch:
 
 from __future__ import annotations
 
-import gzip
-import json
 import sys
 from collections import defaultdict
 
 import numpy as np
+
+from sglang_diffkv.loop_trace import Mode, Phase, iterations, read_loop_trace
 
 AFTER = 4       # decode iterations counted after the event
 BUSY_S = 0.08   # an iteration longer than this spans idle time: left out
 BIN = 16
 
 
-def iterations(path: str) -> list[dict]:
-    recs = [json.loads(line) for line in gzip.open(path, "rt")][1:]
-    its: list[dict] = []
-    for r in recs:
-        if r["p"] == 0:
-            its.append({"t0": r["t0"], "ph": {}})
-        if its:
-            its[-1]["ph"][r["p"]] = r
-    for a, b in zip(its, its[1:], strict=False):
-        a["wall"] = b["t0"] - a["t0"]
-    return its[:-1]
+def timed_iterations(path: str) -> list[tuple[float, Mode | None, int]]:
+    """(wall seconds to the next iteration's start, run_batch's mode, its batch size) of each
+    loop iteration that begins with recv_requests, the last one (no end) left out."""
+    its = [it for it in iterations(read_loop_trace(path)) if it[0].phase == Phase.RECV]
+    out = []
+    for it, nxt in zip(its, its[1:], strict=False):
+        run = next((r for r in reversed(it) if r.phase == Phase.RUN), None)
+        out.append((nxt[0].t0 - it[0].t0, run.mode if run else None, run.size if run else 0))
+    return out
 
 
 def main(paths: list[str]) -> None:
@@ -42,18 +40,18 @@ def main(paths: list[str]) -> None:
     prefill: dict[int, list[float]] = defaultdict(list)
     release: dict[int, list[float]] = defaultdict(list)
     for path in paths:
-        its = iterations(path)
-        mode = [(it["ph"].get(3) or {}).get("m") for it in its]
-        n = [(it["ph"].get(3) or {}).get("n", 0) for it in its]
+        its = timed_iterations(path)
+        mode = [m for _, m, _ in its]
+        n = [size for _, _, size in its]
         for i in range(1, len(its) - AFTER - 1):
-            walls = [its[j]["wall"] * 1e3 for j in range(i, i + AFTER + 1)]
-            if max(walls) > BUSY_S * 1e3 or mode[i - 1] != 2:
+            walls = [its[j][0] * 1e3 for j in range(i, i + AFTER + 1)]
+            if max(walls) > BUSY_S * 1e3 or mode[i - 1] != Mode.DECODE:
                 continue
             after = mode[i + 1:i + AFTER + 1]
             steady = all(n[j] == n[i + 1] for j in range(i + 1, i + AFTER + 1))
-            if mode[i] == 1 and all(m == 2 for m in after):
+            if mode[i] == Mode.EXTEND and all(m == Mode.DECODE for m in after):
                 prefill[n[i + 1] // BIN].append(sum(walls))
-            elif mode[i] == 2 and all(m == 2 for m in after):
+            elif mode[i] == Mode.DECODE and all(m == Mode.DECODE for m in after):
                 if n[i] == n[i - 1] and steady and n[i + 1] == n[i]:
                     base[n[i] // BIN].append(sum(walls[1:]))
                 elif 0 < n[i - 1] - n[i] and all(n[j] == n[i] for j in range(i, i + AFTER)):
