@@ -214,15 +214,17 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     if own:
         base = replace(base, eager_prefill_launches={**base.eager_prefill_launches, **own})
     first_token = a.first_token_latency_ms.get(be)
+    hold = frozenset(a.refine_hold)
     if first_token is not None:
+        # measured: the refinement keeps it, as it keeps a held term
         base = replace(base, first_token_latency_s=first_token / 1e3)
+        hold |= {"first_token_latency_s"}
     be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
                                prefill=a.prefill_fit == "all",
                                decode_only=frozenset(a.fit_decode_run))
     if be in a.refine_on_metrics:
         fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals,
-                                  hold=frozenset(a.refine_hold),
-                                  first_token_given=first_token is not None)
+                                  hold=hold)
     if first_token is not None:
         info["first_token_s"] = base.first_token_latency_s
     if base.eager_prefill_launch_s:
@@ -274,26 +276,25 @@ def is_fitting_run(run: HarnessRun, fitting: set[str]) -> bool:
 
 
 def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: Calibration,
-           model: str, gpu: str, max_evals: int, hold: frozenset[str] = frozenset(),
-           first_token_given: bool = False) -> tuple[Calibration, dict[str, Any]]:
+           model: str, gpu: str, max_evals: int, hold: frozenset[str] = frozenset()
+           ) -> tuple[Calibration, dict[str, Any]]:
     """The interval fit ``fitted`` of one backend, refined on its fitting runs' metrics
     (``refine.refine_costs``), with the client's first-token latency, which no log interval
-    shows, started from the open-loop TTFT residual, or kept at ``fitted``'s where it was
-    measured (``first_token_given``); the terms in ``hold`` keep the interval fit's values.
-    The calibration file is rewritten with the refined terms."""
+    shows, started from the open-loop TTFT residual; the terms in ``hold`` keep ``fitted``'s
+    values (``first_token_latency_s`` among them where it was measured). The calibration file
+    is rewritten with the refined terms."""
     be = info["backend"]
     fitting = set(info["runs"])
     runs = [r for r in h.runs if is_fitting_run(r, fitting)]
     sub = replace(h, runs=runs)
-    names = [n for n in info["fitted"] if n in UNITS and n not in hold]
-    if not first_token_given:
-        names.append("first_token_latency_s")
 
     def evaluate(c: Calibration) -> list[dict]:
         # no run counts as fitting here, so the rows carry the targets they would have
         return validate(sub, {"base": base, be: c}, model, gpu, set())[0]
 
-    if not first_token_given:
+    names = [n for n in info["fitted"] if n in UNITS and n not in hold]
+    if "first_token_latency_s" not in hold:
+        names.append("first_token_latency_s")
         fitted = replace(fitted,
                          first_token_latency_s=first_token_latency_guess(evaluate(fitted)))
     refined, how = refine_costs(fitted, names, evaluate, max_evals)
