@@ -5,6 +5,12 @@ extends cost the host compared with the first run's. CPU only.
 
     python scripts/loop_trace_report.py fp8=/tmp/s24/1/fp8/loop bf16=/tmp/s24/1/bf16/loop
 
+With --graph-max-bs N (the server's cuda_graph_max_bs), each row also gives the median wall
+time of the decode iterations at batch N/1.25 to N (CUDA graphs) and N+1 to 1.25 N (eager):
+where the eager steps are host-bound, the latter is the host's iteration around an eager
+decode step, the simulator's eager_decode_host_s (scripts/validate_simulator.py
+--eager-decode-host-ms).
+
 Each LABEL=PATH names a loop-*.jsonl[.gz] file, a folder holding them, or a scripts/bench_e2e.py
 result folder of a server started with SGLANG_DIFFKV_LOOP_TRACE=FOLDER/loop (results.json
 beside loop/): then each workload run's window (from its start to the next run's) is a
@@ -57,10 +63,15 @@ from sglang_diffkv.loop_trace import (  # noqa: E402
     request_times,
     segments,
     summarize,
+    timed_iterations,
     trace_files,
 )
 
 ONE_TOKEN_MAX = 2  # new tokens of an extend that counts as one-token
+# the batches either side of the largest CUDA graph N whose decode iterations time the edge:
+# (N / EDGE, N] run graphs, (N, EDGE * N] run eager (their kernels still short of the host's
+# iteration on an H200 DiffKV server: 24-29 ms modelled against 32-38 ms measured, session 28)
+EDGE = 1.25
 
 
 class ReportInputError(Exception):
@@ -146,15 +157,36 @@ def one_token_spans_ms(seg: list[Record]) -> dict[str, float]:
     return {k: 1e3 * statistics.fmean(r.spans.get(k, 0.0) for r in runs) for k in names}
 
 
+def decode_edge_ms(seg: list[Record], graph_max_bs: int) -> dict[str, float | int | None]:
+    """Median wall ms and count of the decode iterations just below the largest CUDA graph
+    (batch in (N / EDGE, N]) and just above it (in (N, EDGE * N])."""
+    walls: dict[str, list[float]] = {"graphed": [], "eager": []}
+    for it in timed_iterations(seg):
+        if it.run is None or it.run.mode != Mode.DECODE:
+            continue
+        b = it.run.size
+        if graph_max_bs / EDGE < b <= graph_max_bs:
+            walls["graphed"].append(1e3 * it.wall_s)
+        elif graph_max_bs < b <= EDGE * graph_max_bs:
+            walls["eager"].append(1e3 * it.wall_s)
+    out: dict[str, float | int | None] = {}
+    for side, w in walls.items():
+        out[f"{side}_edge_n"] = len(w)
+        out[f"{side}_edge_median_ms"] = median(w)
+    return out
+
+
 def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: float = 5.0,
                  t_ref: float | None = None, file: str = "", part: int = 0,
-                 windows: list[RunWindow] | None = None) -> list[dict]:
+                 windows: list[RunWindow] | None = None,
+                 graph_max_bs: int | None = None) -> list[dict]:
     """One row per busy segment of at least ``min_s`` seconds, numbered from 0 among those,
     or, given ``windows`` (the runs of a results file), one per window that holds records,
     named by it.
 
     ``start_s`` counts from ``t_ref`` (default: the first record). Numbers without data
-    (no decode iterations, no one-token extends) are None.
+    (no decode iterations, no one-token extends) are None. ``graph_max_bs``: add
+    ``decode_edge_ms``'s numbers.
     """
     if not records:
         return []
@@ -195,6 +227,7 @@ def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: f
             "decode_wait_ms": _mode_ms(dec, "wait"),
             "decode_run_ms": _mode_ms(dec, "run"),
             "one_token_spans_ms": one_token_spans_ms(seg),
+            **(decode_edge_ms(seg, graph_max_bs) if graph_max_bs else {}),
         })
     return rows
 
@@ -308,8 +341,8 @@ def compare_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def report_rows(runs: list[tuple[str, str]], gap_s: float,
-                min_s: float) -> tuple[list[dict], list[dict]]:
+def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
+                graph_max_bs: int | None = None) -> tuple[list[dict], list[dict]]:
     """segment_rows for every LABEL=PATH, each file apart, start times from the label's
     first record; and the TTFT split of each run of the bench_e2e.py result folders."""
     rows: list[dict] = []
@@ -328,7 +361,7 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float,
         t_ref = min(starts) if starts else None
         for part, (f, recs) in enumerate(zip(files, traces, strict=True)):
             rows += segment_rows(recs, label, gap_s, min_s, t_ref=t_ref, file=str(f), part=part,
-                                 windows=windows)
+                                 windows=windows, graph_max_bs=graph_max_bs)
         if windows is not None:
             merged = sorted((r for t in traces for r in t), key=lambda r: r.t0)
             splits += ttft_split_rows(label, Path(path), merged, windows)
@@ -393,6 +426,26 @@ def format_segments(rows: list[dict]) -> list[str]:
     return lines
 
 
+def format_edges(rows: list[dict]) -> list[str]:
+    names = _names(rows)
+    w = max([5] + [len(n) for n in names.values()])
+    sw = _seg_width(rows)
+    head = (f"{'label':{w}} {'seg':>{sw}} {'graphed n':>9} {'median ms':>9} {'eager n':>7} "
+            f"{'median ms':>9} {'eager - graphed':>15}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        g, e = r["graphed_edge_median_ms"], r["eager_edge_median_ms"]
+        lines.append(
+            f"{names[(r['label'], r['part'])]:{w}} {r['segment']!s:>{sw}} "
+            f"{r['graphed_edge_n']:9d} {_f(g, '.2f'):>9} {r['eager_edge_n']:7d} "
+            f"{_f(e, '.2f'):>9} {_f(None if g is None or e is None else e - g, '+.2f'):>15}")
+    lines.append(
+        f"decode iterations either side of the largest CUDA graph N: graphed, batch N/{EDGE:g} "
+        f"to N; eager, N+1 to {EDGE:g} N (median wall: iteration start to the next); where "
+        "the eager steps are host-bound, their median is --eager-decode-host-ms")
+    return lines
+
+
 def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
     names = _names(seg_rows)
     w = max([5] + [len(n) for n in names.values()])
@@ -443,19 +496,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="idle seconds that end a busy segment (default: %(default)s)")
     ap.add_argument("--min-s", type=float, default=5.0,
                     help="leave out segments shorter than this, s (default: %(default)s)")
+    ap.add_argument("--graph-max-bs", type=int, default=None, metavar="N",
+                    help="the servers' cuda_graph_max_bs: also time the decode iterations "
+                         "either side of it (the eager ones' median is the simulator's "
+                         "eager_decode_host_s); default: not timed")
     ap.add_argument("--json", type=Path, metavar="OUT",
                     help="also write every number here as JSON")
     a = ap.parse_args(argv)
     labels = [label for label, _ in a.runs]
+    if a.graph_max_bs is not None and a.graph_max_bs < 1:
+        ap.error(f"--graph-max-bs {a.graph_max_bs}: want the servers' cuda_graph_max_bs, an "
+                 "integer >= 1")
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
         ap.error(f"label given more than once: {', '.join(dup)}")
     try:
-        rows, splits = report_rows(a.runs, a.gap_s, a.min_s)
+        rows, splits = report_rows(a.runs, a.gap_s, a.min_s, a.graph_max_bs)
     except ReportInputError as e:
         print(f"loop_trace_report: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(format_segments(rows)))
+    if a.graph_max_bs:
+        print("\n" + "\n".join(format_edges(rows)))
     comparison = compare_rows(rows) if len(a.runs) >= 2 else []
     if len(a.runs) >= 2:
         print()

@@ -213,6 +213,12 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     own = {k: ms / 1e3 for k, ms in launch.items() if k not in BACKENDS}
     if own:
         base = replace(base, eager_prefill_launches={**base.eager_prefill_launches, **own})
+    host = a.eager_decode_host_ms
+    if be in host:
+        base = replace(base, eager_decode_host_s=host[be] / 1e3)
+    own = {k: ms / 1e3 for k, ms in host.items() if k not in BACKENDS}
+    if own:
+        base = replace(base, eager_decode_hosts={**base.eager_decode_hosts, **own})
     first_token = a.first_token_latency_ms.get(be)
     hold = frozenset(a.refine_hold)
     if first_token is not None:
@@ -231,6 +237,10 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
         info["eager_launch_s"] = base.eager_prefill_launch_s
     if base.eager_prefill_launches:
         info["eager_launches_s"] = dict(base.eager_prefill_launches)
+    if base.eager_decode_host_s:
+        info["eager_decode_host_s"] = base.eager_decode_host_s
+    if base.eager_decode_hosts:
+        info["eager_decode_hosts_s"] = dict(base.eager_decode_hosts)
     if base.prefill_step_overhead_s != calib.prefill_step_overhead_s:
         info["given_prefill_step_s"] = base.prefill_step_overhead_s
         info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
@@ -688,6 +698,12 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         if fi.get("eager_launch_s") else "")
                      + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
                                for k, v in fi.get("eager_launches_s", {}).items())
+                     + (f"; a decode step above the largest CUDA graph lasts at least "
+                        f"{1e3 * fi['eager_decode_host_s']:.1f} ms, the host's iteration "
+                        "(--eager-decode-host-ms), in place of its per-layer term"
+                        if fi.get("eager_decode_host_s") else "")
+                     + "".join(f"; {k}'s eager decode iteration {1e3 * v:.1f} ms"
+                               for k, v in fi.get("eager_decode_hosts_s", {}).items())
                      + (f"; the client's first-token latency given: "
                         f"{1e3 * fi['first_token_s']:.1f} ms (--first-token-latency-ms)"
                         if "first_token_s" in fi else ""))
@@ -786,6 +802,17 @@ def main(argv: list[str] | None = None) -> int:
                          "step before (the overlap scheduler), DiffKV's after it (its prefill "
                          "allocation waits for that step); repeatable; default: the "
                          "calibration's (0: the sum)")
+    ap.add_argument("--eager-decode-host-ms", action="append", default=[],
+                    metavar="KEY=MS",
+                    help="the host's time for a scheduler iteration around a decode step "
+                         "that no CUDA graph runs (batch above cuda_graph_max_bs), for KEY as "
+                         "in --eager-prefill-launch-ms: such a step lasts max(this, its "
+                         "kernels and fixed costs) instead of kernels + a fitted cost per "
+                         "layer, and its Decode intervals leave the interval fit (calibration "
+                         "fields eager_decode_host_s and eager_decode_host_s_by_format); "
+                         "measured as scripts/loop_trace_report.py --graph-max-bs's eager "
+                         "median on a fitting run; repeatable; default: the calibration's "
+                         "(0: the per-layer cost)")
     ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
                     help="fixed cost of a DiffKV prefill step beyond the modelled kernels "
                          "(its extend path's scoring/compression launches), from the backend "
@@ -852,6 +879,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
                 f"[{ISOLATED_PREFILL_MIN:g}, 1]")
         a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
+        a.eager_decode_host_ms = key_ms_arg("--eager-decode-host-ms", a.eager_decode_host_ms,
+                                            LAUNCH_KEYS)
         a.first_token_latency_ms = key_ms_arg("--first-token-latency-ms",
                                               a.first_token_latency_ms, BACKENDS)
         recovery_ms = a.prefill_clock_recovery_ms

@@ -357,21 +357,41 @@ def iterations(seg: list[Record]) -> Iterable[list[Record]]:
         yield cur
 
 
-def summarize(seg: list[Record]) -> SegmentSummary:
+@dataclass(frozen=True)
+class Iteration:
+    """One scheduler loop iteration: its records, the batch it launched (None: it launched
+    none) and its wall time, from its start to the next iteration's (the last: to its own
+    last record's end)."""
+
+    records: list[Record]
+    run: Record | None
+    wall_s: float
+
+
+def timed_iterations(seg: list[Record]) -> list[Iteration]:
+    """``iterations(seg)``, each with its launched batch and wall time."""
     iters = list(iterations(seg))
-    modes: dict[Mode, ModeStats] = {}
+    out = []
     for i, it in enumerate(iters):
         run = next((r for r in it if r.phase == Phase.RUN), None)
+        nxt = iters[i + 1][0].t0 if i + 1 < len(iters) else max(r.t1 for r in it)
+        out.append(Iteration(it, run, nxt - it[0].t0))
+    return out
+
+
+def summarize(seg: list[Record]) -> SegmentSummary:
+    modes: dict[Mode, ModeStats] = {}
+    for it in timed_iterations(seg):
+        run = it.run
         mode = run.mode if run is not None else Mode.NONE
         st = modes.setdefault(mode, ModeStats())
         st.iterations += 1
-        for r in it:
+        for r in it.records:
             name = r.phase.name.lower()
             st.phase_s[name] = st.phase_s.get(name, 0.0) + (r.t1 - r.t0)
             if r.phase == Phase.RESULT:
                 st.wait_s += r.wait
-        nxt = iters[i + 1][0].t0 if i + 1 < len(iters) else max(r.t1 for r in it)
-        st.wall_s += nxt - it[0].t0
+        st.wall_s += it.wall_s
         if run is not None:
             st.tokens += run.tokens
             st.size += run.size

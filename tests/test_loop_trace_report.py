@@ -423,3 +423,32 @@ def test_a_bad_client_record_is_named_with_its_line(tmp_path: Path,
     assert ltr.main([f"fp8={fp8}"]) == 2
     err = capsys.readouterr().err
     assert "requests__fp8__ladder@6rps.jsonl.gz:2: bad request record" in err
+
+
+def test_graph_max_bs_times_the_decode_iterations_either_side_of_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tr = Trace(0.0).segment(50.0)
+    t = 0.0
+    # (batch, iteration ms): graphed edge (6.4, 8], eager edge (8, 10], and outside both
+    for b, ms in ((6, 99.0), (7, 20.0), (8, 22.0), (8, 24.0), (9, 31.0), (10, 35.0),
+                  (10, 33.0), (11, 99.0), (40, 99.0)):
+        tr.it(t, DEC, 2, n=b)
+        t += ms
+    tr.it(t, EXT, 4, recv=("x",))         # the last iteration ends the one before it
+    path = tr.write(tmp_path / "loop-1.jsonl")
+    rc = ltr.main([f"a={path}", "--min-s", "0", "--graph-max-bs", "8",
+                   "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "r.json").read_text())["segments"]
+    assert (row["graphed_edge_n"], row["eager_edge_n"]) == (3, 3)
+    assert row["graphed_edge_median_ms"] == pytest.approx(22.0)
+    assert row["eager_edge_median_ms"] == pytest.approx(33.0)
+    out = capsys.readouterr().out
+    assert "eager - graphed" in out and "+11.00" in out
+    # without the option there is no such table or number
+    ltr.main([f"a={path}", "--min-s", "0", "--json", str(tmp_path / "s.json")])
+    (plain,) = json.loads((tmp_path / "s.json").read_text())["segments"]
+    assert "eager_edge_n" not in plain and "eager - graphed" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ltr.main([f"a={path}", "--graph-max-bs", "0"])
+    assert "--graph-max-bs 0: want the servers' cuda_graph_max_bs" in capsys.readouterr().err

@@ -4,7 +4,10 @@ per-sequence fixed costs (and eager-mode launch costs when no CUDA graph covers 
 prefill step whose launches the calibration times, ``eager_prefill_launch_s``, runs its kernels
 under them and lasts the longer of the two, its launches counted from when the host began
 them: under the overlap scheduler, the start of the decode step before it, except for a KV
-format whose prefill allocation waits for that step, ``SYNCED_PREFILL_KEYS``).
+format whose prefill allocation waits for that step, ``SYNCED_PREFILL_KEYS``; likewise a
+decode step above the largest CUDA graph whose host iteration the calibration times,
+``eager_decode_host_s``, lasts the longer of that iteration and its kernels with the fixed
+costs: the host's launches and scheduling outlast a small eager batch's kernels).
 
 Operators per layer: the four weight GEMM groups (qkv, o, gate+up, down), decode attention
 (bytes follow the KV format: the pool says how many bytes a context reads), prefill attention
@@ -91,6 +94,7 @@ class CostModel:
         self.attention_scale = calib.attention_scale(attention_key)
         self.prefill_launch_s = calib.prefill_launch_s(attention_key)
         self.prefill_launch_overlaps = attention_key not in SYNCED_PREFILL_KEYS
+        self.decode_host_s = calib.decode_host_s(attention_key)
         self.attn_comp_rate = calib.eta_comp_decode_attention * self.flops
         self.pf_comp_rate = calib.eta_comp_prefill_attention * self.flops
         self.net_rate = calib.eta_interconnect * gpu.interconnect_bandwidth
@@ -231,16 +235,25 @@ class CostModel:
 
     def eager_decode(self, s: StepShape) -> bool:
         """Whether the step is a decode step that no CUDA graph runs (above the largest
-        captured batch): it pays the calibration's ``eager_decode_layer_s`` per layer."""
+        captured batch): it pays the calibration's ``eager_decode_layer_s`` per layer, or,
+        where the calibration times its host iteration, lasts at least that."""
         return s.prefill_tokens == 0 and not self.graphed(s)
+
+    def host_bound_floor(self, s: StepShape) -> float:
+        """The least a step lasts whatever its kernels: the host's iteration around an eager
+        decode step (``eager_decode_host_s``), 0 for any other step or where it is not timed."""
+        return self.decode_host_s if self.eager_decode(s) else 0.0
 
     def layer_overhead(self, s: StepShape) -> float:
         """Fixed cost per layer: launches from a CUDA graph, or eager ones (a prefill step's,
-        or a decode step's above the largest captured batch, which may differ)."""
+        or a decode step's above the largest captured batch, which may differ; none where
+        the host's iteration bounds that step instead, ``host_bound_floor``)."""
         c = self.calib
         if self.graphed(s):
             return c.layer_overhead_s
-        return c.eager_decode_layer_s if self.eager_decode(s) else c.eager_layer_overhead_s
+        if not self.eager_decode(s):
+            return c.eager_layer_overhead_s
+        return 0.0 if self.decode_host_s > 0.0 else c.eager_decode_layer_s
 
     def step_time(self, s: StepShape) -> float:
         c = self.calib
@@ -267,5 +280,6 @@ class CostModel:
         if s.prefill_tokens:
             t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
                   + c.prefill_token_overhead_s * s.prefill_tokens)
-        return (t + c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)
-                + c.release_overhead_s * s.released_reqs)
+        t += (c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)
+              + c.release_overhead_s * s.released_reqs)
+        return max(t, self.host_bound_floor(s))

@@ -56,9 +56,17 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # max(launches, kernels) in place of kernels + layers * ``eager_layer_overhead_s``.
 # scripts/probe_prefill_ttft.py --compare estimates it from lone prefills of several lengths;
 # 0 (the default): the sum
+# ``eager_decode_host_s`` is the host's time for one scheduler iteration around a decode step
+# that no CUDA graph runs (a batch above the largest captured size): the step's eager
+# launches, the next batch's scheduling and the previous step's results, which a CUDA graph
+# step hides under its kernels. Such a step lasts the longer of that and its kernels with the
+# fixed costs, in place of kernels + layers * ``eager_decode_layer_overhead_s``.
+# scripts/loop_trace_report.py --graph-max-bs measures it (the median iteration just above
+# the largest graph); 0 (the default): the sum
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s", "release_overhead_s",
-                           "first_token_latency_s", "eager_prefill_launch_s")
+                           "first_token_latency_s", "eager_prefill_launch_s",
+                           "eager_decode_host_s")
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -76,6 +84,8 @@ ATTENTION_SCALE_MAX = 4.0
 # e.g. SGLang's triton backend on an fp8 cache, whose KV store launches four more kernels a
 # layer (session 22's profile: 469 launches a prefill step against bf16's 405)
 PREFILL_LAUNCHES_FIELD = "eager_prefill_launch_s_by_format"
+# optional: ``eager_decode_host_s`` for one KV format (calibration key) where it differs
+DECODE_HOST_FIELD = "eager_decode_host_s_by_format"
 # optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step long after the
 # last one. Compute-bound work runs the GPU at its power limit, below its boost clock, within
 # one step: the kernel grids (timed in loops) and a burst's back-to-back chunks run there, a
@@ -343,6 +353,8 @@ class Calibration:
     first_token_latency_s: float = 0.0
     eager_prefill_launch_s: float = 0.0
     eager_prefill_launches: dict[str, float] = field(default_factory=dict)
+    eager_decode_host_s: float = 0.0
+    eager_decode_hosts: dict[str, float] = field(default_factory=dict)
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     isolated_prefill_scale: float = 1.0
@@ -377,6 +389,11 @@ class Calibration:
         """The host's time to launch an eager prefill step on KV format ``key`` (its own
         where the file gives one, else ``eager_prefill_launch_s``; 0: not timed)."""
         return self.eager_prefill_launches.get(key, self.eager_prefill_launch_s)
+
+    def decode_host_s(self, key: str) -> float:
+        """The host's time for an iteration around an eager decode step on KV format ``key``
+        (its own where the file gives one, else ``eager_decode_host_s``; 0: not timed)."""
+        return self.eager_decode_hosts.get(key, self.eager_decode_host_s)
 
     def attention_eta(self, key: str) -> float:
         if key not in self.eta_mem_decode_attention:
@@ -416,6 +433,7 @@ class Calibration:
                                  f"{where}.{ATTENTION_SCALE_FIELD}")
         scales = _by_format(d, ATTENTION_SCALES_FIELD, _attention_scale, "factors", where)
         launches = _by_format(d, PREFILL_LAUNCHES_FIELD, _optional_seconds, "seconds", where)
+        hosts = _by_format(d, DECODE_HOST_FIELD, _optional_seconds, "seconds", where)
         isolated = d.get(ISOLATED_PREFILL_FIELD, 1.0)
         if (isinstance(isolated, bool) or not isinstance(isolated, (int, float))
                 or not ISOLATED_PREFILL_MIN <= isolated <= 1.0):
@@ -435,7 +453,7 @@ class Calibration:
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    decode_attention_scale=scale, decode_attention_scales=scales,
-                   eager_prefill_launches=launches,
+                   eager_prefill_launches=launches, eager_decode_hosts=hosts,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
                    prefill_clock_recovery_s=float(recovery),
@@ -455,6 +473,8 @@ class Calibration:
             d[ATTENTION_SCALES_FIELD] = dict(self.decode_attention_scales)
         if self.eager_prefill_launches:
             d[PREFILL_LAUNCHES_FIELD] = dict(self.eager_prefill_launches)
+        if self.eager_decode_hosts:
+            d[DECODE_HOST_FIELD] = dict(self.eager_decode_hosts)
         if self.isolated_prefill_scale != 1.0:
             d[ISOLATED_PREFILL_FIELD] = self.isolated_prefill_scale
         if self.prefill_clock_recovery_s != PREFILL_CLOCK_RECOVERY_S:

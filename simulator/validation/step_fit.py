@@ -22,7 +22,11 @@ finishes cannot be told apart), fitted when enough decode intervals have release
 have none, and kept only when it cuts the decode rows' error by ``RELEASE_GAIN``; ``c_eager``:
 ``eager_decode_layer_overhead_s``, the per-layer cost of a decode step above the largest
 captured batch, which runs outside the CUDA graphs: its launches and host work, fitted when the
-rows hold enough eager and graphed decode intervals; a prefill step keeps the calibration's
+rows hold enough eager and graphed decode intervals (where the calibration times the host's
+iteration around such a step, ``eager_decode_host_s``, the step lasts the longer of that and
+its kernels, which no linear term fits: its intervals are left out and ``c_eager`` is neither
+fitted nor used; the refinement sees those steps whole, in the fitting runs' metrics); a
+prefill step keeps the calibration's
 ``eager_layer_overhead_s`` in its kernel time (or, with ``eager_prefill_launch_s``, lasts the
 longer of its launches and its kernels, the launches begun a decode step's kernel time before
 it, as the overlap scheduler launches a prefill while a decode step runs) and its own terms
@@ -172,6 +176,8 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         # the largest captured size inside the interval, or a mixed pair of flags, is both)
         if len(flags) > 1 or (flags and server.cost.graphed(dec) not in flags):
             continue
+        if server.cost.host_bound_floor(dec):
+            continue    # max(host, kernels): not linear in the terms (module docstring)
         rest, attn, eager = _kernels(server, dec)
         base = n * rest
         feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, 0.0, n * eager, n * attn]
