@@ -193,10 +193,40 @@ def key_ms_arg(option: str, items: list[str], keys: tuple[str, ...]) -> dict[str
     return out
 
 
+HOLDABLE = tuple(n for n in UNITS if n != "first_token_latency_s")
+
+
+def refine_hold_arg(items: list[str]) -> dict[str, frozenset[str]]:
+    """``--refine-hold [BACKEND:]TERM`` items as {backend: terms held}: a bare TERM holds for
+    every backend, BACKEND:TERM for that one."""
+    out: dict[str, set[str]] = {be: set() for be in BACKENDS}
+    for item in items:
+        be, sep, term = item.rpartition(":")
+        if term not in HOLDABLE or (sep and be not in BACKENDS):
+            raise SimulatorInputError(
+                f"--refine-hold {item!r}: want TERM or BACKEND:TERM, BACKEND one of "
+                f"{', '.join(BACKENDS)}, TERM one of {', '.join(HOLDABLE)}")
+        for b in ([be] if sep else BACKENDS):
+            out[b].add(term)
+    return {be: frozenset(terms) for be, terms in out.items()}
+
+
 def eager_launch_arg(items: list[str]) -> dict[str, float]:
     """``--eager-prefill-launch-ms KEY=MS`` items as {key: ms}, KEY a backend (triton,
     diffkv) or one of the triton backend's KV formats (bf16, fp8: that format's own)."""
     return key_ms_arg("--eager-prefill-launch-ms", items, LAUNCH_KEYS)
+
+
+def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: str,
+                  by_format: str) -> Calibration:
+    """``base`` with a ``KEY=MS`` option's values for backend ``be``: KEY ``be`` sets field
+    ``default``, KEY a KV format its entry in the mapping field ``by_format``."""
+    if be in given:
+        base = replace(base, **{default: given[be] / 1e3})
+    own = {k: ms / 1e3 for k, ms in given.items() if k not in BACKENDS}
+    if own:
+        base = replace(base, **{by_format: {**getattr(base, by_format), **own}})
+    return base
 
 
 def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
@@ -207,20 +237,12 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     base = calib
     if a.diffkv_prefill_step_ms and be == "diffkv":
         base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
-    launch = a.eager_prefill_launch_ms
-    if be in launch:
-        base = replace(base, eager_prefill_launch_s=launch[be] / 1e3)
-    own = {k: ms / 1e3 for k, ms in launch.items() if k not in BACKENDS}
-    if own:
-        base = replace(base, eager_prefill_launches={**base.eager_prefill_launches, **own})
-    host = a.eager_decode_host_ms
-    if be in host:
-        base = replace(base, eager_decode_host_s=host[be] / 1e3)
-    own = {k: ms / 1e3 for k, ms in host.items() if k not in BACKENDS}
-    if own:
-        base = replace(base, eager_decode_hosts={**base.eager_decode_hosts, **own})
+    base = with_given_ms(base, be, a.eager_prefill_launch_ms, "eager_prefill_launch_s",
+                         "eager_prefill_launches")
+    base = with_given_ms(base, be, a.eager_decode_host_ms, "eager_decode_host_s",
+                         "eager_decode_hosts")
     first_token = a.first_token_latency_ms.get(be)
-    hold = frozenset(a.refine_hold)
+    hold = a.refine_hold.get(be, frozenset())
     if first_token is not None:
         # measured: the refinement keeps it, as it keeps a held term
         base = replace(base, first_token_latency_s=first_token / 1e3)
@@ -842,12 +864,14 @@ def main(argv: list[str] | None = None) -> int:
                          "match their measured ones (simulator/validation/refine.py); "
                          "repeatable; each simulation replays every fitting run of the "
                          "backend, so this takes minutes")
-    ap.add_argument("--refine-hold", action="append", default=[], metavar="TERM",
-                    choices=[n for n in UNITS if n != "first_token_latency_s"],
+    ap.add_argument("--refine-hold", action="append", default=[],
+                    metavar="[BACKEND:]TERM",
                     help="a fitted term the refinement leaves at the interval fit's value, "
-                         "e.g. decode_attention_scale: the Decode intervals time the decode "
+                         "for every backend or, as BACKEND:TERM, for one, e.g. "
+                         "decode_attention_scale: the Decode intervals time the decode "
                          "attention across batch and context, while the fitting runs' metrics "
-                         "barely move with it below the batches a burst runs; repeatable")
+                         "barely move with it below the batches a burst runs; TERM one of "
+                         f"{', '.join(HOLDABLE)}; repeatable")
     ap.add_argument("--first-token-latency-ms", action="append", default=[],
                     metavar="BACKEND=MS",
                     help="the client's first-token latency beyond the scheduler (HTTP, "
@@ -879,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
                 f"[{ISOLATED_PREFILL_MIN:g}, 1]")
         a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
+        a.refine_hold = refine_hold_arg(a.refine_hold)
         a.eager_decode_host_ms = key_ms_arg("--eager-decode-host-ms", a.eager_decode_host_ms,
                                             LAUNCH_KEYS)
         a.first_token_latency_ms = key_ms_arg("--first-token-latency-ms",

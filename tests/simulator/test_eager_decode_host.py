@@ -121,3 +121,15 @@ def test_validate_simulator_reads_the_option_per_backend_or_format(tmp_path, cap
     assert "--eager-decode-host-ms 'diffkv=slow'" in err and "KEY one of" in err
     assert vs.key_ms_arg("--eager-decode-host-ms", ["diffkv=38.1", "fp8=20"],
                          vs.LAUNCH_KEYS) == {"diffkv": 38.1, "fp8": 20.0}
+
+
+def test_the_option_sets_the_backends_value_and_a_formats_own():
+    vs = load_script("validate_simulator")
+    cal = load_calibration("h100")
+    given = {"diffkv": 38.1, "fp8": 20.0}
+    dk = vs.with_given_ms(cal, "diffkv", given, "eager_decode_host_s", "eager_decode_hosts")
+    assert dk.eager_decode_host_s == pytest.approx(0.0381)
+    assert dk.eager_decode_hosts == {"fp8": pytest.approx(0.02)}
+    tr = vs.with_given_ms(cal, "triton", given, "eager_decode_host_s", "eager_decode_hosts")
+    assert tr.eager_decode_host_s == 0.0
+    assert (tr.decode_host_s("fp8"), tr.decode_host_s("bf16")) == (pytest.approx(0.02), 0.0)

@@ -572,9 +572,26 @@ def test_refinement_holds_the_terms_it_is_told_to(results, tmp_path):
     entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
     assert entry["decode_attention_scale"] == pytest.approx(fit["decode_attention_scale"],
                                                             rel=1e-3)
-    with pytest.raises(SystemExit):
-        vs.main([str(results), "--doc", str(tmp_path / "d.md"),
-                 "--refine-hold", "first_token_latency_s"])
+    # held for another backend only: the triton refinement moves it
+    assert vs.main([str(results), "--doc", str(tmp_path / "d.md"), "--json", str(out_json),
+                    "--refine-on-metrics", "triton", "--refine-evals", "12",
+                    "--refine-hold", "diffkv:decode_attention_scale"]) == 0
+    assert "decode_attention_scale" in json.loads(out_json.read_text())["fit"]["refine"]["names"]
+
+
+def test_refine_hold_takes_a_term_for_every_backend_or_one(capsys, tmp_path):
+    vs = _script()
+    held = vs.refine_hold_arg(["decode_attention_scale", "diffkv:prefill_token_overhead_s"])
+    assert held == {"triton": {"decode_attention_scale"},
+                    "diffkv": {"decode_attention_scale", "prefill_token_overhead_s"}}
+    assert vs.refine_hold_arg([]) == {"triton": frozenset(), "diffkv": frozenset()}
+    for bad in ("first_token_latency_s", "flashinfer:step_overhead_s", "diffkv:speed"):
+        with pytest.raises(SimulatorInputError, match="--refine-hold"):
+            vs.refine_hold_arg([bad])
+    assert vs.main([str(tmp_path), "--doc", str(tmp_path / "d.md"),
+                    "--refine-hold", "triton:first_token_latency_s"]) == 2
+    err = capsys.readouterr().err
+    assert "--refine-hold 'triton:first_token_latency_s'" in err and "BACKEND one of" in err
 
 
 def test_a_given_first_token_latency_is_kept_by_the_refinement(results, tmp_path):
