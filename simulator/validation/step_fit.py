@@ -92,6 +92,7 @@ class StepRows:
     where: list[str] = field(default_factory=list)
     kind: list[str] = field(default_factory=list)     # decode | prefill-interval | burst
     fmt: list[str] = field(default_factory=list)      # KV format: whose attention scale
+    host_bound: int = 0   # eager decode intervals left out: eager_decode_host_s bounds them
 
     def add(self, y: float, base: float, feats: list[float], where: str, kind: str,
             fmt: str) -> None:
@@ -112,9 +113,10 @@ class StepRows:
     def extend(self, other: StepRows) -> None:
         for row in other.rows():
             self.add(*row)
+        self.host_bound += other.host_bound
 
     def of_kinds(self, *kinds: str) -> StepRows:
-        out = StepRows()
+        out = StepRows(host_bound=self.host_bound)
         for row in self.rows():
             if row[4] in kinds:
                 out.add(*row)
@@ -177,7 +179,8 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         if len(flags) > 1 or (flags and server.cost.graphed(dec) not in flags):
             continue
         if server.cost.host_bound_floor(dec):
-            continue    # max(host, kernels): not linear in the terms (module docstring)
+            rows.host_bound += 1  # max(host, kernels): not linear in the terms (docstring)
+            continue
         rest, attn, eager = _kernels(server, dec)
         base = n * rest
         feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, 0.0, n * eager, n * attn]
@@ -247,9 +250,12 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
     per KV format in the rows (their fixed costs are shared: one backend); ``server`` gives
     the calibration whose values the terms that cannot be fitted keep."""
     if len(rows) < MIN_ROWS:
+        left_out = (f" ({rows.host_bound} eager decode intervals left out: the calibration "
+                    "times their host iteration, eager_decode_host_s)" if rows.host_bound
+                    else "")
         raise SimulatorInputError(
             f"need at least {MIN_ROWS} timed intervals or prefill steps; the logs have "
-            f"{len(rows)}")
+            f"{len(rows)}{left_out}")
     cal = server.deployment.calibration
     y, base = np.array(rows.y), np.array(rows.base)
     xf = np.array(rows.feats, dtype=float)

@@ -618,6 +618,28 @@ def test_a_given_first_token_latency_is_kept_by_the_refinement(results, tmp_path
                         bad]) == 2
 
 
+def test_a_given_eager_decode_host_time_lands_in_the_fitted_file(results, tmp_path,
+                                                                  capsys):
+    vs = _script()
+    out_json = tmp_path / "rows.json"
+    doc = tmp_path / "d.md"
+    # (fp8's own: the bf16 fitting run's eager intervals stay in the interval fit)
+    assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
+                    "--eager-decode-host-ms", "fp8=20",
+                    "--eager-decode-host-ms", "diffkv=38.1"]) == 0
+    fit = json.loads(out_json.read_text())["fit"]
+    entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
+    assert entry["eager_decode_host_s_by_format"] == {"fp8": pytest.approx(0.02)}
+    assert "eager_decode_host_s" not in entry      # diffkv's value: not this backend's
+    text = doc.read_text()
+    assert "fp8's eager decode iteration 20.0 ms" in text
+    assert "lasts at least" not in text
+    # the backend's own: the fitting run's eager intervals leave the fit, too few remain
+    assert vs.main([str(results), "--doc", str(doc), "--eager-decode-host-ms",
+                    "triton=38.1"]) == 2
+    assert "eager decode intervals left out" in capsys.readouterr().err
+
+
 def test_backends_fitted_in_parallel_give_the_same_report(results, tmp_path):
     vs = _script()
     fits = ["--fit-run", "bf16/longgen", "--fit-run", "diffkv/sharegpt"]
