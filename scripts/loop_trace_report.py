@@ -390,14 +390,19 @@ def _seg_width(rows: list[dict]) -> int:
     return max([3] + [len(str(r["segment"])) for r in rows])
 
 
+def _label_columns(rows: list[dict]) -> tuple[dict[tuple[str, int], str], int, int]:
+    """The printed names of ``rows``' labels, and the widths of the label and segment
+    columns."""
+    names = _names(rows)
+    return names, max([5] + [len(n) for n in names.values()]), _seg_width(rows)
+
+
 def _spans(spans: dict[str, float]) -> str:
     return " ".join(f"{k} {v:.2f}" for k, v in spans.items()) or "-"
 
 
 def format_segments(rows: list[dict]) -> list[str]:
-    names = _names(rows)
-    w = max([5] + [len(n) for n in names.values()])
-    sw = _seg_width(rows)
+    names, w, sw = _label_columns(rows)
     head = (f"{'label':{w}} {'seg':>{sw}} {'start s':>7} {'dur s':>6} {'pref':>5} "
             f"{'queue ms':>15} {'step ms':>15} {'ext it':>6} {'1tok n':>6} "
             f"{'1tok run ms p10/med/mean':>24} {'dec it':>6} {'wall':>6} {'wait':>6} "
@@ -427,9 +432,7 @@ def format_segments(rows: list[dict]) -> list[str]:
 
 
 def format_edges(rows: list[dict]) -> list[str]:
-    names = _names(rows)
-    w = max([5] + [len(n) for n in names.values()])
-    sw = _seg_width(rows)
+    names, w, sw = _label_columns(rows)
     head = (f"{'label':{w}} {'seg':>{sw}} {'graphed n':>9} {'median ms':>9} {'eager n':>7} "
             f"{'median ms':>9} {'eager - graphed':>15}")
     lines = [head, "-" * len(head)]
@@ -447,9 +450,7 @@ def format_edges(rows: list[dict]) -> list[str]:
 
 
 def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
-    names = _names(seg_rows)
-    w = max([5] + [len(n) for n in names.values()])
-    sw = _seg_width(seg_rows)
+    names, w, sw = _label_columns(seg_rows)
     head = (f"{'label':{w}} {'vs':{w}} {'seg':>{sw}} {'1tok n':>6} {'base n':>6} "
             f"{'d median ms':>11} {'d mean ms':>9}")
     lines = [head, "-" * len(head)]

@@ -242,7 +242,7 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     base = with_given_ms(base, be, a.eager_decode_host_ms, "eager_decode_host_s",
                          "eager_decode_hosts")
     first_token = a.first_token_latency_ms.get(be)
-    hold = a.refine_hold.get(be, frozenset())
+    hold = a.refine_hold[be]
     if first_token is not None:
         # measured: the refinement keeps it, as it keeps a held term
         base = replace(base, first_token_latency_s=first_token / 1e3)

@@ -17,22 +17,18 @@ from collections import defaultdict
 
 import numpy as np
 
-from sglang_diffkv.loop_trace import Mode, Phase, iterations, read_loop_trace
+from sglang_diffkv.loop_trace import Iteration, Mode, Phase, read_loop_trace, timed_iterations
 
 AFTER = 4       # decode iterations counted after the event
 BUSY_S = 0.08   # an iteration longer than this spans idle time: left out
 BIN = 16
 
 
-def timed_iterations(path: str) -> list[tuple[float, Mode | None, int]]:
-    """(wall seconds to the next iteration's start, run_batch's mode, its batch size) of each
-    loop iteration that begins with recv_requests, the last one (no end) left out."""
-    its = [it for it in iterations(read_loop_trace(path)) if it[0].phase == Phase.RECV]
-    out = []
-    for it, nxt in zip(its, its[1:], strict=False):
-        run = next((r for r in reversed(it) if r.phase == Phase.RUN), None)
-        out.append((nxt[0].t0 - it[0].t0, run.mode if run else None, run.size if run else 0))
-    return out
+def recv_iterations(path: str) -> list[Iteration]:
+    """The loop iterations that begin with recv_requests, the last one (no next start to end
+    its wall time) left out."""
+    return [it for it in timed_iterations(read_loop_trace(path))[:-1]
+            if it.records[0].phase == Phase.RECV]
 
 
 def main(paths: list[str]) -> None:
@@ -40,11 +36,11 @@ def main(paths: list[str]) -> None:
     prefill: dict[int, list[float]] = defaultdict(list)
     release: dict[int, list[float]] = defaultdict(list)
     for path in paths:
-        its = timed_iterations(path)
-        mode = [m for _, m, _ in its]
-        n = [size for _, _, size in its]
+        its = recv_iterations(path)
+        mode = [it.run.mode if it.run else None for it in its]
+        n = [it.run.size if it.run else 0 for it in its]
         for i in range(1, len(its) - AFTER - 1):
-            walls = [its[j][0] * 1e3 for j in range(i, i + AFTER + 1)]
+            walls = [its[j].wall_s * 1e3 for j in range(i, i + AFTER + 1)]
             if max(walls) > BUSY_S * 1e3 or mode[i - 1] != Mode.DECODE:
                 continue
             after = mode[i + 1:i + AFTER + 1]

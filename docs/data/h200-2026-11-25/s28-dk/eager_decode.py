@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from sglang_diffkv.loop_trace import Mode, Phase, iterations, read_loop_trace, segments
+from sglang_diffkv.loop_trace import Mode, Phase, read_loop_trace, segments, timed_iterations
 
 GRAPH_MAX = 512   # the diffkv backend's cuda_graph_max_bs (the servers' logged args)
 EDGE = 32
@@ -33,17 +33,16 @@ def burst_decodes(path: str) -> np.ndarray:
     segs = segments(read_loop_trace(path))
     seg = max(segs, key=lambda s: sum(r.size for r in s
                                       if r.phase == Phase.RUN and r.mode == Mode.EXTEND))
-    its = [it for it in iterations(seg) if it[0].phase == Phase.RECV]
     rows = []
-    for it, nxt in zip(its, its[1:], strict=False):
-        run = next((r for r in reversed(it) if r.phase == Phase.RUN), None)
-        wall = nxt[0].t0 - it[0].t0
-        if run is None or run.mode != Mode.DECODE or wall > BUSY_S:
+    for it in timed_iterations(seg)[:-1]:     # the last: no next start to end its wall time
+        if (it.records[0].phase != Phase.RECV or it.run is None
+                or it.run.mode != Mode.DECODE or it.wall_s > BUSY_S):
             continue
 
-        def host(phase: Phase, it: list = it) -> float:
-            return sum(r.t1 - r.t0 for r in it if r.phase == phase)
-        rows.append((run.size, wall, host(Phase.RUN), host(Phase.NEXT), host(Phase.RESULT)))
+        def host(phase: Phase, records: list = it.records) -> float:
+            return sum(r.t1 - r.t0 for r in records if r.phase == phase)
+        rows.append((it.run.size, it.wall_s, host(Phase.RUN), host(Phase.NEXT),
+                     host(Phase.RESULT)))
     return np.array(rows)
 
 
