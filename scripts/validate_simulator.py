@@ -241,6 +241,8 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
                          "eager_prefill_launches")
     base = with_given_ms(base, be, a.eager_decode_host_ms, "eager_decode_host_s",
                          "eager_decode_hosts")
+    if be in a.launch_holds_loop:
+        base = replace(base, eager_launch_holds_loop=True)
     first_token = a.first_token_latency_ms.get(be)
     hold = a.refine_hold[be]
     if first_token is not None:
@@ -259,6 +261,8 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
         info["eager_launch_s"] = base.eager_prefill_launch_s
     if base.eager_prefill_launches:
         info["eager_launches_s"] = dict(base.eager_prefill_launches)
+    if base.eager_launch_holds_loop:
+        info["launch_holds_loop"] = True
     if base.eager_decode_host_s:
         info["eager_decode_host_s"] = base.eager_decode_host_s
     if base.eager_decode_hosts:
@@ -726,6 +730,8 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         if fi.get("eager_decode_host_s") else "")
                      + "".join(f"; {k}'s eager decode iteration {1e3 * v:.1f} ms"
                                for k, v in fi.get("eager_decode_hosts_s", {}).items())
+                     + ("; its eager prefill launches hold the overlap loop "
+                        "(--launch-holds-loop)" if fi.get("launch_holds_loop") else "")
                      + (f"; the client's first-token latency given: "
                         f"{1e3 * fi['first_token_s']:.1f} ms (--first-token-latency-ms)"
                         if "first_token_s" in fi else ""))
@@ -835,6 +841,13 @@ def main(argv: list[str] | None = None) -> int:
                          "measured as scripts/loop_trace_report.py --graph-max-bs's eager "
                          "median on a fitting run; repeatable; default: the calibration's "
                          "(0: the per-layer cost)")
+    ap.add_argument("--launch-holds-loop", action="append", default=[], choices=BACKENDS,
+                    metavar="BACKEND",
+                    help="BACKEND's eager prefill launches (--eager-prefill-launch-ms) also "
+                         "hold the overlap loop: the next batch is formed once they end, and "
+                         "the step before's tokens stream only then (calibration field "
+                         "eager_launch_holds_loop); repeatable; default: the calibration's "
+                         "(off)")
     ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
                     help="fixed cost of a DiffKV prefill step beyond the modelled kernels "
                          "(its extend path's scoring/compression launches), from the backend "

@@ -126,7 +126,8 @@ def simulate(workload: Trace | ClosedLoop, server: ResolvedServer, replicas: int
     def on_finish(r: SimRequest) -> None:
         bar.tick()
         if closed is not None:
-            gap = closed.think_s + client_latency
+            # from the last token's streaming, which may come after now (Replica)
+            gap = closed.think_s + client_latency + max(0.0, r.finish - env.now)
             if gap > 0:
                 ev = env.timeout(gap)
                 ev.callbacks.append(lambda _e, u=r.user: next_closed(u))

@@ -3,6 +3,10 @@
 Under SGLang's overlap scheduler (the default) the batch for step n+1 is formed while step n
 runs, so it sees only the requests that arrived before step n started; one that arrives
 during step n joins at step n+2 at the earliest. An idle server forms its batch at once.
+Where the calibration says an eager prefill's launches hold the loop
+(``eager_launch_holds_loop``), the batch is formed once the host has launched step n (the
+end of a prefill's timed launches, ``CostModel.launch_s``) and step n's tokens stream only
+after the host has launched step n+1, so a prefill launched next holds them.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class Replica:
         self.itl: list[np.ndarray] = []
         self.outstanding = 0
         self.overlap = not server.deployment.settings.disable_overlap_schedule
+        # whether an eager prefill's launches hold the overlap loop (batch formation and
+        # streaming); otherwise the next batch is formed at a step's start, tokens stream at
+        # its end
+        self.launch_holds_loop = (self.overlap
+                                  and server.deployment.calibration.eager_launch_holds_loop)
         self._wake: simpy.Event | None = None
         env.process(self._loop())
 
@@ -69,14 +78,21 @@ class Replica:
         env, sched, log = self.env, self.scheduler, self.log
         step_time = self.cost.step_time
         last_start = math.inf      # start of the step just run (inf: none, the server idled)
+        last_launch = 0.0          # how long the host launched that step's kernels
         last_decode = False        # whether that step was decode-only
         prefill_end = -math.inf    # end of the last prefill step: the GPU's clocks recover
+        streamed: list[SimRequest] = []  # given a first or last token by the step just run
+        finished: list[SimRequest] = []  # finished by it: delivered once their tokens stream
         while True:
-            batch = sched.next_batch(last_start if self.overlap else math.inf)
-            formed_now = False   # formed at this step's start, not while the last one ran
-            if batch is None and self.overlap and sched.waiting and last_start != math.inf:
-                batch = sched.next_batch()      # nothing launched: the loop sees them now
-                formed_now = True
+            batch = sched.next_batch(last_start + last_launch if self.overlap else math.inf)
+            formed_now = False   # formed by a loop that had nothing to launch
+            if batch is None:
+                # nothing to launch: the loop streams the last step's tokens (its finished
+                # closed-loop users may send again), then sees every arrival
+                self._deliver(streamed, finished, 0.0)
+                if sched.waiting:
+                    batch = sched.next_batch()
+                    formed_now = batch is not None
             if batch is None:
                 last_start = math.inf
                 sched.on_idle()
@@ -94,7 +110,10 @@ class Replica:
                         else 0.0)
                 batch.shape = replace(batch.shape, prefill_gap_s=env.now - prefill_end,
                                       launch_head_start_s=head)
+            launch = self.cost.launch_s(batch.shape) if self.launch_holds_loop else 0.0
+            self._deliver(streamed, finished, launch)
             last_start = env.now
+            last_launch = launch
             last_decode = not batch.chunks
             dt = step_time(batch.shape)
             yield env.timeout(dt)
@@ -102,6 +121,8 @@ class Replica:
             if batch.chunks:
                 prefill_end = now
             finished = sched.complete(batch, now, self.itl)
+            streamed = [r for r, _ in batch.chunks if r.first_token == now]
+            streamed += [r for r in finished if r.first_token != now]
             shape = batch.shape
             log.t_end.append(now)
             log.dt.append(dt)
@@ -115,6 +136,32 @@ class Replica:
                 self.outstanding -= 1
                 self.on_finish(r)
             sched.aborted.clear()
-            for r in finished:
-                self.outstanding -= 1
-                self.on_finish(r)
+
+    def _deliver(self, streamed: list[SimRequest], finished: list[SimRequest],
+                 delay: float) -> None:
+        """Stream the tokens of the step just run ``delay`` after its end (now), then hand
+        its finished requests to ``on_finish``; both lists are emptied."""
+        _stream_after(streamed, self.env.now, delay)
+        for r in finished:
+            self.outstanding -= 1
+            self.on_finish(r)
+        streamed.clear()
+        finished.clear()
+
+
+def _stream_after(reqs: list[SimRequest], at: float, delay: float) -> None:
+    """Move the first and last tokens that ``reqs`` were given at ``at`` by ``delay``: SGLang's
+    overlap loop streams a step's tokens only after it has launched the next step, so an
+    eager prefill launched next holds them for its launch (the loop traces: a one-prompt
+    extend's first token reached the client 24-46 ms after its own launch when another
+    extend was launched next, 5-12 ms when a decode step was). The scheduler's state is
+    not delayed: the next step runs on the tokens the GPU already has."""
+    if delay <= 0.0:
+        return
+    for r in reqs:
+        if r.first_token == at:
+            r.first_token += delay
+        if r.finish == at:
+            r.finish += delay
+        if r.last_token == at:
+            r.last_token += delay

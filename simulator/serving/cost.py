@@ -244,6 +244,16 @@ class CostModel:
         decode step (``eager_decode_host_s``), 0 for any other step or where it is not timed."""
         return self.decode_host_s if self.eager_decode(s) else 0.0
 
+    def launch_s(self, s: StepShape) -> float:
+        """How long the host is still launching a step's kernels after the step starts: an
+        eager prefill's launch floor less its head start (``eager_prefill_launch_s``); 0 for
+        a decode step (a graph replay, or an eager step whose host time its floor already
+        bounds) or where launches are not timed. Under the overlap scheduler the host
+        streams the previous step's tokens only after this (``Replica``)."""
+        if not s.prefill_tokens or self.prefill_launch_s <= 0.0:
+            return 0.0
+        return max(0.0, self.prefill_launch_s - s.launch_head_start_s)
+
     def layer_overhead(self, s: StepShape) -> float:
         """Fixed cost per layer: launches from a CUDA graph, or eager ones (a prefill step's,
         or a decode step's above the largest captured batch, which may differ; none where
@@ -274,7 +284,7 @@ class CostModel:
             t *= c.prefill_clock_scale(s.prefill_gap_s)   # the grids ran at the power limit
         if s.prefill_tokens and self.prefill_launch_s > 0.0:
             # the kernels run under their launches, which began launch_head_start_s ago
-            t = max(t, self.prefill_launch_s - s.launch_head_start_s)
+            t = max(t, self.launch_s(s))
         else:
             t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:

@@ -86,6 +86,12 @@ ATTENTION_SCALE_MAX = 4.0
 PREFILL_LAUNCHES_FIELD = "eager_prefill_launch_s_by_format"
 # optional: ``eager_decode_host_s`` for one KV format (calibration key) where it differs
 DECODE_HOST_FIELD = "eager_decode_host_s_by_format"
+# optional (false when absent): whether an eager prefill's timed launches
+# (``eager_prefill_launch_s``) also hold SGLang's overlap loop: the host forms the next batch
+# only after launching the step, and streams the step before's tokens only after it
+# (``Replica``). The H200 loop traces show both (session 30), but with one launch time for
+# every workload the held-out scores came out lower, so it is off unless asked for
+LAUNCH_HOLDS_LOOP_FIELD = "eager_launch_holds_loop"
 # optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step long after the
 # last one. Compute-bound work runs the GPU at its power limit, below its boost clock, within
 # one step: the kernel grids (timed in loops) and a burst's back-to-back chunks run there, a
@@ -355,6 +361,7 @@ class Calibration:
     eager_prefill_launches: dict[str, float] = field(default_factory=dict)
     eager_decode_host_s: float = 0.0
     eager_decode_hosts: dict[str, float] = field(default_factory=dict)
+    eager_launch_holds_loop: bool = False
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     isolated_prefill_scale: float = 1.0
@@ -444,6 +451,10 @@ class Calibration:
                 or not 0 <= recovery <= PREFILL_CLOCK_RECOVERY_MAX_S):
             raise SimulatorInputError(f"{where}.{PREFILL_CLOCK_RECOVERY_FIELD}={recovery!r} "
                                       f"must be seconds in [0, {PREFILL_CLOCK_RECOVERY_MAX_S:g}]")
+        holds_loop = d.get(LAUNCH_HOLDS_LOOP_FIELD, False)
+        if not isinstance(holds_loop, bool):
+            raise SimulatorInputError(f"{where}.{LAUNCH_HOLDS_LOOP_FIELD}={holds_loop!r} must "
+                                      "be true or false")
         eager_decode = d.get(EAGER_DECODE_FIELD)
         if eager_decode is not None:
             eager_decode = _optional_seconds(eager_decode, f"{where}.{EAGER_DECODE_FIELD}")
@@ -454,6 +465,7 @@ class Calibration:
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    decode_attention_scale=scale, decode_attention_scales=scales,
                    eager_prefill_launches=launches, eager_decode_hosts=hosts,
+                   eager_launch_holds_loop=holds_loop,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
                    prefill_clock_recovery_s=float(recovery),
@@ -475,6 +487,8 @@ class Calibration:
             d[PREFILL_LAUNCHES_FIELD] = dict(self.eager_prefill_launches)
         if self.eager_decode_hosts:
             d[DECODE_HOST_FIELD] = dict(self.eager_decode_hosts)
+        if self.eager_launch_holds_loop:
+            d[LAUNCH_HOLDS_LOOP_FIELD] = True
         if self.isolated_prefill_scale != 1.0:
             d[ISOLATED_PREFILL_FIELD] = self.isolated_prefill_scale
         if self.prefill_clock_recovery_s != PREFILL_CLOCK_RECOVERY_S:
