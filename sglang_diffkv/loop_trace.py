@@ -13,7 +13,10 @@ set. A wrapped call costs about two microseconds.
 
 ``time_method`` adds named spans inside a step: the host time of a method (the model runner's
 eager forward, the attention backend's extend, the KV store) summed since the launch began,
-attached to the launch's record.
+attached to the launch's record. Every launch's record also carries ``cpu``, the scheduler
+thread's CPU time inside it (a launch whose wall time exceeds it waited: on the GPU, the
+GIL, or a host that did not run the thread), and ``gc``, the time Python's garbage
+collector ran inside it.
 
 ``read_loop_trace`` and ``summarize`` turn a file back into busy segments (runs of the loop
 between idle gaps) with per-phase host times per iteration mode and per-request scheduler
@@ -23,6 +26,7 @@ times (queue: received to launched; step: launched to first token streamed).
 from __future__ import annotations
 
 import functools
+import gc
 import gzip
 import json
 import os
@@ -59,6 +63,8 @@ _MARK = "_sglang_diffkv_loop_traced"
 # host seconds per timed method (``time_method``) since the current run_batch began: the
 # scheduler loop is one thread, and only a traced process (SGLANG_DIFFKV_LOOP_TRACE) writes it
 SPANS: dict[str, float] = {}
+CPU_SPAN = "cpu"
+GC_SPAN = "gc"
 
 
 def batch_mode(batch: Any) -> Mode:
@@ -120,10 +126,12 @@ def _batch_fields(batch: Any) -> tuple[Mode, int, int]:
 
 
 def install(cls: Any, trace_dir: str | os.PathLike,
-            clock: Callable[[], float] = time.perf_counter) -> bool:
+            clock: Callable[[], float] = time.perf_counter,
+            cpu_clock: Callable[[], float] = time.thread_time) -> bool:
     """Wrap ``cls``'s loop methods (idempotent). Returns whether it wrapped them now."""
     if getattr(cls, _MARK, False):
         return False
+    _time_gc()
     recorders: dict[int, LoopRecorder] = {}
 
     def recorder() -> LoopRecorder:
@@ -164,10 +172,12 @@ def install(cls: Any, trace_dir: str | os.PathLike,
         mode, n, tok = _batch_fields(batch)
         rids = _rids(batch) if mode == Mode.EXTEND else None
         SPANS.clear()
+        c0 = cpu_clock()
         t0 = clock()
         out = orig["run_batch"](self, batch, *a, **k)
-        recorder().add(Phase.RUN, t0, clock(), mode, n, tok, rids=rids,
-                       spans=dict(SPANS) if SPANS else None)
+        t1 = clock()
+        SPANS[CPU_SPAN] = cpu_clock() - c0
+        recorder().add(Phase.RUN, t0, t1, mode, n, tok, rids=rids, spans=dict(SPANS))
         return out
 
     def process_batch_result(self: Any, batch: Any, result: Any, *a: Any, **k: Any) -> Any:
@@ -202,6 +212,26 @@ def install(cls: Any, trace_dir: str | os.PathLike,
         setattr(cls, fn.__name__, fn)
     setattr(cls, _MARK, True)
     return True
+
+
+_gc_timer: list[Callable[[str, dict], None]] = []  # the one installed gc callback, if any
+
+
+def _time_gc(clock: Callable[[], float] = time.perf_counter) -> None:
+    """Add the garbage collector's run time to ``SPANS[GC_SPAN]`` (one callback per process;
+    ``run_batch`` clears SPANS, so its record holds only what ran inside it)."""
+    if _gc_timer:
+        return
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [clock()]
+        elif started:
+            SPANS[GC_SPAN] = SPANS.get(GC_SPAN, 0.0) + clock() - started.pop()
+
+    gc.callbacks.append(on_gc)
+    _gc_timer.append(on_gc)
 
 
 def time_method(cls: Any, name: str, span: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import deque
 from pathlib import Path
@@ -235,6 +236,32 @@ def test_timed_methods_inside_a_launch_ride_on_its_record(tmp_path: Path):
     assert runs[1].spans["kv_store"] == pytest.approx(4 * 0.25e-3)
     assert runs[0].t1 - runs[0].t0 == pytest.approx(2e-3 + 8e-3, abs=1e-6)
     assert pool.set_kv_buffer(3) == 3  # the wrapper returns what the method returns
+
+
+def test_each_launch_carries_its_thread_cpu_time_and_garbage_collection(tmp_path: Path):
+    clock, cpu = FakeClock(), FakeClock()
+    cls = make_scheduler(clock)
+    original_run = cls.run_batch
+
+    def run_batch(self, batch):
+        cpu.advance(3.0)  # of the 8 ms launch, the thread ran 3 ms
+        if batch.forward_mode.is_extend():
+            gc.collect()
+        return original_run(self, batch)
+
+    cls.run_batch = run_batch
+    assert lt.install(cls, tmp_path, clock=clock, cpu_clock=cpu)
+    s = cls()
+    s.inbox.append(_Req("x"))
+    s.plan.extend([_Batch("extend", ["x"], 9), _Batch("decode", ["x"])])
+    gc.collect()  # outside a launch: on no record
+    for _ in range(4):
+        s.loop_once()
+    (path,) = lt.trace_files(tmp_path)
+    runs = [r for r in lt.read_loop_trace(path) if r.phase == lt.Phase.RUN]
+    assert [r.spans[lt.CPU_SPAN] for r in runs] == pytest.approx([3e-3, 3e-3])
+    assert runs[0].spans[lt.GC_SPAN] > 0  # the collector's real run time
+    assert lt.GC_SPAN not in runs[1].spans
 
 
 def test_a_gzipped_trace_reads_the_same(traced):

@@ -44,7 +44,14 @@ def patch_server_args(mod: Any) -> None:
 
 def create_diffkv_backend(runner: Any) -> Any:
     from sglang_diffkv.sglang.backend import DiffKVAttnBackend
+    from sglang_diffkv.sglang.ops import DiffKVOps
 
+    # with the loop trace on: where an eager prefill's launches go (the same span names as
+    # the triton backend's, plus the kernel path's score-and-compress and reclaim)
+    _time_methods(DiffKVAttnBackend, {"forward_extend": "attn_extend",
+                                      "init_forward_metadata": "attn_metadata"})
+    _time_methods(DiffKVOps, {"_score_and_compress": "compress",
+                              "end_prefill_step": "reclaim"})
     return DiffKVAttnBackend(runner)
 
 
