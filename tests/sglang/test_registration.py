@@ -79,3 +79,17 @@ def test_loop_trace_wraps_the_scheduler_only_when_asked(tmp_path):
         *["False"] * 4]
     traced = _fresh_python(code, SGLANG_DIFFKV_LOOP_TRACE=str(tmp_path))
     assert traced.splitlines()[-1].split() == ["sglang_diffkv.loop_trace"] * 2 + ["True"] * 4
+
+
+def test_loop_trace_times_the_diffkv_backend_when_it_is_built(tmp_path):
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import harness as H; "
+            "from sglang_diffkv.sglang.backend import DiffKVAttnBackend as B; "
+            "from sglang_diffkv.sglang.ops import DiffKVOps as O; "
+            "import pytest; H.cpu_sglang_helpers(pytest.MonkeyPatch()); shape = H.ModelShape(); "
+            "s = H.MiniScheduler(shape, H.budget_for_pages(shape, 600, 8)); "
+            "print(type(s.runner.attn_backend).__name__, "
+            "*(hasattr(f, '_sglang_diffkv_loop_traced') for f in (B.forward_extend, "
+            "B.init_forward_metadata, O._score_and_compress, O.end_prefill_step)))")
+    assert _fresh_python(code).splitlines()[-1].split() == ["DiffKVAttnBackend", *["False"] * 4]
+    traced = _fresh_python(code, SGLANG_DIFFKV_LOOP_TRACE=str(tmp_path))
+    assert traced.splitlines()[-1].split() == ["DiffKVAttnBackend", *["True"] * 4]
