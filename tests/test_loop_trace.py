@@ -255,8 +255,12 @@ def test_each_launch_carries_its_thread_cpu_time_and_garbage_collection(tmp_path
     s.inbox.append(_Req("x"))
     s.plan.extend([_Batch("extend", ["x"], 9), _Batch("decode", ["x"])])
     gc.collect()  # outside a launch: on no record
-    for _ in range(4):
-        s.loop_once()
+    gc.disable()  # no automatic collection may land in the decode's launch
+    try:
+        for _ in range(4):
+            s.loop_once()
+    finally:
+        gc.enable()
     (path,) = lt.trace_files(tmp_path)
     runs = [r for r in lt.read_loop_trace(path) if r.phase == lt.Phase.RUN]
     assert [r.spans[lt.CPU_SPAN] for r in runs] == pytest.approx([3e-3, 3e-3])
