@@ -217,7 +217,7 @@ def install(cls: Any, trace_dir: str | os.PathLike,
 _gc_timer: list[Callable[[str, dict], None]] = []  # the one installed gc callback, if any
 
 
-def _time_gc(clock: Callable[[], float] = time.perf_counter) -> None:
+def _time_gc() -> None:
     """Add the garbage collector's run time to ``SPANS[GC_SPAN]`` (one callback per process;
     ``run_batch`` clears SPANS, so its record holds only what ran inside it)."""
     if _gc_timer:
@@ -226,9 +226,9 @@ def _time_gc(clock: Callable[[], float] = time.perf_counter) -> None:
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
-            started[:] = [clock()]
+            started[:] = [time.perf_counter()]
         elif started:
-            SPANS[GC_SPAN] = SPANS.get(GC_SPAN, 0.0) + clock() - started.pop()
+            SPANS[GC_SPAN] = SPANS.get(GC_SPAN, 0.0) + time.perf_counter() - started.pop()
 
     gc.callbacks.append(on_gc)
     _gc_timer.append(on_gc)

@@ -89,8 +89,9 @@ DECODE_HOST_FIELD = "eager_decode_host_s_by_format"
 # optional (false when absent): whether an eager prefill's timed launches
 # (``eager_prefill_launch_s``) also hold SGLang's overlap loop: the host forms the next batch
 # only after launching the step, and streams the step before's tokens only after it
-# (``Replica``). The H200 loop traces show both (session 30), but with one launch time for
-# every workload the held-out scores came out lower, so it is off unless asked for
+# (``Replica``). The H200 loop traces show both (session 30); off unless asked for, as a file
+# that times no launches has nothing to hold (the H200 command asks, validate_simulator's
+# --launch-holds-loop)
 LAUNCH_HOLDS_LOOP_FIELD = "eager_launch_holds_loop"
 # optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step long after the
 # last one. Compute-bound work runs the GPU at its power limit, below its boost clock, within
