@@ -33,6 +33,15 @@ machine's clock; requests are joined in time order.
 
     python scripts/loop_trace_report.py fp8=docs/data/h200-2026-11-25/s24-loop/c3/fp8 \
         bf16=docs/data/h200-2026-11-25/s24-loop/c3/bf16
+
+A last table pools the one-prompt extends (run_batch of a prefill of one prompt, any length)
+of every result folder's ladder runs by server configuration: n, mean and spread. The mean is
+the simulator's eager prefill launch (scripts/validate_simulator.py --eager-prefill-launch-ms);
+give it several starts of one configuration, as the host's speed moves between starts:
+
+    D=docs/data/h200-2026-11-25/s32-probe
+    python scripts/loop_trace_report.py b1=$D/c1/bf16 b2=$D/c2/bf16 b3=$D/c3/bf16 \
+        f1=$D/c1/fp8 f2=$D/c2/fp8 f3=$D/c3/fp8
 """
 
 from __future__ import annotations
@@ -68,6 +77,9 @@ from sglang_diffkv.loop_trace import (  # noqa: E402
 )
 
 ONE_TOKEN_MAX = 2  # new tokens of an extend that counts as one-token
+# the open-loop runs whose one-prompt launches are pooled: a burst's prefills batch many
+# prompts, a ladder's mostly one (bench_e2e.py's run labels)
+LADDER_PREFIX = "ladder"
 # the batches either side of the largest CUDA graph N whose decode iterations time the edge:
 # (N / EDGE, N] run graphs, (N, EDGE * N] run eager (their kernels still short of the host's
 # iteration on an H200 DiffKV server: 24-29 ms modelled against 32-38 ms measured, session 28)
@@ -127,6 +139,13 @@ def one_token_runs(seg: list[Record]) -> list[Record]:
 def one_token_ms(seg: list[Record]) -> list[float]:
     """Host ms of each one-token extend's run_batch."""
     return [1e3 * (r.t1 - r.t0) for r in one_token_runs(seg)]
+
+
+def one_prompt_ms(seg: list[Record]) -> list[float]:
+    """Host ms of each run_batch of an extend of one prompt (any length): what the simulator's
+    eager prefill launch (``--eager-prefill-launch-ms``) stands for."""
+    return [1e3 * (r.t1 - r.t0) for r in seg
+            if r.phase == Phase.RUN and r.mode == Mode.EXTEND and r.size == 1]
 
 
 class RunWindow(NamedTuple):
@@ -342,11 +361,14 @@ def compare_rows(rows: list[dict]) -> list[dict]:
 
 
 def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
-                graph_max_bs: int | None = None) -> tuple[list[dict], list[dict]]:
+                graph_max_bs: int | None = None
+                ) -> tuple[list[dict], list[dict], dict[str, list[float]]]:
     """segment_rows for every LABEL=PATH, each file apart, start times from the label's
-    first record; and the TTFT split of each run of the bench_e2e.py result folders."""
+    first record; the TTFT split of each run of the bench_e2e.py result folders; and their
+    ladder runs' one-prompt extend launches (ms) pooled by server configuration."""
     rows: list[dict] = []
     splits: list[dict] = []
+    launches: dict[str, list[float]] = {}
     for label, path in runs:
         results = Path(path) / "results.json"
         windows = run_windows(results) if results.is_file() else None
@@ -365,7 +387,11 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
         if windows is not None:
             merged = sorted((r for t in traces for r in t), key=lambda r: r.t0)
             splits += ttft_split_rows(label, Path(path), merged, windows)
-    return rows, splits
+            for w in windows:
+                if w.name.startswith(LADDER_PREFIX):
+                    launches.setdefault(w.config or label, []).extend(
+                        one_prompt_ms([r for r in merged if w.start <= r.t0 < w.end]))
+    return rows, splits, launches
 
 
 def _f(v: float | None, spec: str) -> str:
@@ -466,6 +492,30 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
     return lines
 
 
+def launch_rows(launches: dict[str, list[float]]) -> list[dict]:
+    """Per configuration: how many one-prompt extends its ladder runs launched, and their mean
+    and median host ms (the mean is --eager-prefill-launch-ms: the model's steps pay it on
+    average)."""
+    return [{"config": cfg, "n": len(v), "mean_ms": mean(v), "median_ms": median(v),
+             "p10_ms": percentile(v, 10), "p90_ms": percentile(v, 90)}
+            for cfg, v in launches.items() if v]
+
+
+def format_launches(rows: list[dict]) -> list[str]:
+    w = max([6] + [len(r["config"]) for r in rows])
+    head = f"{'config':{w}} {'n':>6} {'mean ms':>8} {'p10/median/p90 ms':>20}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = (f"{_f(r['p10_ms'], '.1f')}/{_f(r['median_ms'], '.1f')}/"
+                  f"{_f(r['p90_ms'], '.1f')}")
+        lines.append(f"{r['config']:{w}} {r['n']:6d} {_f(r['mean_ms'], '.2f'):>8} {spread:>20}")
+    lines.append(
+        "one-prompt extends (run_batch of a prefill of one prompt, any length) in the ladder "
+        "runs of every result folder given, pooled by server configuration; the mean is "
+        "scripts/validate_simulator.py's --eager-prefill-launch-ms")
+    return lines
+
+
 def format_splits(rows: list[dict]) -> list[str]:
     w = max([5] + [len(r["label"]) for r in rows])
     rw = max([3] + [len(r["run"]) for r in rows])
@@ -512,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     if dup:
         ap.error(f"label given more than once: {', '.join(dup)}")
     try:
-        rows, splits = report_rows(a.runs, a.gap_s, a.min_s, a.graph_max_bs)
+        rows, splits, launches = report_rows(a.runs, a.gap_s, a.min_s, a.graph_max_bs)
     except ReportInputError as e:
         print(f"loop_trace_report: error: {e}", file=sys.stderr)
         return 2
@@ -526,10 +576,15 @@ def main(argv: list[str] | None = None) -> int:
     if splits:
         print()
         print("\n".join(format_splits(splits)))
+    pooled = launch_rows(launches)
+    if pooled:
+        print()
+        print("\n".join(format_launches(pooled)))
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"gap_s": a.gap_s, "min_s": a.min_s, "segments": rows,
-                                      "comparison": comparison, "ttft_split": splits},
+                                      "comparison": comparison, "ttft_split": splits,
+                                      "one_prompt_launches": pooled},
                                      indent=1) + "\n")
     return 0
 

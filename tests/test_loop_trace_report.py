@@ -363,6 +363,29 @@ def test_bench_result_folder_segments_by_run_and_means_the_spans(tmp_path: Path)
     assert cmp["ladder@10rps"]["d_one_token_mean_ms"] == pytest.approx(10.0 - 15.0)
 
 
+def test_ladder_one_prompt_launches_pool_by_configuration_across_folders(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _bench_folder(tmp_path / "a", "bf16", (10.0, 14.0), 2.0)   # extends 10, 12, 14, 16 ms
+    b = _bench_folder(tmp_path / "b", "bf16", (8.0, 9.0), 1.0)     # 8, 10, 9, 11 ms
+    c = _bench_folder(tmp_path / "c", "fp8", (20.0, 30.0), 1.0)    # 20, 22, 30, 32 ms
+    # c's first extend batches two prompts: not a one-prompt launch
+    loop = c / "loop" / "loop-7.jsonl"
+    rows = [json.loads(line) for line in loop.read_text().splitlines()]
+    first = next(r for r in rows if r.get("p") == int(Phase.RUN) and r.get("m") == EXT)
+    first["n"] = 2
+    loop.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    assert ltr.main([f"a={a}", f"b={b}", f"c={c}", "--min-s", "0", "--json", str(out)]) == 0
+    got = {r["config"]: r for r in json.loads(out.read_text())["one_prompt_launches"]}
+    assert got["bf16"]["n"] == 8
+    assert got["bf16"]["mean_ms"] == pytest.approx((10 + 12 + 14 + 16 + 8 + 10 + 9 + 11) / 8)
+    assert got["bf16"]["median_ms"] == pytest.approx(10.5)
+    assert got["fp8"]["n"] == 3
+    assert got["fp8"]["mean_ms"] == pytest.approx((22 + 30 + 32) / 3)
+    printed = capsys.readouterr().out
+    assert "fp8         3    28.00" in printed
+
+
 def test_a_results_file_that_does_not_read_is_an_error(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     folder = _bench_folder(tmp_path, "x", (10.0, 14.0), 2.0)
@@ -411,7 +434,7 @@ def test_client_ttft_is_split_at_the_schedulers_receipt_launch_and_stream(tmp_pa
 def test_a_send_after_every_receipt_is_not_joined(tmp_path: Path) -> None:
     fp8 = _bench_folder(tmp_path, "fp8", (10.0, 14.0), 2.0)
     _client_log(fp8, {"requests__fp8__ladder@6rps.jsonl.gz": _req(0.5, 35.7) + _req(25.0, 60.0)})
-    rows, splits = ltr.report_rows([("fp8", str(fp8))], 0.3, 0.0)
+    rows, splits, _ = ltr.report_rows([("fp8", str(fp8))], 0.3, 0.0)
     assert rows and [(s["client_n"], s["joined_n"]) for s in splits] == [(2, 1)]
     assert splits[0]["pre_mean_ms"] == pytest.approx(1.5)
 
