@@ -41,7 +41,7 @@ give it several starts of one configuration, as the host's speed moves between s
 
     D=docs/data/h200-2026-11-25/s32-probe
     python scripts/loop_trace_report.py b1=$D/c1/bf16 b2=$D/c2/bf16 b3=$D/c3/bf16 \
-        f1=$D/c1/fp8 f2=$D/c2/fp8 f3=$D/c3/fp8
+        b4=$D/c4/bf16 f1=$D/c1/fp8 f2=$D/c2/fp8 f3=$D/c3/fp8 f4=$D/c4/fp8
 """
 
 from __future__ import annotations
