@@ -154,6 +154,10 @@ class RunWindow(NamedTuple):
     start: float  # wall clock
     end: float
 
+    def records(self, records: list[Record]) -> list[Record]:
+        """Those of ``records`` that start inside this run's window."""
+        return [r for r in records if self.start <= r.t0 < self.end]
+
 
 def run_windows(results_json: Path) -> list[RunWindow]:
     """Each run of a bench_e2e.py results.json; a run ends where the next begins (the last:
@@ -213,7 +217,7 @@ def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: f
     if windows is None:
         named = list(enumerate(segments(records, gap_s)))
     else:
-        named = [(w.name, [r for r in records if w.start <= r.t0 < w.end]) for w in windows]
+        named = [(w.name, w.records(records)) for w in windows]
     rows: list[dict] = []
     for name, seg in named:
         if not seg:
@@ -322,8 +326,7 @@ def ttft_split_rows(label: str, folder: Path, records: list[Record],
             sends = client_requests(tar, str(archive), w.config, w.name)
             if not sends:
                 continue
-            seg = [r for r in records if w.start <= r.t0 < w.end]
-            joined = ttft_split(request_times(seg),
+            joined = ttft_split(request_times(w.records(records)),
                                 [(w.start + s, w.start + f) for s, f in sends])
             rows.append({"label": label, "run": w.name, **joined})
     return rows
@@ -390,7 +393,7 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
             for w in windows:
                 if w.name.startswith(LADDER_PREFIX):
                     launches.setdefault(w.config or label, []).extend(
-                        one_prompt_ms([r for r in merged if w.start <= r.t0 < w.end]))
+                        one_prompt_ms(w.records(merged)))
     return rows, splits, launches
 
 
@@ -493,9 +496,9 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
 
 
 def launch_rows(launches: dict[str, list[float]]) -> list[dict]:
-    """Per configuration: how many one-prompt extends its ladder runs launched, and their mean
-    and median host ms (the mean is --eager-prefill-launch-ms: the model's steps pay it on
-    average)."""
+    """Per configuration: how many one-prompt extends its ladder runs launched, and their mean,
+    median, 10th and 90th percentile host ms (the mean is --eager-prefill-launch-ms: the
+    model's steps pay it on average)."""
     return [{"config": cfg, "n": len(v), "mean_ms": mean(v), "median_ms": median(v),
              "p10_ms": percentile(v, 10), "p90_ms": percentile(v, 90)}
             for cfg, v in launches.items() if v]
