@@ -29,15 +29,20 @@ For a result folder whose logs.tar.gz holds the bench client's per-request recor
 table splits each run's client TTFT at the scheduler: pre (send -> received: HTTP, the
 tokenizer manager, the wait for the loop's next poll), queue, step (launched -> first token
 streamed) and post (streamed -> the client's first token). Client and scheduler share the
-machine's clock; requests are joined in time order.
+machine's clock; requests are joined in time order. For a ladder run (open-loop arrivals) it
+also gives the mean wait for the loop's next poll, and the first-token latency: mean pre less
+that wait, plus mean post. The simulator makes each request wait for the next batch itself, so
+this, not pre + post, is what it adds to every TTFT.
 
     python scripts/loop_trace_report.py fp8=docs/data/h200-2026-11-25/s24-loop/c3/fp8 \
         bf16=docs/data/h200-2026-11-25/s24-loop/c3/bf16
 
 A last table pools the one-prompt extends (run_batch of a prefill of one prompt, any length)
 of every result folder's ladder runs by server configuration: n, mean and spread. The mean is
-the simulator's eager prefill launch (scripts/validate_simulator.py --eager-prefill-launch-ms);
-give it several starts of one configuration, as the host's speed moves between starts:
+the simulator's eager prefill launch (scripts/validate_simulator.py --eager-prefill-launch-ms),
+and the ladders' first-token latency, averaged over their requests, its
+--first-token-latency-ms. Give it several starts of one configuration, as the host's speed
+moves between starts:
 
     D=docs/data/h200-2026-11-25/s32-probe
     python scripts/loop_trace_report.py b1=$D/c1/bf16 b2=$D/c2/bf16 b3=$D/c3/bf16 \
@@ -68,6 +73,7 @@ from sglang_diffkv.loop_trace import (  # noqa: E402
     Phase,
     Record,
     RequestTimes,
+    poll_wait_s,
     read_loop_trace,
     request_times,
     segments,
@@ -283,13 +289,18 @@ def client_requests(tar: tarfile.TarFile, name: str, config: str,
     return sorted(out)
 
 
-def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]]) -> dict:
+def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]],
+               poll_s: float | None = None) -> dict:
     """Where each client request's TTFT went. ``sends``: (send, first token) on the
     scheduler's wall clock. Each is joined with the first request the scheduler received at
     or after its send that no earlier send took (time order: two requests sent within a
     millisecond may swap, which moves no mean). pre: send -> received (HTTP, the tokenizer
     manager, the wait for the loop's next poll); queue: received -> launched; step: launched
-    -> first token streamed; post: streamed -> the client's first token (detokenizer, HTTP)."""
+    -> first token streamed; post: streamed -> the client's first token (detokenizer, HTTP).
+    With ``poll_s``, the run's mean wait for the loop's poll (``poll_wait_s``): also
+    first_token_ms, the mean of pre less that wait, plus post. A simulator whose scheduler
+    forms each batch from the requests that arrived before it (so waits for the poll itself)
+    adds this latency to every TTFT (--first-token-latency-ms)."""
     got = sorted(times.values(), key=lambda t: t.received)
     received = [t.received for t in got]
     parts: dict[str, list[float]] = {k: [] for k in ("ttft", "pre", "queue", "step", "post")}
@@ -308,6 +319,10 @@ def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]])
     for k, v in parts.items():
         row[f"{k}_median_ms"] = median(v)
         row[f"{k}_mean_ms"] = mean(v)
+    row["poll_wait_ms"] = None if poll_s is None else 1e3 * poll_s
+    pre, post = row["pre_mean_ms"], row["post_mean_ms"]
+    row["first_token_ms"] = (None if poll_s is None or pre is None or post is None
+                             else pre - 1e3 * poll_s + post)
     return row
 
 
@@ -326,9 +341,12 @@ def ttft_split_rows(label: str, folder: Path, records: list[Record],
             sends = client_requests(tar, str(archive), w.config, w.name)
             if not sends:
                 continue
-            joined = ttft_split(request_times(w.records(records)),
-                                [(w.start + s, w.start + f) for s, f in sends])
-            rows.append({"label": label, "run": w.name, **joined})
+            seg = w.records(records)
+            joined = ttft_split(request_times(seg),
+                                [(w.start + s, w.start + f) for s, f in sends],
+                                # a burst's requests all arrive at once: no random moment
+                                poll_wait_s(seg) if w.name.startswith(LADDER_PREFIX) else None)
+            rows.append({"label": label, "run": w.name, "config": w.config or label, **joined})
     return rows
 
 
@@ -495,27 +513,44 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
     return lines
 
 
-def launch_rows(launches: dict[str, list[float]]) -> list[dict]:
+def launch_rows(launches: dict[str, list[float]], splits: list[dict] = ()) -> list[dict]:
     """Per configuration: how many one-prompt extends its ladder runs launched, and their mean,
     median, 10th and 90th percentile host ms (the mean is --eager-prefill-launch-ms: the
-    model's steps pay it on average)."""
-    return [{"config": cfg, "n": len(v), "mean_ms": mean(v), "median_ms": median(v),
-             "p10_ms": percentile(v, 10), "p90_ms": percentile(v, 90)}
-            for cfg, v in launches.items() if v]
+    model's steps pay it on average); and, from ``splits`` (ttft_split rows), the ladder
+    runs' first_token_ms averaged over their joined requests (--first-token-latency-ms)."""
+    first: dict[str, tuple[float, int]] = {}
+    for r in splits:
+        if r["run"].startswith(LADDER_PREFIX) and r.get("first_token_ms") is not None:
+            total, n = first.get(r["config"], (0.0, 0))
+            first[r["config"]] = (total + r["first_token_ms"] * r["joined_n"],
+                                  n + r["joined_n"])
+    rows = []
+    for cfg, v in launches.items():
+        if not v:
+            continue
+        total, n = first.get(cfg, (0.0, 0))
+        rows.append({"config": cfg, "n": len(v), "mean_ms": mean(v), "median_ms": median(v),
+                     "p10_ms": percentile(v, 10), "p90_ms": percentile(v, 90),
+                     "first_token_n": n, "first_token_ms": total / n if n else None})
+    return rows
 
 
 def format_launches(rows: list[dict]) -> list[str]:
     w = max([6] + [len(r["config"]) for r in rows])
-    head = f"{'config':{w}} {'n':>6} {'mean ms':>8} {'p10/median/p90 ms':>20}"
+    head = (f"{'config':{w}} {'n':>6} {'mean ms':>8} {'p10/median/p90 ms':>20} "
+            f"{'requests':>8} {'first-token ms':>14}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = (f"{_f(r['p10_ms'], '.1f')}/{_f(r['median_ms'], '.1f')}/"
                   f"{_f(r['p90_ms'], '.1f')}")
-        lines.append(f"{r['config']:{w}} {r['n']:6d} {_f(r['mean_ms'], '.2f'):>8} {spread:>20}")
+        lines.append(f"{r['config']:{w}} {r['n']:6d} {_f(r['mean_ms'], '.2f'):>8} {spread:>20} "
+                     f"{r['first_token_n']:8d} {_f(r['first_token_ms'], '.2f'):>14}")
     lines.append(
         "one-prompt extends (run_batch of a prefill of one prompt, any length) in the ladder "
         "runs of every result folder given, pooled by server configuration; the mean is "
-        "scripts/validate_simulator.py's --eager-prefill-launch-ms")
+        "scripts/validate_simulator.py's --eager-prefill-launch-ms. first-token: the ladder "
+        "runs' pre less the poll wait, plus post, over their joined requests "
+        "(--first-token-latency-ms)")
     return lines
 
 
@@ -523,7 +558,7 @@ def format_splits(rows: list[dict]) -> list[str]:
     w = max([5] + [len(r["label"]) for r in rows])
     rw = max([3] + [len(r["run"]) for r in rows])
     head = (f"{'label':{w}} {'run':{rw}} {'joined':>9} {'client TTFT ms':>15} {'pre ms':>11} "
-            f"{'queue ms':>9} {'step ms':>11} {'post ms':>9}")
+            f"{'queue ms':>9} {'step ms':>11} {'post ms':>9} {'poll ms':>7} {'first-token ms':>14}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -532,12 +567,16 @@ def format_splits(rows: list[dict]) -> list[str]:
             f"{_pair(r['pre_median_ms'], r['pre_mean_ms'], '.1f'):>11} "
             f"{_pair(r['queue_median_ms'], r['queue_mean_ms'], '.1f'):>9} "
             f"{_pair(r['step_median_ms'], r['step_mean_ms'], '.1f'):>11} "
-            f"{_pair(r['post_median_ms'], r['post_mean_ms'], '.1f'):>9}")
+            f"{_pair(r['post_median_ms'], r['post_mean_ms'], '.1f'):>9} "
+            f"{_f(r['poll_wait_ms'], '.1f'):>7} {_f(r['first_token_ms'], '.2f'):>14}")
     lines.append(
         "median/mean per request of the client's requests joined with the scheduler's receipts "
         "in time order (joined/streamed); pre: client send -> scheduler received (HTTP, "
         "tokenizer manager, the wait for the loop's next poll); queue: -> prefill launched; "
-        "step: -> first token streamed; post: -> the client's first token (detokenizer, HTTP)")
+        "step: -> first token streamed; post: -> the client's first token (detokenizer, HTTP); "
+        "poll: the mean wait of a request that reaches the scheduler at a random moment for "
+        "the loop's next poll (the iterations' sum of squares over twice their sum); "
+        "first-token: mean pre less poll, plus mean post")
     return lines
 
 
@@ -579,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     if splits:
         print()
         print("\n".join(format_splits(splits)))
-    pooled = launch_rows(launches)
+    pooled = launch_rows(launches, splits)
     if pooled:
         print()
         print("\n".join(format_launches(pooled)))

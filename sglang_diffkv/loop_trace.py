@@ -20,7 +20,8 @@ collector ran inside it.
 
 ``read_loop_trace`` and ``summarize`` turn a file back into busy segments (runs of the loop
 between idle gaps) with per-phase host times per iteration mode and per-request scheduler
-times (queue: received to launched; step: launched to first token streamed).
+times (queue: received to launched; step: launched to first token streamed);
+``poll_wait_s`` is how long an arriving request waits for the loop's next poll.
 """
 
 from __future__ import annotations
@@ -407,6 +408,21 @@ def timed_iterations(seg: list[Record]) -> list[Iteration]:
         nxt = iters[i + 1][0].t0 if i + 1 < len(iters) else max(r.t1 for r in it)
         out.append(Iteration(it, run, nxt - it[0].t0))
     return out
+
+
+def poll_wait_s(seg: list[Record]) -> float | None:
+    """The mean wait of a request that reaches the scheduler's socket at a random moment for
+    the loop's next ``recv_requests``: sum(w^2) / (2 sum(w)) over the iterations' wall times w
+    (Poisson arrivals land in an iteration with a chance in proportion to its length, then
+    wait half of it on average). An iteration whose records cover less than half its wall
+    time is left out: the loop idled (and the tracer flushed its records), where an untraced
+    server polls at once. None without two iterations to time."""
+    walls = [it.wall_s for it in timed_iterations(seg)[:-1]
+             if sum(r.t1 - r.t0 for r in it.records) >= 0.5 * it.wall_s]
+    total = sum(walls)
+    if total <= 0.0:
+        return None
+    return sum(w * w for w in walls) / (2.0 * total)
 
 
 def summarize(seg: list[Record]) -> SegmentSummary:

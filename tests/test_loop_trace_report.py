@@ -431,6 +431,49 @@ def test_client_ttft_is_split_at_the_schedulers_receipt_launch_and_stream(tmp_pa
         row["ttft_mean_ms"])
 
 
+def test_the_poll_wait_comes_off_pre_and_the_first_token_latency_pools_by_configuration(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # ladder@6rps from 1000 s; iterations (wall ms): 100 (10), 110 (10), 120 (the loop idles
+    # to 500: its records cover 6 of 380 ms, left out), 500 (20), 520 (the last: untimed).
+    # The poll wait: (10^2 + 10^2 + 20^2) / (2 * 40) = 7.5 ms
+    tr = Trace(0.0).segment(1000.0)
+    tr.it(100.0, EXT, 4.0, recv=("a",))
+    tr.it(110.0, DEC, 3.0, result=EXT, finish=("a",))
+    tr.it(120.0, DEC, 3.0)
+    tr.it(500.0, EXT, 16.0, recv=("b",))
+    tr.it(520.0, DEC, 3.0, result=EXT, finish=("b",))
+    seg = [r for r in ltr.read_loop_trace(tr.write(tmp_path / "x.jsonl"))]
+    assert ltr.poll_wait_s(seg) == pytest.approx(7.5e-3)
+    # a burst run from 1010 s: all its requests arrive at once, so no poll wait is taken
+    tr.segment(1010.0).it(0.0, EXT, 8.0, recv=("c",))
+    tr.it(10.0, DEC, 3.0, result=EXT, finish=("c",))
+    folder = tmp_path / "bf16"
+    tr.write(folder / "loop" / "loop-3.jsonl")
+    runs = [{"config": "bf16", "label": label, "wall_start_unix": t0,
+             "client": {"duration": 5.0}}
+            for label, t0 in (("ladder@6rps", 1000.0), ("sharegpt", 1010.0))]
+    (folder / "results.json").write_text(json.dumps({"runs": runs}))
+    # a: received 102, streamed 116; b: received 502, streamed 526 (ms after the run's start)
+    _client_log(folder, {"requests__bf16__ladder@6rps.jsonl.gz": _req(90.0, 116.6)
+                         + _req(494.0, 526.4),
+                         "requests__bf16__sharegpt.jsonl.gz": _req(0.0, 17.0)})
+    out = tmp_path / "r.json"
+    assert ltr.main([f"x={folder}", "--min-s", "0", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    ladder, burst = got["ttft_split"]
+    assert ladder["pre_mean_ms"] == pytest.approx(10.0)        # 12 and 8
+    assert ladder["post_mean_ms"] == pytest.approx(0.5)        # 0.6 and 0.4
+    assert ladder["poll_wait_ms"] == pytest.approx(7.5)
+    assert ladder["first_token_ms"] == pytest.approx(10.0 - 7.5 + 0.5)
+    assert burst["poll_wait_ms"] is None and burst["first_token_ms"] is None
+    (pooled,) = got["one_prompt_launches"]
+    assert (pooled["config"], pooled["n"], pooled["first_token_n"]) == ("bf16", 2, 2)
+    assert pooled["mean_ms"] == pytest.approx(10.0)            # a's 4 ms and b's 16
+    assert pooled["first_token_ms"] == pytest.approx(3.0)
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert line.split() == ["bf16", "2", "10.00", "5.2/10.0/14.8", "2", "3.00"]
+
+
 def test_a_send_after_every_receipt_is_not_joined(tmp_path: Path) -> None:
     fp8 = _bench_folder(tmp_path, "fp8", (10.0, 14.0), 2.0)
     _client_log(fp8, {"requests__fp8__ladder@6rps.jsonl.gz": _req(0.5, 35.7) + _req(25.0, 60.0)})
