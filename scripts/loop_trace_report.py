@@ -59,6 +59,7 @@ import math
 import statistics
 import sys
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -513,7 +514,7 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
     return lines
 
 
-def launch_rows(launches: dict[str, list[float]], splits: list[dict] = ()) -> list[dict]:
+def launch_rows(launches: dict[str, list[float]], splits: Sequence[dict] = ()) -> list[dict]:
     """Per configuration: how many one-prompt extends its ladder runs launched, and their mean,
     median, 10th and 90th percentile host ms (the mean is --eager-prefill-launch-ms: the
     model's steps pay it on average); and, from ``splits`` (ttft_split rows), the ladder

@@ -442,7 +442,7 @@ def test_the_poll_wait_comes_off_pre_and_the_first_token_latency_pools_by_config
     tr.it(120.0, DEC, 3.0)
     tr.it(500.0, EXT, 16.0, recv=("b",))
     tr.it(520.0, DEC, 3.0, result=EXT, finish=("b",))
-    seg = [r for r in ltr.read_loop_trace(tr.write(tmp_path / "x.jsonl"))]
+    seg = ltr.read_loop_trace(tr.write(tmp_path / "x.jsonl"))
     assert ltr.poll_wait_s(seg) == pytest.approx(7.5e-3)
     # a burst run from 1010 s: all its requests arrive at once, so no poll wait is taken
     tr.segment(1010.0).it(0.0, EXT, 8.0, recv=("c",))
