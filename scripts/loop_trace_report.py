@@ -165,6 +165,11 @@ class RunWindow(NamedTuple):
         """Those of ``records`` that start inside this run's window."""
         return [r for r in records if self.start <= r.t0 < self.end]
 
+    @property
+    def ladder(self) -> bool:
+        """Whether the run is an open-loop ladder (random arrivals) rather than a burst."""
+        return self.name.startswith(LADDER_PREFIX)
+
 
 def run_windows(results_json: Path) -> list[RunWindow]:
     """Each run of a bench_e2e.py results.json; a run ends where the next begins (the last:
@@ -327,10 +332,11 @@ def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]],
     return row
 
 
-def ttft_split_rows(label: str, folder: Path, records: list[Record],
-                    windows: list[RunWindow]) -> list[dict]:
-    """ttft_split of each run (``windows``) of a bench_e2e.py result folder whose client
-    records its logs.tar.gz holds."""
+def ttft_split_rows(label: str, folder: Path,
+                    runs: list[tuple[RunWindow, list[Record]]]) -> list[dict]:
+    """ttft_split of each run (its window and the scheduler records inside it) of a
+    bench_e2e.py result folder whose client records its logs.tar.gz holds; only a ladder run
+    gets a poll wait, and with it a first_token_ms."""
     archive = folder / "logs.tar.gz"
     try:
         tar = tarfile.open(archive)
@@ -338,15 +344,14 @@ def ttft_split_rows(label: str, folder: Path, records: list[Record],
         return []
     rows: list[dict] = []
     with tar:
-        for w in windows:
+        for w, seg in runs:
             sends = client_requests(tar, str(archive), w.config, w.name)
             if not sends:
                 continue
-            seg = w.records(records)
             joined = ttft_split(request_times(seg),
                                 [(w.start + s, w.start + f) for s, f in sends],
                                 # a burst's requests all arrive at once: no random moment
-                                poll_wait_s(seg) if w.name.startswith(LADDER_PREFIX) else None)
+                                poll_wait_s(seg) if w.ladder else None)
             rows.append({"label": label, "run": w.name, "config": w.config or label, **joined})
     return rows
 
@@ -408,11 +413,11 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
                                  windows=windows, graph_max_bs=graph_max_bs)
         if windows is not None:
             merged = sorted((r for t in traces for r in t), key=lambda r: r.t0)
-            splits += ttft_split_rows(label, Path(path), merged, windows)
-            for w in windows:
-                if w.name.startswith(LADDER_PREFIX):
-                    launches.setdefault(w.config or label, []).extend(
-                        one_prompt_ms(w.records(merged)))
+            runs_in = [(w, w.records(merged)) for w in windows]
+            splits += ttft_split_rows(label, Path(path), runs_in)
+            for w, seg in runs_in:
+                if w.ladder:
+                    launches.setdefault(w.config or label, []).extend(one_prompt_ms(seg))
     return rows, splits, launches
 
 
@@ -517,11 +522,12 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
 def launch_rows(launches: dict[str, list[float]], splits: Sequence[dict] = ()) -> list[dict]:
     """Per configuration: how many one-prompt extends its ladder runs launched, and their mean,
     median, 10th and 90th percentile host ms (the mean is --eager-prefill-launch-ms: the
-    model's steps pay it on average); and, from ``splits`` (ttft_split rows), the ladder
-    runs' first_token_ms averaged over their joined requests (--first-token-latency-ms)."""
+    model's steps pay it on average); and, from ``splits`` (ttft_split_rows, which give only
+    ladder runs a first_token_ms), that latency averaged over the joined requests
+    (--first-token-latency-ms)."""
     first: dict[str, tuple[float, int]] = {}
     for r in splits:
-        if r["run"].startswith(LADDER_PREFIX) and r.get("first_token_ms") is not None:
+        if r["first_token_ms"] is not None:
             total, n = first.get(r["config"], (0.0, 0))
             first[r["config"]] = (total + r["first_token_ms"] * r["joined_n"],
                                   n + r["joined_n"])
