@@ -364,7 +364,7 @@ def step_costs_note(res: dict[str, Any], runs: str) -> str:
             f"{1e6 * res['seq_overhead_s']:.2f} us; prefill step "
             f"{1e3 * res['prefill_step_overhead_s']:.2f} ms, per prefill request "
             f"{1e3 * res['prefill_seq_overhead_s']:.3f} ms, per prompt token "
-            f"{1e6 * res['prefill_token_overhead_s']:.2f} us; per released request "
+            f"{1e6 * res['prefill_token_overhead_s']:.2f} us{_floors(res)}; per released request "
             f"{1e3 * res['release_overhead_s']:.2f} ms{_gain(res.get('release_gain'))}; "
             "eager decode "
             f"{1e6 * res['eager_decode_layer_overhead_s']:.1f} us per layer; fitted "
@@ -372,6 +372,16 @@ def step_costs_note(res: dict[str, Any], runs: str) -> str:
             f"{runs}: rows {'; '.join(parts)}; all {res['rows']} rows MAPE "
             f"{100 * res['mape_before']:.1f}% -> {100 * res['mape']:.1f}%; dropped "
             f"{len(res['dropped'])} rows off the fit by > {OUTLIER_FACTOR:g}x")
+
+
+def _floors(res: dict[str, Any]) -> str:
+    """How many prefill steps the fit found their launches outlasting (step_fit's
+    LaunchFloors), where launches are timed."""
+    if not res.get("launch_floored_steps"):
+        return ""
+    return (f" ({res['launch_bound_steps']} of {res['launch_floored_steps']} prefill steps "
+            f"launch-bound, settled in {res['floor_passes']} passes"
+            f"{'' if res['floor_settled'] else ', not settled'})")
 
 
 def _mean(xs: list[int]) -> float | None:
@@ -720,7 +730,7 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         f" ms ({fi['prefill_source']})" if fi.get("given_prefill_step_s")
                         else "")
                      + (f"; an eager prefill step lasts max({1e3 * fi['eager_launch_s']:.1f} ms "
-                        "of launches, its kernels) (--eager-prefill-launch-ms)"
+                        "of launches, its kernels and per-token cost) (--eager-prefill-launch-ms)"
                         if fi.get("eager_launch_s") else "")
                      + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
                                for k, v in fi.get("eager_launches_s", {}).items())
@@ -822,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
                     metavar="KEY=MS",
                     help="host time to launch an eager prefill step's kernels, for KEY: a "
                          "backend (triton or diffkv) or a triton KV format (bf16, fp8) whose "
-                         "launches differ: its step lasts max(launches, kernels) instead "
+                         "launches differ: its step lasts max(launches, kernels + the "
+                         "per-prompt-token cost) instead "
                          "of their sum (calibration fields eager_prefill_launch_s and "
                          "eager_prefill_launch_s_by_format), from "
                          "scripts/probe_prefill_ttft.py --compare or a loop trace's run_batch "

@@ -2,7 +2,8 @@
 flops / (eta_comp * peak), summed over operators and layers, plus per-layer, per-step and
 per-sequence fixed costs (and eager-mode launch costs when no CUDA graph covers the step; a
 prefill step whose launches the calibration times, ``eager_prefill_launch_s``, runs its kernels
-under them and lasts the longer of the two, its launches counted from when the host began
+(with ``prefill_token_overhead_s`` per prompt token, work on the GPU) under them and lasts the
+longer of the two, its launches counted from when the host began
 them: under the overlap scheduler, the start of the decode step before it, except for a KV
 format whose prefill allocation waits for that step, ``SYNCED_PREFILL_KEYS``; likewise a
 decode step above the largest CUDA graph whose host iteration the calibration times,
@@ -265,7 +266,10 @@ class CostModel:
             return c.eager_layer_overhead_s
         return 0.0 if self.decode_host_s > 0.0 else c.eager_decode_layer_s
 
-    def step_time(self, s: StepShape) -> float:
+    def step_time(self, s: StepShape, launch_floor: bool = True) -> float:
+        """Seconds one step of shape ``s`` lasts. ``launch_floor=False``: an eager prefill
+        step's kernels as if its launches never held them back (the interval fit's
+        kernel-bound side, ``step_fit``)."""
         c = self.calib
         graphed = self.graphed(s)
         tokens = s.decode_reqs + s.prefill_tokens
@@ -282,14 +286,16 @@ class CostModel:
         t = self.layers * per_layer + self.lm_head_time(sampled)
         if s.prefill_tokens:
             t *= c.prefill_clock_scale(s.prefill_gap_s)   # the grids ran at the power limit
+            # per-token work is GPU work: a short prompt's launches hide it with the kernels
+            t += c.prefill_token_overhead_s * s.prefill_tokens
         if s.prefill_tokens and self.prefill_launch_s > 0.0:
             # the kernels run under their launches, which began launch_head_start_s ago
-            t = max(t, self.launch_s(s))
+            if launch_floor:
+                t = max(t, self.launch_s(s))
         else:
             t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:
-            t += (c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
-                  + c.prefill_token_overhead_s * s.prefill_tokens)
+            t += c.prefill_step_overhead_s + c.prefill_seq_overhead_s * s.prefill_seqs
         t += (c.step_overhead_s + c.seq_overhead_s * (s.decode_reqs + s.prefill_seqs)
               + c.release_overhead_s * s.released_reqs)
         return max(t, self.host_bound_floor(s))

@@ -28,9 +28,10 @@ its kernels, which no linear term fits: its intervals are left out and ``c_eager
 fitted nor used; the refinement sees those steps whole, in the fitting runs' metrics); a
 prefill step keeps the calibration's
 ``eager_layer_overhead_s`` in its kernel time (or, with ``eager_prefill_launch_s``, lasts the
-longer of its launches and its kernels, the launches begun a decode step's kernel time before
-it, as the overlap scheduler launches a prefill while a decode step runs) and its own terms
-absorb the rest; ``s_attn``:
+longer of its launches and its kernels with ``p_tok`` per prompt token, the launches begun a
+decode step's kernel time before it, as the overlap scheduler launches a prefill while a decode
+step runs: which side holds depends on ``p_tok`` itself, so the fit iterates to a fixed point,
+``LaunchFloors``) and its own terms absorb the rest; ``s_attn``:
 ``decode_attention_scale``, the decode attention kernel in a serving step against its grid
 measured alone: long contexts at a large batch weigh it, short ones at a small batch hardly).
 An interval's decode tokens are approximated by the interval times the mean of its two lines'
@@ -68,6 +69,7 @@ COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
          "prefill_seq_overhead_s", "prefill_token_overhead_s", "release_overhead_s",
          "eager_decode_layer_overhead_s", "decode_attention_scale")
 ATTN = len(COSTS) - 1      # the attention column, one per KV format in the fit
+TOKEN = COSTS.index("prefill_token_overhead_s")
 EAGER = ATTN - 1
 RELEASE = EAGER - 1
 # decode intervals on each side (eager and graphed; with and without releases) needed to fit
@@ -76,6 +78,8 @@ MIN_SPLIT_ROWS = 3
 # relative cut in the decode rows' error that c_rel must bring to be fitted
 RELEASE_GAIN = 0.05
 MIN_ROWS = 8
+# passes of the fit over which steps their launches bound (LaunchFloors) before it stops
+MAX_FLOOR_PASSES = 8
 OUTLIER_FACTOR = 1.5
 DEFAULT_DECODE_LOG_INTERVAL = 40
 
@@ -92,23 +96,28 @@ class StepRows:
     where: list[str] = field(default_factory=list)
     kind: list[str] = field(default_factory=list)     # decode | prefill-interval | burst
     fmt: list[str] = field(default_factory=list)      # KV format: whose attention scale
+    # per row, (launches less kernels, prompt tokens) of each prefill step a launch floor
+    # may bound: ``base`` and the token count hold its kernel-bound side (``LaunchFloors``)
+    floors: list[tuple[tuple[float, float], ...]] = field(default_factory=list)
     host_bound: int = 0   # eager decode intervals left out: eager_decode_host_s bounds them
 
     def add(self, y: float, base: float, feats: list[float], where: str, kind: str,
-            fmt: str) -> None:
+            fmt: str, floors: tuple[tuple[float, float], ...] = ()) -> None:
         self.y.append(y)
         self.base.append(base)
         self.feats.append(feats)
         self.where.append(where)
         self.kind.append(kind)
         self.fmt.append(fmt)
+        self.floors.append(floors)
 
     def __len__(self) -> int:
         return len(self.y)
 
     def rows(self) -> zip:
         """Each row as ``add``'s arguments."""
-        return zip(self.y, self.base, self.feats, self.where, self.kind, self.fmt, strict=True)
+        return zip(self.y, self.base, self.feats, self.where, self.kind, self.fmt, self.floors,
+                   strict=True)
 
     def extend(self, other: StepRows) -> None:
         for row in other.rows():
@@ -123,13 +132,16 @@ class StepRows:
         return out
 
 
-def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float, float]:
+def _kernels(server: ResolvedServer, shape: StepShape
+             ) -> tuple[float, float, float, float | None]:
     """The model's step time without any of the fitted terms, its decode attention time at
-    scale 1, and the layers that pay the eager decode launch cost (0 for a CUDA-graph step
-    and for a prefill step, whose own eager cost stays in the time: the prefill-step terms
-    absorb any difference)."""
+    scale 1, the layers that pay the eager decode launch cost (0 for a CUDA-graph step and
+    for a prefill step, whose own eager cost stays in the time: the prefill-step terms
+    absorb any difference), and for a prefill step that a launch floor may bound, how far
+    its launches outlast that time (None for any other step): the time is then its
+    kernel-bound side, as if the launches never held it back."""
     cal, cost = server.deployment.calibration, server.cost
-    t = cost.step_time(shape)
+    t = cost.step_time(shape, launch_floor=False)
     t -= cal.step_overhead_s + cal.seq_overhead_s * (shape.decode_reqs + shape.prefill_seqs)
     t -= cal.release_overhead_s * shape.released_reqs
     if shape.prefill_tokens:
@@ -141,7 +153,9 @@ def _kernels(server: ResolvedServer, shape: StepShape) -> tuple[float, float, fl
     if shape.decode_reqs:
         attn = cost.layers * cost.decode_attention_time(
             shape.decode_reqs, shape.decode_kv_tokens, shape.decode_read_bytes)
-    return t - attn, attn / cost.attention_scale, eager_layers
+    floor = (cost.launch_s(shape) - t
+             if shape.prefill_tokens and cost.prefill_launch_s > 0.0 else None)
+    return t - attn, attn / cost.attention_scale, eager_layers, floor
 
 
 def decode_log_interval(log: ServerLog) -> int:
@@ -181,11 +195,12 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
         if server.cost.host_bound_floor(dec):
             rows.host_bound += 1  # max(host, kernels): not linear in the terms (docstring)
             continue
-        rest, attn, eager = _kernels(server, dec)
+        rest, attn, eager, _ = _kernels(server, dec)
         base = n * rest
         feats = [float(n), n * float(dec.decode_reqs), 0.0, 0.0, 0.0, 0.0, n * eager, n * attn]
         if not iv.prefills:
             feats[RELEASE] = float(max(0, b0 - b1))
+        floors: list[tuple[float, float]] = []
         for j in iv.prefills:
             seqs = log.prefill_new_seqs[j]
             tok = log.prefill_new_tokens[j]
@@ -196,8 +211,10 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             shape = replace(prefill_shape(server, seqs, tok, log.prefill_cached_tokens[j]),
                             launch_head_start_s=rest + attn * server.cost.attention_scale
                             if overlapped else 0.0)
-            p_rest, _, _ = _kernels(server, shape)
+            p_rest, _, _, floor = _kernels(server, shape)
             base += p_rest
+            if floor is not None:
+                floors.append((floor, float(shape.prefill_tokens)))
             feats[0] += 1
             feats[1] += shape.prefill_seqs
             feats[2] += 1
@@ -205,19 +222,53 @@ def step_rows(server: ResolvedServer, log: ServerLog, name: str, graphed: bool |
             feats[4] += shape.prefill_tokens
         used.append((a, b))
         rows.add(iv.wall_s, base, feats, f"{name} lines {a}-{b}",
-                 "prefill-interval" if feats[2] else "decode", fmt)
+                 "prefill-interval" if feats[2] else "decode", fmt, tuple(floors))
     for seqs, tok, cached, secs, no in prefill_samples(log):
         if no < start_line or any(a < no < b for a, b in used):
             continue
         # a burst's steps run back to back, at the grids' clocks (no isolated_prefill_scale)
         shape = replace(prefill_shape(server, int(seqs), int(tok), int(cached)),
                         prefill_gap_s=0.0)
-        p_rest, _, _ = _kernels(server, shape)
+        p_rest, _, _, floor = _kernels(server, shape)
         rows.add(float(secs), p_rest,
                  [1.0, float(shape.prefill_seqs), 1.0, float(shape.prefill_seqs), float(tok),
                   0.0, 0.0, 0.0],
-                 f"{name} line {int(no)}", "burst", fmt)
+                 f"{name} line {int(no)}", "burst", fmt,
+                 ((floor, float(shape.prefill_tokens)),) if floor is not None else ())
     return rows
+
+
+@dataclass(frozen=True)
+class LaunchFloors:
+    """The prefill steps of the rows that a launch floor may bound, flattened: step ``i`` of
+    row ``row[i]`` lasts max(kernels + p_tok * ``tokens[i]``, kernels + ``gap[i]``), its
+    launches. Which side holds depends on p_tok, the fit's own unknown: at a given p_tok a
+    launch-bound step adds ``gap`` to its row's base and takes its tokens out of the p_tok
+    column, which keeps every row linear; ``fit_step_costs`` iterates to a fixed point."""
+
+    row: np.ndarray
+    gap: np.ndarray
+    tokens: np.ndarray
+    rows: int
+
+    @classmethod
+    def of(cls, rows: StepRows) -> LaunchFloors:
+        steps = [(r, gap, tok) for r, floors in enumerate(rows.floors) for gap, tok in floors]
+        row, gap, tok = (np.array(v, dtype=float) for v in zip(*steps, strict=True)) \
+            if steps else (np.zeros(0),) * 3
+        return cls(row.astype(int), gap, tok, len(rows))
+
+    def bound(self, p_tok: float) -> np.ndarray:
+        """Which steps their launches outlast at per-token cost ``p_tok``."""
+        return self.gap > p_tok * self.tokens
+
+    def apply(self, base: np.ndarray, x: np.ndarray, bound: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """``base`` and ``x`` with the ``bound`` steps lasting their launches."""
+        r = self.row[bound]
+        x = x.copy()
+        x[:, TOKEN] -= np.bincount(r, weights=self.tokens[bound], minlength=self.rows)
+        return base + np.bincount(r, weights=self.gap[bound], minlength=self.rows), x
 
 
 def _solve(x: np.ndarray, y: np.ndarray, base: np.ndarray, given: np.ndarray,
@@ -292,22 +343,60 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
     def mape(p: np.ndarray, m: np.ndarray) -> float | None:
         return float(np.mean(np.abs(p[m] / y[m] - 1))) if m.any() else None
 
-    theta, keep, pred = _fit_dropping_outliers(x, y, base, given, free)
-    # c_rel only where it earns its place: releases come with prefills and batch changes, so
-    # a backend whose releases cost nothing still gets a value from noise (which then moves
-    # the prefill terms); keep it when it cuts the decode rows' error by RELEASE_GAIN
-    releasing = dec & (xf[:, RELEASE] > 0)
-    release_gain = None
-    if (int(releasing.sum()) >= MIN_SPLIT_ROWS
-            and int((dec & ~releasing).sum()) >= MIN_SPLIT_ROWS):
+    def fit(base: np.ndarray, x: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], float | None]:
+        theta, keep, pred = _fit_dropping_outliers(x, y, base, given, free)
+        # c_rel only where it earns its place: releases come with prefills and batch changes,
+        # so a backend whose releases cost nothing still gets a value from noise (which then
+        # moves the prefill terms); keep it when it cuts the decode rows' error by
+        # RELEASE_GAIN
+        releasing = dec & (xf[:, RELEASE] > 0)
+        if not (int(releasing.sum()) >= MIN_SPLIT_ROWS
+                and int((dec & ~releasing).sum()) >= MIN_SPLIT_ROWS):
+            return theta, keep, pred, free, None
         with_rel = _fit_dropping_outliers(x, y, base, given, sorted([*free, RELEASE]))
         e0 = mape(pred, keep & dec) or 0.0
         e1 = mape(with_rel[2], with_rel[1] & dec) or 0.0
-        release_gain = 1.0 - e1 / e0 if e0 > 0 else 0.0
-        if release_gain >= RELEASE_GAIN:
-            theta, keep, pred = with_rel
-            free = sorted([*free, RELEASE])
-    before = base + x @ given
+        gain = 1.0 - e1 / e0 if e0 > 0 else 0.0
+        if gain >= RELEASE_GAIN:
+            return *with_rel, sorted([*free, RELEASE]), gain
+        return theta, keep, pred, free, gain
+
+    # which prefill steps their launches bound follows the fitted p_tok: refit until the
+    # set stops changing. A fit whose steps are all launch-bound has no token column to
+    # move p_tok with (a fixed point at any p_tok), so the fit begins from several p_tok:
+    # the calibration's, none on the launch side, and the deciles of the per-token costs
+    # at which a step turns kernel-bound; it keeps the one whose result, with each step's
+    # side at its own p_tok, fits best
+    floors = LaunchFloors.of(rows)
+    calibrated = floors.bound(given[TOKEN])
+    base_b, x_b = floors.apply(base, x, calibrated)
+    before = base_b + x_b @ given
+
+    def settle(bound: np.ndarray) -> dict[str, Any]:
+        passes = 0
+        while True:
+            passes += 1
+            base_p, x_p = floors.apply(base, x, bound)
+            theta, keep, pred, fitted, gain = fit(base_p, x_p)
+            settled = floors.bound(theta[TOKEN])
+            if np.array_equal(settled, bound) or passes == MAX_FLOOR_PASSES:
+                b, xs = floors.apply(base, x, settled)
+                return {"theta": theta, "keep": keep, "pred": pred, "fitted": fitted,
+                        "release_gain": gain, "base": base_p, "x": x_p, "bound": bound,
+                        "passes": passes, "settled": bool(np.array_equal(settled, bound)),
+                        "mape": mape(b + xs @ theta, keep)}
+            bound = settled
+
+    turning = floors.gap > 0
+    turns = floors.gap[turning] / floors.tokens[turning]
+    starts: dict[bytes, np.ndarray] = {}
+    for p_tok in [given[TOKEN], np.inf,
+                  *(np.quantile(turns, np.linspace(0.1, 0.9, 9)) if turns.size else ())]:
+        bound = floors.bound(p_tok)
+        starts.setdefault(bound.tobytes(), bound)
+    best = min((settle(b) for b in starts.values()), key=lambda r: r["mape"] or 0.0)
+    theta, keep, pred, fitted = best["theta"], best["keep"], best["pred"], best["fitted"]
     kinds = np.array(rows.kind)
 
     by_kind = {k: {"rows": int((keep & (kinds == k)).sum()),
@@ -319,15 +408,18 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
             "decode_attention_scale": (scales[formats[0]] if formats
                                        else cal.decode_attention_scale),
             "decode_attention_scale_by_format": scales,
-            "fitted": [COSTS[j] for j in free if j <= ATTN],
-            "kept": [COSTS[j] for j in range(len(COSTS)) if j not in free],
+            "fitted": [COSTS[j] for j in fitted if j <= ATTN],
+            "kept": [COSTS[j] for j in range(len(COSTS)) if j not in fitted],
             "eager_decode_rows": eager_rows,
-            "release_gain": release_gain,
+            "release_gain": best["release_gain"],
             "rows": int(keep.sum()), "by_kind": by_kind,
             "dropped": [f"{w}: {1e3 * m:.1f} ms measured vs {1e3 * p:.1f} ms fitted"
                         for w, m, p, k in zip(rows.where, y, pred, keep, strict=True) if not k],
             "mape": mape(pred, keep), "mape_before": mape(before, keep),
-            "kernel_share": float(np.mean((base[keep] + x[keep, ATTN:] @ theta[ATTN:])
-                                          / y[keep])),
+            "kernel_share": float(np.mean(
+                (best["base"][keep] + best["x"][keep, ATTN:] @ theta[ATTN:]) / y[keep])),
+            "launch_bound_steps": int(best["bound"].sum()),
+            "launch_floored_steps": len(best["bound"]),
+            "floor_passes": best["passes"], "floor_settled": best["settled"],
             "decode_batch_spread": batch_spread, "prefill_seqs_per_step_spread": seq_spread,
             "prefill_tokens_per_step_spread": tok_spread}

@@ -85,6 +85,32 @@ def test_a_short_prefill_lasts_its_launches_a_long_one_its_kernels():
     assert cost.step_time(decode) == summed.step_time(decode)
 
 
+def test_the_per_prompt_token_cost_runs_under_the_launches_with_the_kernels():
+    sc = scenario()
+    extend = _prefill(1, 1000)
+    tok = extend.prefill_tokens
+    bare = sc.server("bf16").cost
+    c0 = bare.calib
+    fixed = (c0.step_overhead_s + c0.seq_overhead_s + c0.prefill_step_overhead_s
+             + c0.prefill_seq_overhead_s)
+    kernels = (bare.step_time(extend) - bare.layers * bare.layer_overhead(extend) - fixed
+               - c0.prefill_token_overhead_s * tok)
+    launch = kernels + 0.001
+
+    def cost(p_tok: float):
+        cal = replace(sc.calibration, eager_prefill_launch_s=launch,
+                      prefill_token_overhead_s=p_tok)
+        return replace(sc, calibration=cal).server("bf16").cost
+
+    # 0.5 ms of per-token work fits in the 1 ms the launches outlast the kernels: hidden
+    assert cost(0.0005 / tok).step_time(extend) == pytest.approx(fixed + launch)
+    # 2 ms does not: the step lasts its kernels and that work, not the launches plus it
+    assert cost(0.002 / tok).step_time(extend) == pytest.approx(fixed + kernels + 0.002)
+    # the fit's kernel-bound side ignores the launches
+    assert cost(0.0005 / tok).step_time(extend, launch_floor=False) == pytest.approx(
+        fixed + kernels + 0.0005)
+
+
 def test_validate_simulator_reads_the_option_per_backend(tmp_path, capsys):
     vs = load_script("validate_simulator")
     assert vs.eager_launch_arg(["triton=8.9", "diffkv=13.8"]) == {"triton": 8.9,

@@ -16,7 +16,7 @@ from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import load_calibration
 from simulator.validation.fit import _shape, prefill_shape
 from simulator.validation.sglang_log import parse_server_log
-from simulator.validation.step_fit import _kernels, fit_step_costs, step_rows
+from simulator.validation.step_fit import LaunchFloors, _kernels, fit_step_costs, step_rows
 
 TRUE = {"step_overhead_s": 5e-4, "seq_overhead_s": 1e-5, "prefill_step_overhead_s": 8e-3,
         "prefill_seq_overhead_s": 0.0, "prefill_token_overhead_s": 2e-6,
@@ -60,7 +60,7 @@ def _log(tmp_path, intervals, idle_at=None, fmt="bf16", release_s=0.0, head_star
                          f"#queue-req: 0, cuda graph: False, input throughput (token/s): 0.00")
             shape = prefill_shape(truth, 1, tok, 0)
             if head_start:
-                rest, attn, _ = _kernels(truth, _shape(truth, mb, mkv))
+                rest, attn, _, _ = _kernels(truth, _shape(truth, mb, mkv))
                 shape = replace(shape, launch_head_start_s=rest + attn
                                 * truth.cost.attention_scale)
             wall += truth.cost.step_time(shape)
@@ -72,14 +72,14 @@ def _log(tmp_path, intervals, idle_at=None, fmt="bf16", release_s=0.0, head_star
     return parse_server_log(p)
 
 
-def _intervals(seed: int = 0, prefill: bool = True):
+def _intervals(seed: int = 0, prefill: bool = True, prompts: tuple[int, int] = (20, 4000)):
     rng = np.random.default_rng(seed)
     out = []
     b = 8
     for _ in range(60):
         kv = int(b * rng.integers(200, 3000))
         k = int(rng.integers(0, 3)) if prefill else 0
-        out.append((b, kv, [int(t) for t in rng.integers(20, 4000, size=k)]))
+        out.append((b, kv, [int(t) for t in rng.integers(*prompts, size=k)]))
         b = int(np.clip(b + rng.integers(-3, 4), 2, 120))
     out += [(int(b), int(b) * 2000, []) for b in (100, 110, 120) for _ in range(5)]
     return out
@@ -116,6 +116,32 @@ def test_launch_bound_prefills_count_their_launches_from_the_decode_step_before(
     flat_srv = replace(scenario(disable_overlap_schedule=True), calibration=cal).server("bf16")
     flat = fit_step_costs(flat_srv, step_rows(flat_srv, log, "fit", graphed=True))
     assert flat["mape"] > 10 * fit["mape"]
+
+
+def test_the_per_token_cost_is_fitted_on_the_steps_the_launches_do_not_hide(tmp_path):
+    # short prompts whose kernels all sit under the launches: with the per-token cost the
+    # larger of them outlast the launches, without it none does, so the fit must settle
+    # which side bounds each step as its per-token cost moves (LaunchFloors)
+    launch, p_tok = 0.02, 8e-6
+    log = _log(tmp_path, _intervals(3, prompts=(20, 600)), head_start=True,
+               eager_prefill_launch_s=launch, prefill_token_overhead_s=p_tok)
+    start = {**{k: 0.0 for k in TRUE}, "decode_attention_scale": TRUE["decode_attention_scale"],
+             "eager_prefill_launch_s": launch}
+    srv = _server(**start)
+    rows = step_rows(srv, log, "fit", graphed=True)
+    fit = fit_step_costs(srv, rows)
+    for k in ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
+              "decode_attention_scale"):
+        assert fit[k] == pytest.approx(TRUE[k], rel=0.05, abs=2e-7), k
+    assert fit["prefill_token_overhead_s"] == pytest.approx(p_tok, rel=0.05)
+    assert fit["mape"] < 1e-3
+    floors = LaunchFloors.of(rows)
+    at_start, settled = floors.bound(0.0), floors.bound(p_tok)
+    # the calibration's per-token cost (0) puts every step on the launch side, where the
+    # rows hold no per-token column at all; the truth puts some on the kernel side
+    assert at_start.all() and (at_start & ~settled).sum() >= 5 and settled.sum() >= 10
+    assert fit["floor_settled"] and fit["floor_passes"] >= 2
+    assert fit["launch_bound_steps"] == int(settled.sum())
 
 
 def test_a_diffkv_prefill_counts_its_launches_from_its_own_start(tmp_path):
