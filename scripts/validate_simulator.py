@@ -229,11 +229,9 @@ def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: 
     return base
 
 
-def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
-                job: tuple[str, list[str]]) -> tuple[str, Calibration, dict[str, Any]]:
-    """One backend's step costs from its fitting runs ``job`` = (backend, run keys): the
-    interval fit, then the refinement where ``--refine-on-metrics`` asks for it."""
-    be, keys = job
+def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibration:
+    """Backend ``be``'s calibration with the measured inputs the options give it (launches,
+    host iterations, the loop hold, the first-token latency), fitted or not."""
     base = calib
     if a.diffkv_prefill_step_ms and be == "diffkv":
         base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
@@ -244,10 +242,21 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     if be in a.launch_holds_loop:
         base = replace(base, eager_launch_holds_loop=True)
     first_token = a.first_token_latency_ms.get(be)
+    if first_token is not None:
+        base = replace(base, first_token_latency_s=first_token / 1e3)
+    return base
+
+
+def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
+                job: tuple[str, list[str]]) -> tuple[str, Calibration, dict[str, Any]]:
+    """One backend's step costs from its fitting runs ``job`` = (backend, run keys): the
+    interval fit, then the refinement where ``--refine-on-metrics`` asks for it."""
+    be, keys = job
+    base = with_given(calib, be, a)
+    first_token = a.first_token_latency_ms.get(be)
     hold = a.refine_hold[be]
     if first_token is not None:
         # measured: the refinement keeps it, as it keeps a held term
-        base = replace(base, first_token_latency_s=first_token / 1e3)
         hold |= {"first_token_latency_s"}
     be, fitted_cal, info = fit(h, keys, a.model, a.gpu, base, plot_dir_of(a),
                                prefill=a.prefill_fit == "all",
@@ -978,6 +987,8 @@ def main(argv: list[str] | None = None) -> int:
             calibs[be] = fitted_cal
             fitinfos.append(info)
             fitting.update(info["runs"])
+        for be in set(BACKENDS) - set(by_backend):
+            calibs[be] = with_given(calib, be, a)   # no fitting runs: the file's costs
         rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
     except SimulatorInputError as e:
         print(f"validate_simulator: error: {e}", file=sys.stderr)

@@ -678,3 +678,22 @@ def test_a_burst_that_finished_is_simulated_to_its_own_end(tmp_path):
     outs = [r.gen for r in res.requests]
     assert whole["peak_batch"] == 200
     assert whole["mean_batch"] == pytest.approx((sum(outs) - 200) / (max(outs) - 1), rel=0.05)
+
+
+def test_given_inputs_reach_a_backend_without_fitting_runs(results, tmp_path):
+    vs = _script()
+    out_json = tmp_path / "rows.json"
+
+    def ttft(*extra: str) -> dict[str, float]:
+        assert vs.main([str(results), "--doc", str(tmp_path / "d.md"), "--json",
+                        str(out_json), "--fit-run", "none", *extra]) == 0
+        return {r["run"]: r["predicted"] for r in json.loads(out_json.read_text())["rows"]
+                if r["metric"] == "TTFT mean (ms)"}
+
+    plain, given = ttft(), ttft("--first-token-latency-ms", "triton=50")
+    assert plain and plain.keys() == given.keys()
+    # the file's costs, plus the given client latency on triton's first tokens: all of an
+    # open-loop run's, some of a burst's inside its window, none of DiffKV's
+    assert given["bf16/ladder@0.5x"] - plain["bf16/ladder@0.5x"] == pytest.approx(50.0, abs=0.5)
+    assert given["bf16/sharegpt"] > plain["bf16/sharegpt"]
+    assert given["diffkv/sharegpt"] == plain["diffkv/sharegpt"]
