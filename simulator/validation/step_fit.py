@@ -253,10 +253,9 @@ class LaunchFloors:
 
     @classmethod
     def of(cls, rows: StepRows) -> LaunchFloors:
-        steps = [(r, gap, tok) for r, floors in enumerate(rows.floors) for gap, tok in floors]
-        row, gap, tok = (np.array(v, dtype=float) for v in zip(*steps, strict=True)) \
-            if steps else (np.zeros(0),) * 3
-        return cls(row.astype(int), gap, tok, len(rows))
+        steps = np.array([(r, gap, tok) for r, floors in enumerate(rows.floors)
+                          for gap, tok in floors], dtype=float).reshape(-1, 3)
+        return cls(steps[:, 0].astype(int), steps[:, 1], steps[:, 2], len(rows))
 
     def bound(self, p_tok: float) -> np.ndarray:
         """Which steps their launches outlast at per-token cost ``p_tok``."""
@@ -380,12 +379,13 @@ def fit_step_costs(server: ResolvedServer, rows: StepRows) -> dict[str, Any]:
             base_p, x_p = floors.apply(base, x, bound)
             theta, keep, pred, fitted, gain = fit(base_p, x_p)
             settled = floors.bound(theta[TOKEN])
-            if np.array_equal(settled, bound) or passes == MAX_FLOOR_PASSES:
-                b, xs = floors.apply(base, x, settled)
+            same = bool(np.array_equal(settled, bound))
+            if same or passes == MAX_FLOOR_PASSES:
+                # judged with each step on the side its fitted p_tok puts it
+                b, xs = (base_p, x_p) if same else floors.apply(base, x, settled)
                 return {"theta": theta, "keep": keep, "pred": pred, "fitted": fitted,
                         "release_gain": gain, "base": base_p, "x": x_p, "bound": bound,
-                        "passes": passes, "settled": bool(np.array_equal(settled, bound)),
-                        "mape": mape(b + xs @ theta, keep)}
+                        "passes": passes, "settled": same, "mape": mape(b + xs @ theta, keep)}
             bound = settled
 
     turning = floors.gap > 0
