@@ -9,7 +9,10 @@ With --graph-max-bs N (the server's cuda_graph_max_bs), each row also gives the 
 time of the decode iterations at batch N/1.25 to N (CUDA graphs) and N+1 to 1.25 N (eager):
 where the eager steps are host-bound, the latter is the host's iteration around an eager
 decode step, the simulator's eager_decode_host_s (scripts/validate_simulator.py
---eager-decode-host-ms).
+--eager-decode-host-ms). The iteration grows with the batch (per-request metadata and
+results), so the row also fits a line through the eager iterations' median walls in bands of
+N/4 requests: its intercept and slope are --eager-decode-host-ms and
+--eager-decode-host-per-req-us.
 
 Each LABEL=PATH names a loop-*.jsonl[.gz] file, a folder holding them, or a scripts/bench_e2e.py
 result folder of a server started with SGLANG_DIFFKV_LOOP_TRACE=FOLDER/loop (results.json
@@ -91,6 +94,12 @@ LADDER_PREFIX = "ladder"
 # (N / EDGE, N] run graphs, (N, EDGE * N] run eager (their kernels still short of the host's
 # iteration on an H200 DiffKV server: 24-29 ms modelled against 32-38 ms measured, session 28)
 EDGE = 1.25
+# the eager decode iterations' host line: their median wall in bands of N / HOST_BANDS
+# requests above the largest CUDA graph N, each band of at least HOST_BAND_MIN iterations,
+# fitted as a + b * batch by least squares weighted by the bands' iteration counts (medians:
+# a garbage collection or a slow poll lengthens single iterations by tens of ms)
+HOST_BANDS = 4
+HOST_BAND_MIN = 5
 
 
 class ReportInputError(Exception):
@@ -211,6 +220,32 @@ def decode_edge_ms(seg: list[Record], graph_max_bs: int) -> dict[str, float | in
     return out
 
 
+def eager_host_line(seg: list[Record], graph_max_bs: int) -> dict[str, float | int | None]:
+    """The host iteration around an eager decode step (batch above ``graph_max_bs``) as a line
+    in its batch: ``eager_host_base_ms`` + ``eager_host_per_req_us`` x batch (the simulator's
+    eager_decode_host_s and eager_decode_host_per_req_s), over ``eager_host_bands`` bands;
+    None where fewer than two bands hold HOST_BAND_MIN iterations."""
+    width = max(1, graph_max_bs // HOST_BANDS)
+    bands: dict[int, list[tuple[int, float]]] = {}
+    for it in timed_iterations(seg):
+        if it.run is None or it.run.mode != Mode.DECODE or it.run.size <= graph_max_bs:
+            continue
+        bands.setdefault((it.run.size - graph_max_bs - 1) // width, []).append(
+            (it.run.size, 1e3 * it.wall_s))
+    pts = [(float(np.median([b for b, _ in v])), float(np.median([w for _, w in v])), len(v))
+           for v in bands.values() if len(v) >= HOST_BAND_MIN]
+    out: dict[str, float | int | None] = {"eager_host_bands": len(pts),
+                                          "eager_host_base_ms": None,
+                                          "eager_host_per_req_us": None}
+    if len(pts) < 2 or len({b for b, _, _ in pts}) < 2:
+        return out
+    x, y, n = (np.array(v) for v in zip(*pts, strict=True))
+    slope, base = np.polyfit(x, y, 1, w=np.sqrt(n))
+    out["eager_host_base_ms"] = float(base)
+    out["eager_host_per_req_us"] = float(1e3 * slope)
+    return out
+
+
 def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: float = 5.0,
                  t_ref: float | None = None, file: str = "", part: int = 0,
                  windows: list[RunWindow] | None = None,
@@ -262,7 +297,8 @@ def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: f
             "decode_wait_ms": _mode_ms(dec, "wait"),
             "decode_run_ms": _mode_ms(dec, "run"),
             "one_token_spans_ms": one_token_spans_ms(seg),
-            **(decode_edge_ms(seg, graph_max_bs) if graph_max_bs else {}),
+            **(decode_edge_ms(seg, graph_max_bs) | eager_host_line(seg, graph_max_bs)
+               if graph_max_bs else {}),
         })
     return rows
 
@@ -487,18 +523,24 @@ def format_segments(rows: list[dict]) -> list[str]:
 def format_edges(rows: list[dict]) -> list[str]:
     names, w, sw = _label_columns(rows)
     head = (f"{'label':{w}} {'seg':>{sw}} {'graphed n':>9} {'median ms':>9} {'eager n':>7} "
-            f"{'median ms':>9} {'eager - graphed':>15}")
+            f"{'median ms':>9} {'eager - graphed':>15} {'bands':>5} {'host ms':>8} "
+            f"{'us/req':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         g, e = r["graphed_edge_median_ms"], r["eager_edge_median_ms"]
         lines.append(
             f"{names[(r['label'], r['part'])]:{w}} {r['segment']!s:>{sw}} "
             f"{r['graphed_edge_n']:9d} {_f(g, '.2f'):>9} {r['eager_edge_n']:7d} "
-            f"{_f(e, '.2f'):>9} {_f(None if g is None or e is None else e - g, '+.2f'):>15}")
+            f"{_f(e, '.2f'):>9} {_f(None if g is None or e is None else e - g, '+.2f'):>15} "
+            f"{r['eager_host_bands']:5d} {_f(r['eager_host_base_ms'], '.2f'):>8} "
+            f"{_f(r['eager_host_per_req_us'], '.1f'):>7}")
     lines.append(
         f"decode iterations either side of the largest CUDA graph N: graphed, batch N/{EDGE:g} "
         f"to N; eager, N+1 to {EDGE:g} N (median wall: iteration start to the next); where "
-        "the eager steps are host-bound, their median is --eager-decode-host-ms")
+        "the eager steps are host-bound, their median is --eager-decode-host-ms. host ms + "
+        f"us/req x batch: a line through the median walls of the eager iterations in bands "
+        f"of N/{HOST_BANDS} requests (--eager-decode-host-ms and "
+        "--eager-decode-host-per-req-us)")
     return lines
 
 

@@ -176,8 +176,11 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
 LAUNCH_KEYS = (*BACKENDS, "bf16", "fp8")  # backends, or a triton KV format
 
 
-def key_ms_arg(option: str, items: list[str], keys: tuple[str, ...]) -> dict[str, float]:
-    """``OPTION KEY=MS`` items as {key: ms}, each KEY one of ``keys``, MS in [0, 1000)."""
+def key_ms_arg(option: str, items: list[str], keys: tuple[str, ...],
+               unit: str = "MS") -> dict[str, float]:
+    """``OPTION KEY=MS`` items as {key: value}, each KEY one of ``keys``, the value in [0, 1000)
+    of ``unit`` (MS: milliseconds, US: microseconds)."""
+    words = {"MS": "milliseconds", "US": "microseconds"}[unit]
     out: dict[str, float] = {}
     for item in items:
         key, sep, ms = item.partition("=")
@@ -187,8 +190,8 @@ def key_ms_arg(option: str, items: list[str], keys: tuple[str, ...]) -> dict[str
             value = math.nan
         if not sep or key not in keys or not 0 <= value < 1e3:
             raise SimulatorInputError(
-                f"{option} {item!r}: want KEY=MS, KEY one of {', '.join(keys)}, MS a number "
-                "of milliseconds in [0, 1000)")
+                f"{option} {item!r}: want KEY={unit}, KEY one of {', '.join(keys)}, {unit} a "
+                f"number of {words} in [0, 1000)")
         out[key] = value
     return out
 
@@ -218,12 +221,13 @@ def eager_launch_arg(items: list[str]) -> dict[str, float]:
 
 
 def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: str,
-                  by_format: str) -> Calibration:
+                  by_format: str, per_second: float = 1e3) -> Calibration:
     """``base`` with a ``KEY=MS`` option's values for backend ``be``: KEY ``be`` sets field
-    ``default``, KEY a KV format its entry in the mapping field ``by_format``."""
+    ``default``, KEY a KV format its entry in the mapping field ``by_format``; the option's
+    unit is 1 / ``per_second`` seconds (1e6: a ``KEY=US`` option)."""
     if be in given:
-        base = replace(base, **{default: given[be] / 1e3})
-    own = {k: ms / 1e3 for k, ms in given.items() if k not in BACKENDS}
+        base = replace(base, **{default: given[be] / per_second})
+    own = {k: v / per_second for k, v in given.items() if k not in BACKENDS}
     if own:
         base = replace(base, **{by_format: {**getattr(base, by_format), **own}})
     return base
@@ -239,6 +243,8 @@ def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibratio
                          "eager_prefill_launches")
     base = with_given_ms(base, be, a.eager_decode_host_ms, "eager_decode_host_s",
                          "eager_decode_hosts")
+    base = with_given_ms(base, be, a.eager_decode_host_per_req_us,
+                         "eager_decode_host_per_req_s", "eager_decode_hosts_per_req", 1e6)
     if be in a.launch_holds_loop:
         base = replace(base, eager_launch_holds_loop=True)
     first_token = a.first_token_latency_ms.get(be)
@@ -276,6 +282,10 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
         info["eager_decode_host_s"] = base.eager_decode_host_s
     if base.eager_decode_hosts:
         info["eager_decode_hosts_s"] = dict(base.eager_decode_hosts)
+    if base.eager_decode_host_per_req_s:
+        info["eager_decode_host_per_req_s"] = base.eager_decode_host_per_req_s
+    if base.eager_decode_hosts_per_req:
+        info["eager_decode_hosts_per_req_s"] = dict(base.eager_decode_hosts_per_req)
     if base.prefill_step_overhead_s != calib.prefill_step_overhead_s:
         info["given_prefill_step_s"] = base.prefill_step_overhead_s
         info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
@@ -744,11 +754,18 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                      + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
                                for k, v in fi.get("eager_launches_s", {}).items())
                      + (f"; a decode step above the largest CUDA graph lasts at least "
-                        f"{1e3 * fi['eager_decode_host_s']:.1f} ms, the host's iteration "
-                        "(--eager-decode-host-ms), in place of its per-layer term"
-                        if fi.get("eager_decode_host_s") else "")
+                        f"{1e3 * fi.get('eager_decode_host_s', 0.0):.1f} ms"
+                        + (f" + {1e6 * fi['eager_decode_host_per_req_s']:.1f} us per request"
+                           " (--eager-decode-host-per-req-us)"
+                           if fi.get("eager_decode_host_per_req_s") else "")
+                        + ", the host's iteration (--eager-decode-host-ms), in place of its "
+                        "per-layer term"
+                        if fi.get("eager_decode_host_s") or fi.get("eager_decode_host_per_req_s")
+                        else "")
                      + "".join(f"; {k}'s eager decode iteration {1e3 * v:.1f} ms"
                                for k, v in fi.get("eager_decode_hosts_s", {}).items())
+                     + "".join(f"; {k}'s eager decode iteration {1e6 * v:.1f} us per request"
+                               for k, v in fi.get("eager_decode_hosts_per_req_s", {}).items())
                      + ("; its eager prefill launches hold the overlap loop "
                         "(--launch-holds-loop)" if fi.get("launch_holds_loop") else "")
                      + (f"; the client's first-token latency given: "
@@ -859,8 +876,18 @@ def main(argv: list[str] | None = None) -> int:
                          "layer, and its Decode intervals leave the interval fit (calibration "
                          "fields eager_decode_host_s and eager_decode_host_s_by_format); "
                          "measured as scripts/loop_trace_report.py --graph-max-bs's eager "
-                         "median on a fitting run; repeatable; default: the calibration's "
-                         "(0: the per-layer cost)")
+                         "median on a fitting run, or the intercept of its line over the "
+                         "eager batches (--eager-decode-host-per-req-us); repeatable; "
+                         "default: the calibration's (0: the per-layer cost)")
+    ap.add_argument("--eager-decode-host-per-req-us", action="append", default=[],
+                    metavar="KEY=US",
+                    help="what that host iteration adds per request in the batch, for KEY as "
+                         "in --eager-prefill-launch-ms: the floor is --eager-decode-host-ms + "
+                         "this x batch (calibration fields eager_decode_host_per_req_s and "
+                         "eager_decode_host_per_req_s_by_format); measured with the "
+                         "intercept, as scripts/loop_trace_report.py --graph-max-bs's line "
+                         "over a fitting run's eager iterations; repeatable; default: the "
+                         "calibration's (0: a flat floor)")
     ap.add_argument("--launch-holds-loop", action="append", default=[], choices=BACKENDS,
                     metavar="BACKEND",
                     help="BACKEND's eager prefill launches (--eager-prefill-launch-ms) also "
@@ -939,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         a.refine_hold = refine_hold_arg(a.refine_hold)
         a.eager_decode_host_ms = key_ms_arg("--eager-decode-host-ms", a.eager_decode_host_ms,
                                             LAUNCH_KEYS)
+        a.eager_decode_host_per_req_us = key_ms_arg(
+            "--eager-decode-host-per-req-us", a.eager_decode_host_per_req_us, LAUNCH_KEYS, "US")
         a.first_token_latency_ms = key_ms_arg("--first-token-latency-ms",
                                               a.first_token_latency_ms, BACKENDS)
         recovery_ms = a.prefill_clock_recovery_ms

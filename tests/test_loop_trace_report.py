@@ -9,6 +9,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -518,3 +519,45 @@ def test_graph_max_bs_times_the_decode_iterations_either_side_of_it(
     with pytest.raises(SystemExit):
         ltr.main([f"a={path}", "--graph-max-bs", "0"])
     assert "--graph-max-bs 0: want the servers' cuda_graph_max_bs" in capsys.readouterr().err
+
+
+def test_graph_max_bs_fits_the_eager_host_iteration_as_a_line_in_the_batch(
+        tmp_path: Path) -> None:
+    """Eager iterations (batch above N = 64) whose walls follow 12 ms + 40 us per request,
+    with one slow iteration in every band: the band medians give the line back."""
+    rng = np.random.default_rng(7)
+    tr = Trace(0.0).segment(20.0)
+    t = 0.0
+    for band in range(4):                    # N / HOST_BANDS = 16 requests a band
+        for i in range(7):
+            b = int(65 + 16 * band + rng.integers(0, 16))
+            ms = 12.0 + 0.040 * b + (60.0 if i == 3 else rng.uniform(-0.05, 0.05))
+            tr.it(t, DEC, 2, n=b)
+            t += ms
+    for b in (60, 64, 30):                  # graphed: not on the line
+        tr.it(t, DEC, 2, n=b)
+        t += 90.0
+    tr.it(t, EXT, 4, recv=("x",))
+    path = tr.write(tmp_path / "loop-1.jsonl")
+    assert ltr.main([f"a={path}", "--min-s", "0", "--graph-max-bs", "64",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    (row,) = json.loads((tmp_path / "r.json").read_text())["segments"]
+    assert row["eager_host_bands"] == 4
+    assert row["eager_host_base_ms"] == pytest.approx(12.0, abs=0.3)
+    assert row["eager_host_per_req_us"] == pytest.approx(40.0, rel=0.05)
+
+
+def test_the_eager_host_line_needs_two_bands(tmp_path: Path) -> None:
+    tr = Trace(0.0).segment(0.0)
+    t = 0.0
+    for _ in range(ltr.HOST_BAND_MIN):
+        tr.it(t, DEC, 2, n=70)
+        t += 30.0
+    for _ in range(ltr.HOST_BAND_MIN - 1):    # a second band one iteration short
+        tr.it(t, DEC, 2, n=90)
+        t += 35.0
+    tr.it(t, EXT, 4)
+    recs = ltr.read_loop_trace(tr.write(tmp_path / "loop-1.jsonl"))
+    line = ltr.eager_host_line(recs, 64)
+    assert line == {"eager_host_bands": 1, "eager_host_base_ms": None,
+                    "eager_host_per_req_us": None}

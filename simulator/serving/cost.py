@@ -7,8 +7,9 @@ longer of the two, its launches counted from when the host began
 them: under the overlap scheduler, the start of the decode step before it, except for a KV
 format whose prefill allocation waits for that step, ``SYNCED_PREFILL_KEYS``; likewise a
 decode step above the largest CUDA graph whose host iteration the calibration times,
-``eager_decode_host_s``, lasts the longer of that iteration and its kernels with the fixed
-costs: the host's launches and scheduling outlast a small eager batch's kernels).
+``eager_decode_host_s`` plus ``eager_decode_host_per_req_s`` per request, lasts the longer of
+that iteration and its kernels with the fixed costs: the host's launches and scheduling
+outlast a small eager batch's kernels).
 
 Operators per layer: the four weight GEMM groups (qkv, o, gate+up, down), decode attention
 (bytes follow the KV format: the pool says how many bytes a context reads), prefill attention
@@ -96,6 +97,10 @@ class CostModel:
         self.prefill_launch_s = calib.prefill_launch_s(attention_key)
         self.prefill_launch_overlaps = attention_key not in SYNCED_PREFILL_KEYS
         self.decode_host_s = calib.decode_host_s(attention_key)
+        self.decode_host_per_req_s = calib.decode_host_per_req_s(attention_key)
+        # whether the calibration times an eager decode step's host iteration, which then
+        # bounds the step in place of its per-layer eager cost
+        self.decode_host_timed = self.decode_host_s > 0.0 or self.decode_host_per_req_s > 0.0
         self.attn_comp_rate = calib.eta_comp_decode_attention * self.flops
         self.pf_comp_rate = calib.eta_comp_prefill_attention * self.flops
         self.net_rate = calib.eta_interconnect * gpu.interconnect_bandwidth
@@ -242,8 +247,11 @@ class CostModel:
 
     def host_bound_floor(self, s: StepShape) -> float:
         """The least a step lasts whatever its kernels: the host's iteration around an eager
-        decode step (``eager_decode_host_s``), 0 for any other step or where it is not timed."""
-        return self.decode_host_s if self.eager_decode(s) else 0.0
+        decode step (``eager_decode_host_s`` + ``eager_decode_host_per_req_s`` x its batch), 0
+        for any other step or where it is not timed."""
+        if not self.eager_decode(s):
+            return 0.0
+        return self.decode_host_s + self.decode_host_per_req_s * s.decode_reqs
 
     def launch_s(self, s: StepShape) -> float:
         """How long the host is still launching a step's kernels after the step starts: an
@@ -264,7 +272,7 @@ class CostModel:
             return c.layer_overhead_s
         if not self.eager_decode(s):
             return c.eager_layer_overhead_s
-        return 0.0 if self.decode_host_s > 0.0 else c.eager_decode_layer_s
+        return 0.0 if self.decode_host_timed else c.eager_decode_layer_s
 
     def step_time(self, s: StepShape, launch_floor: bool = True) -> float:
         """Seconds one step of shape ``s`` lasts. ``launch_floor=False``: an eager prefill

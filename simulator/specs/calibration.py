@@ -63,10 +63,15 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # fixed costs, in place of kernels + layers * ``eager_decode_layer_overhead_s``.
 # scripts/loop_trace_report.py --graph-max-bs measures it (the median iteration just above
 # the largest graph); 0 (the default): the sum
+# ``eager_decode_host_per_req_s`` is what that iteration adds per request in the batch (the
+# eager path's metadata and the results it streams are per request: on the H200 DiffKV
+# server the iteration grows from 33-38 ms at 513-640 requests to 58-75 ms at 1,409-1,536,
+# session 35), so the floor is ``eager_decode_host_s`` + this x batch; loop_trace_report.py
+# --graph-max-bs fits both over the eager iterations; 0 (the default): a flat floor
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s", "release_overhead_s",
                            "first_token_latency_s", "eager_prefill_launch_s",
-                           "eager_decode_host_s")
+                           "eager_decode_host_s", "eager_decode_host_per_req_s")
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -86,6 +91,8 @@ ATTENTION_SCALE_MAX = 4.0
 PREFILL_LAUNCHES_FIELD = "eager_prefill_launch_s_by_format"
 # optional: ``eager_decode_host_s`` for one KV format (calibration key) where it differs
 DECODE_HOST_FIELD = "eager_decode_host_s_by_format"
+# optional: ``eager_decode_host_per_req_s`` for one KV format where it differs
+DECODE_HOST_PER_REQ_FIELD = "eager_decode_host_per_req_s_by_format"
 # optional (false when absent): whether an eager prefill's timed launches
 # (``eager_prefill_launch_s``) also hold SGLang's overlap loop: the host forms the next batch
 # only after launching the step, and streams the step before's tokens only after it
@@ -362,6 +369,8 @@ class Calibration:
     eager_prefill_launches: dict[str, float] = field(default_factory=dict)
     eager_decode_host_s: float = 0.0
     eager_decode_hosts: dict[str, float] = field(default_factory=dict)
+    eager_decode_host_per_req_s: float = 0.0
+    eager_decode_hosts_per_req: dict[str, float] = field(default_factory=dict)
     eager_launch_holds_loop: bool = False
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
@@ -403,6 +412,11 @@ class Calibration:
         (its own where the file gives one, else ``eager_decode_host_s``; 0: not timed)."""
         return self.eager_decode_hosts.get(key, self.eager_decode_host_s)
 
+    def decode_host_per_req_s(self, key: str) -> float:
+        """What that iteration adds per request in the batch on KV format ``key`` (its own
+        where the file gives one, else ``eager_decode_host_per_req_s``; 0: a flat floor)."""
+        return self.eager_decode_hosts_per_req.get(key, self.eager_decode_host_per_req_s)
+
     def attention_eta(self, key: str) -> float:
         if key not in self.eta_mem_decode_attention:
             raise SimulatorInputError(
@@ -442,6 +456,7 @@ class Calibration:
         scales = _by_format(d, ATTENTION_SCALES_FIELD, _attention_scale, "factors", where)
         launches = _by_format(d, PREFILL_LAUNCHES_FIELD, _optional_seconds, "seconds", where)
         hosts = _by_format(d, DECODE_HOST_FIELD, _optional_seconds, "seconds", where)
+        per_req = _by_format(d, DECODE_HOST_PER_REQ_FIELD, _optional_seconds, "seconds", where)
         isolated = d.get(ISOLATED_PREFILL_FIELD, 1.0)
         if (isinstance(isolated, bool) or not isinstance(isolated, (int, float))
                 or not ISOLATED_PREFILL_MIN <= isolated <= 1.0):
@@ -466,6 +481,7 @@ class Calibration:
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    decode_attention_scale=scale, decode_attention_scales=scales,
                    eager_prefill_launches=launches, eager_decode_hosts=hosts,
+                   eager_decode_hosts_per_req=per_req,
                    eager_launch_holds_loop=holds_loop,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
@@ -488,6 +504,8 @@ class Calibration:
             d[PREFILL_LAUNCHES_FIELD] = dict(self.eager_prefill_launches)
         if self.eager_decode_hosts:
             d[DECODE_HOST_FIELD] = dict(self.eager_decode_hosts)
+        if self.eager_decode_hosts_per_req:
+            d[DECODE_HOST_PER_REQ_FIELD] = dict(self.eager_decode_hosts_per_req)
         if self.eager_launch_holds_loop:
             d[LAUNCH_HOLDS_LOOP_FIELD] = True
         if self.isolated_prefill_scale != 1.0:

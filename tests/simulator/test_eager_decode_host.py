@@ -134,3 +134,63 @@ def test_the_option_sets_the_backends_value_and_a_formats_own():
     tr = vs.with_given_ms(cal, "triton", given, "eager_decode_host_s", "eager_decode_hosts")
     assert tr.eager_decode_host_s == 0.0
     assert (tr.decode_host_s("fp8"), tr.decode_host_s("bf16")) == (pytest.approx(0.02), 0.0)
+
+
+def test_the_per_request_term_loads_round_trips_and_names_a_bad_value(tmp_path):
+    base = load_calibration("h100").to_dict()
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
+        "eager_decode_host_per_req_s": 5e-5,
+        "eager_decode_host_per_req_s_by_format": {"fp8": 2e-5}}}}))
+    cal = load_calibration("h100", str(f))
+    assert (cal.decode_host_per_req_s("diffkv"), cal.decode_host_per_req_s("fp8")) == (
+        5e-5, 2e-5)
+    d = cal.to_dict()
+    assert d["eager_decode_host_per_req_s"] == 5e-5
+    assert d["eager_decode_host_per_req_s_by_format"] == {"fp8": 2e-5}
+    assert "eager_decode_host_per_req_s" not in load_calibration("h100").to_dict()
+    for bad in ({"eager_decode_host_per_req_s": -1e-6},
+                {"eager_decode_host_per_req_s_by_format": {"fp8": None}}):
+        f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | bad}}))
+        with pytest.raises(SimulatorInputError, match="eager_decode_host_per_req_s"):
+            load_calibration("h100", str(f))
+
+
+def test_the_host_iteration_grows_with_the_eager_batch():
+    sc = scenario()
+    summed = sc.server("bf16").cost
+    top = summed.graph_max
+    base_s, per_req_s = 0.010, 0.001      # far above any of these steps' kernels
+    cal = replace(sc.calibration, eager_decode_host_s=base_s,
+                  eager_decode_host_per_req_s=per_req_s)
+    cost = replace(sc, calibration=cal).server("bf16").cost
+    for b in (top + 1, 2 * top, 3 * top):
+        assert cost.host_bound_floor(_decode(b)) == pytest.approx(base_s + per_req_s * b)
+        assert cost.step_time(_decode(b)) == pytest.approx(base_s + per_req_s * b)
+    # graphed steps keep no floor; the per-request term alone times the host, and the
+    # per-layer eager cost goes
+    assert cost.host_bound_floor(_decode(top)) == 0.0
+    alone = replace(sc, calibration=replace(
+        sc.calibration, eager_decode_host_per_req_s=per_req_s)).server("bf16").cost
+    assert alone.layer_overhead(_decode(top + 1)) == 0.0
+    assert alone.step_time(_decode(top + 1)) == pytest.approx(per_req_s * (top + 1))
+    own = replace(cal, eager_decode_hosts_per_req={"fp8": 2 * per_req_s})
+    fp8 = replace(sc, calibration=own).server("fp8").cost
+    assert fp8.host_bound_floor(_decode(top + 1)) == pytest.approx(
+        base_s + 2 * per_req_s * (top + 1))
+
+
+def test_validate_simulator_reads_the_per_request_option_in_microseconds(tmp_path, capsys):
+    vs = load_script("validate_simulator")
+    rc = vs.main([str(tmp_path), "--eager-decode-host-per-req-us", "diffkv=-3",
+                  "--doc", str(tmp_path / "d.md")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--eager-decode-host-per-req-us 'diffkv=-3'" in err and "microseconds" in err
+    given = vs.key_ms_arg("--eager-decode-host-per-req-us", ["diffkv=52.4", "fp8=20"],
+                          vs.LAUNCH_KEYS, "US")
+    cal = load_calibration("h100")
+    dk = vs.with_given_ms(cal, "diffkv", given, "eager_decode_host_per_req_s",
+                          "eager_decode_hosts_per_req", 1e6)
+    assert dk.eager_decode_host_per_req_s == pytest.approx(52.4e-6)
+    assert dk.decode_host_per_req_s("fp8") == pytest.approx(20e-6)
