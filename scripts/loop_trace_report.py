@@ -220,18 +220,24 @@ def decode_edge_ms(seg: list[Record], graph_max_bs: int) -> dict[str, float | in
     return out
 
 
-def eager_host_line(seg: list[Record], graph_max_bs: int) -> dict[str, float | int | None]:
-    """The host iteration around an eager decode step (batch above ``graph_max_bs``) as a line
-    in its batch: ``eager_host_base_ms`` + ``eager_host_per_req_us`` x batch (the simulator's
-    eager_decode_host_s and eager_decode_host_per_req_s), over ``eager_host_bands`` bands;
-    None where fewer than two bands hold HOST_BAND_MIN iterations."""
+def eager_points(seg: list[Record], graph_max_bs: int) -> list[tuple[int, float]]:
+    """(batch, wall ms) of each decode iteration above ``graph_max_bs`` (eager)."""
+    return [(it.run.size, 1e3 * it.wall_s) for it in timed_iterations(seg)
+            if it.run is not None and it.run.mode == Mode.DECODE
+            and it.run.size > graph_max_bs]
+
+
+def host_line(points: Sequence[tuple[int, float]],
+              graph_max_bs: int) -> dict[str, float | int | None]:
+    """The host iteration around an eager decode step as a line in its batch:
+    ``eager_host_base_ms`` + ``eager_host_per_req_us`` x batch (the simulator's
+    eager_decode_host_s and eager_decode_host_per_req_s), through the median walls of
+    ``points`` (eager_points) in ``eager_host_bands`` bands; None where fewer than two bands
+    hold HOST_BAND_MIN iterations."""
     width = max(1, graph_max_bs // HOST_BANDS)
     bands: dict[int, list[tuple[int, float]]] = {}
-    for it in timed_iterations(seg):
-        if it.run is None or it.run.mode != Mode.DECODE or it.run.size <= graph_max_bs:
-            continue
-        bands.setdefault((it.run.size - graph_max_bs - 1) // width, []).append(
-            (it.run.size, 1e3 * it.wall_s))
+    for b, ms in points:
+        bands.setdefault((b - graph_max_bs - 1) // width, []).append((b, ms))
     pts = [(float(np.median([b for b, _ in v])), float(np.median([w for _, w in v])), len(v))
            for v in bands.values() if len(v) >= HOST_BAND_MIN]
     out: dict[str, float | int | None] = {"eager_host_bands": len(pts),
@@ -244,6 +250,11 @@ def eager_host_line(seg: list[Record], graph_max_bs: int) -> dict[str, float | i
     out["eager_host_base_ms"] = float(base)
     out["eager_host_per_req_us"] = float(1e3 * slope)
     return out
+
+
+def eager_host_line(seg: list[Record], graph_max_bs: int) -> dict[str, float | int | None]:
+    """``host_line`` of one segment's eager decode iterations."""
+    return host_line(eager_points(seg, graph_max_bs), graph_max_bs)
 
 
 def segment_rows(records: list[Record], label: str, gap_s: float = 0.3, min_s: float = 5.0,
@@ -423,15 +434,24 @@ def compare_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+class Report(NamedTuple):
+    rows: list[dict]                      # segment_rows of every file
+    splits: list[dict]                    # ttft_split_rows of every result folder's runs
+    launches: dict[str, list[float]]      # ladder one-prompt launches (ms) by configuration
+    eager: dict[str, list[tuple[int, float]]]  # eager_points by configuration (or label)
+
+
 def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
-                graph_max_bs: int | None = None
-                ) -> tuple[list[dict], list[dict], dict[str, list[float]]]:
+                graph_max_bs: int | None = None) -> Report:
     """segment_rows for every LABEL=PATH, each file apart, start times from the label's
-    first record; the TTFT split of each run of the bench_e2e.py result folders; and their
-    ladder runs' one-prompt extend launches (ms) pooled by server configuration."""
+    first record; the TTFT split of each run of the bench_e2e.py result folders; their
+    ladder runs' one-prompt extend launches (ms) pooled by server configuration; and, given
+    ``graph_max_bs``, the eager decode iterations of every file pooled by configuration (a
+    result folder's) or label."""
     rows: list[dict] = []
     splits: list[dict] = []
     launches: dict[str, list[float]] = {}
+    eager: dict[str, list[tuple[int, float]]] = {}
     for label, path in runs:
         results = Path(path) / "results.json"
         windows = run_windows(results) if results.is_file() else None
@@ -454,7 +474,13 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
             for w, seg in runs_in:
                 if w.ladder:
                     launches.setdefault(w.config or label, []).extend(one_prompt_ms(seg))
-    return rows, splits, launches
+                if graph_max_bs:
+                    eager.setdefault(w.config or label, []).extend(
+                        eager_points(seg, graph_max_bs))
+        elif graph_max_bs:
+            for recs in traces:
+                eager.setdefault(label, []).extend(eager_points(recs, graph_max_bs))
+    return Report(rows, splits, launches, eager)
 
 
 def _f(v: float | None, spec: str) -> str:
@@ -603,6 +629,28 @@ def format_launches(rows: list[dict]) -> list[str]:
     return lines
 
 
+def host_line_rows(eager: dict[str, list[tuple[int, float]]], graph_max_bs: int) -> list[dict]:
+    """Per configuration: its eager decode iterations and their host_line."""
+    return [{"config": cfg, "n": len(v), **host_line(v, graph_max_bs)}
+            for cfg, v in eager.items() if v]
+
+
+def format_host_lines(rows: list[dict], graph_max_bs: int) -> list[str]:
+    w = max([6] + [len(r["config"]) for r in rows])
+    head = f"{'config':{w}} {'eager n':>7} {'bands':>5} {'host ms':>8} {'us/req':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['config']:{w}} {r['n']:7d} {r['eager_host_bands']:5d} "
+                     f"{_f(r['eager_host_base_ms'], '.2f'):>8} "
+                     f"{_f(r['eager_host_per_req_us'], '.1f'):>7}")
+    lines.append(
+        f"decode iterations above the largest CUDA graph ({graph_max_bs}) of every run given, "
+        "pooled by server configuration: host ms + us/req x batch through their median walls "
+        f"in bands of {graph_max_bs // HOST_BANDS} requests, the simulator's "
+        "--eager-decode-host-ms and --eager-decode-host-per-req-us")
+    return lines
+
+
 def format_splits(rows: list[dict]) -> list[str]:
     w = max([5] + [len(r["label"]) for r in rows])
     rw = max([3] + [len(r["run"]) for r in rows])
@@ -653,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     if dup:
         ap.error(f"label given more than once: {', '.join(dup)}")
     try:
-        rows, splits, launches = report_rows(a.runs, a.gap_s, a.min_s, a.graph_max_bs)
+        rows, splits, launches, eager = report_rows(a.runs, a.gap_s, a.min_s, a.graph_max_bs)
     except ReportInputError as e:
         print(f"loop_trace_report: error: {e}", file=sys.stderr)
         return 2
@@ -671,11 +719,16 @@ def main(argv: list[str] | None = None) -> int:
     if pooled:
         print()
         print("\n".join(format_launches(pooled)))
+    lines = host_line_rows(eager, a.graph_max_bs) if a.graph_max_bs else []
+    if lines:
+        print()
+        print("\n".join(format_host_lines(lines, a.graph_max_bs)))
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"gap_s": a.gap_s, "min_s": a.min_s, "segments": rows,
                                       "comparison": comparison, "ttft_split": splits,
-                                      "one_prompt_launches": pooled},
+                                      "one_prompt_launches": pooled,
+                                      "eager_host_lines": lines},
                                      indent=1) + "\n")
     return 0
 

@@ -478,7 +478,7 @@ def test_the_poll_wait_comes_off_pre_and_the_first_token_latency_pools_by_config
 def test_a_send_after_every_receipt_is_not_joined(tmp_path: Path) -> None:
     fp8 = _bench_folder(tmp_path, "fp8", (10.0, 14.0), 2.0)
     _client_log(fp8, {"requests__fp8__ladder@6rps.jsonl.gz": _req(0.5, 35.7) + _req(25.0, 60.0)})
-    rows, splits, _ = ltr.report_rows([("fp8", str(fp8))], 0.3, 0.0)
+    rows, splits, _, _ = ltr.report_rows([("fp8", str(fp8))], 0.3, 0.0)
     assert rows and [(s["client_n"], s["joined_n"]) for s in splits] == [(2, 1)]
     assert splits[0]["pre_mean_ms"] == pytest.approx(1.5)
 
@@ -561,3 +561,38 @@ def test_the_eager_host_line_needs_two_bands(tmp_path: Path) -> None:
     line = ltr.eager_host_line(recs, 64)
     assert line == {"eager_host_bands": 1, "eager_host_base_ms": None,
                     "eager_host_per_req_us": None}
+
+
+def _burst_folder(root: Path, batches: list[int], base_ms: float, per_req_us: float) -> Path:
+    """A bench_e2e.py result folder of one diffkv-mix burst whose eager decode iterations
+    (batch above 64) last base_ms + per_req_us x batch."""
+    tr = Trace(0.0).segment(500.0)
+    t = 0.0
+    for b in batches:
+        tr.it(t, DEC, 2, n=b)
+        t += base_ms + per_req_us * b / 1e3
+    tr.it(t, EXT, 4, recv=("z",))
+    tr.write(root / "loop" / "loop-3.jsonl")
+    runs = [{"config": "diffkv-mix", "label": "sharegpt", "wall_start_unix": 500.0,
+             "client": {"duration": t / 1e3}}]
+    (root / "results.json").write_text(json.dumps({"runs": runs}))
+    return root
+
+
+def test_the_eager_host_line_pools_the_starts_of_a_configuration(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One start reaches batches 65-96, another 97-128: neither alone spans the four bands,
+    and each alone has its own host; pooled, the line runs through both."""
+    low = _burst_folder(tmp_path / "low", [70, 75, 80, 85, 90, 95] * 2, 10.0, 50.0)
+    high = _burst_folder(tmp_path / "high", [100, 105, 110, 115, 120, 125] * 2, 10.0, 50.0)
+    out = tmp_path / "r.json"
+    assert ltr.main([f"low={low}", f"high={high}", "--min-s", "0", "--graph-max-bs", "64",
+                     "--json", str(out)]) == 0
+    (pooled,) = json.loads(out.read_text())["eager_host_lines"]
+    assert (pooled["config"], pooled["n"], pooled["eager_host_bands"]) == ("diffkv-mix", 24, 4)
+    assert pooled["eager_host_base_ms"] == pytest.approx(10.0, abs=0.2)
+    assert pooled["eager_host_per_req_us"] == pytest.approx(50.0, rel=0.03)
+    assert "pooled by server configuration" in capsys.readouterr().out
+    # without --graph-max-bs: no pooled line
+    assert ltr.main([f"low={low}", "--min-s", "0", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["eager_host_lines"] == []
