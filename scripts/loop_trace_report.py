@@ -10,7 +10,7 @@ time of the decode iterations at batch N/1.25 to N (CUDA graphs) and N+1 to 1.25
 where the eager steps are host-bound, the latter is the host's iteration around an eager
 decode step, the simulator's eager_decode_host_s (scripts/validate_simulator.py
 --eager-decode-host-ms). The iteration grows with the batch (per-request metadata and
-results), so the row also fits a line through the eager iterations' median walls in bands of
+results), so the row also fits a line through the eager iterations' mean walls in bands of
 N/4 requests: its intercept and slope are --eager-decode-host-ms and
 --eager-decode-host-per-req-us.
 
@@ -94,10 +94,11 @@ LADDER_PREFIX = "ladder"
 # (N / EDGE, N] run graphs, (N, EDGE * N] run eager (their kernels still short of the host's
 # iteration on an H200 DiffKV server: 24-29 ms modelled against 32-38 ms measured, session 28)
 EDGE = 1.25
-# the eager decode iterations' host line: their median wall in bands of N / HOST_BANDS
-# requests above the largest CUDA graph N, each band of at least HOST_BAND_MIN iterations,
-# fitted as a + b * batch by least squares weighted by the bands' iteration counts (medians:
-# a garbage collection or a slow poll lengthens single iterations by tens of ms)
+# the eager decode iterations' host line: their mean wall in bands of N / HOST_BANDS requests
+# above the largest CUDA graph N, each band of at least HOST_BAND_MIN iterations, fitted as
+# a + b * batch by least squares weighted by the bands' iteration counts. Means, not medians:
+# a burst lasts the sum of its iterations, and the garbage collections and slow polls that
+# lengthen some of them by tens of ms (more of them the larger the batch) take their time too
 HOST_BANDS = 4
 HOST_BAND_MIN = 5
 
@@ -231,14 +232,14 @@ def host_line(points: Sequence[tuple[int, float]],
               graph_max_bs: int) -> dict[str, float | int | None]:
     """The host iteration around an eager decode step as a line in its batch:
     ``eager_host_base_ms`` + ``eager_host_per_req_us`` x batch (the simulator's
-    eager_decode_host_s and eager_decode_host_per_req_s), through the median walls of
+    eager_decode_host_s and eager_decode_host_per_req_s), through the mean walls of
     ``points`` (eager_points) in ``eager_host_bands`` bands; None where fewer than two bands
     hold HOST_BAND_MIN iterations."""
     width = max(1, graph_max_bs // HOST_BANDS)
     bands: dict[int, list[tuple[int, float]]] = {}
     for b, ms in points:
         bands.setdefault((b - graph_max_bs - 1) // width, []).append((b, ms))
-    pts = [(float(np.median([b for b, _ in v])), float(np.median([w for _, w in v])), len(v))
+    pts = [(float(np.mean([b for b, _ in v])), float(np.mean([w for _, w in v])), len(v))
            for v in bands.values() if len(v) >= HOST_BAND_MIN]
     out: dict[str, float | int | None] = {"eager_host_bands": len(pts),
                                           "eager_host_base_ms": None,
@@ -564,7 +565,7 @@ def format_edges(rows: list[dict]) -> list[str]:
         f"decode iterations either side of the largest CUDA graph N: graphed, batch N/{EDGE:g} "
         f"to N; eager, N+1 to {EDGE:g} N (median wall: iteration start to the next); where "
         "the eager steps are host-bound, their median is --eager-decode-host-ms. host ms + "
-        f"us/req x batch: a line through the median walls of the eager iterations in bands "
+        f"us/req x batch: a line through the mean walls of the eager iterations in bands "
         f"of N/{HOST_BANDS} requests (--eager-decode-host-ms and "
         "--eager-decode-host-per-req-us)")
     return lines
@@ -645,7 +646,7 @@ def format_host_lines(rows: list[dict], graph_max_bs: int) -> list[str]:
                      f"{_f(r['eager_host_per_req_us'], '.1f'):>7}")
     lines.append(
         f"decode iterations above the largest CUDA graph ({graph_max_bs}) of every run given, "
-        "pooled by server configuration: host ms + us/req x batch through their median walls "
+        "pooled by server configuration: host ms + us/req x batch through their mean walls "
         f"in bands of {graph_max_bs // HOST_BANDS} requests, the simulator's "
         "--eager-decode-host-ms and --eager-decode-host-per-req-us")
     return lines
