@@ -133,7 +133,8 @@ def test_validate_simulator_turns_it_on_per_backend(monkeypatch, capsys, tmp_pat
         return keys[0], base, {"backend": keys[0]}
     monkeypatch.setattr(vs, "fit", fake_fit)
     a = Namespace(diffkv_prefill_step_ms=0.0, eager_prefill_launch_ms={"diffkv": 30.0},
-                  eager_decode_host_ms={}, launch_holds_loop=["diffkv"],
+                  eager_decode_host_ms={}, eager_decode_host_per_req_us={},
+                  launch_holds_loop=["diffkv"],
                   first_token_latency_ms={}, refine_hold=vs.refine_hold_arg([]),
                   model="llama-3-8b", gpu="h200", prefill_fit="all", fit_decode_run=[],
                   refine_on_metrics=[], plots=str(tmp_path), doc=str(tmp_path / "d.md"))
