@@ -21,24 +21,33 @@ def _decode(reqs: int, context: int = 600) -> StepShape:
                      decode_read_bytes=reqs * context * 4096.0)
 
 
-def test_the_fields_load_round_trip_and_name_a_bad_value(tmp_path):
+@pytest.mark.parametrize("field, getter, value, fp8_value, bad_values", [
+    ("eager_decode_host_s", "decode_host_s", 0.033, 0.021,
+     (-0.001, {"fp8": "fast"}, [0.01])),
+    ("eager_decode_host_per_req_s", "decode_host_per_req_s", 5e-5, 2e-5,
+     (-1e-6, {"fp8": None})),
+])
+def test_the_fields_load_round_trip_and_name_a_bad_value(tmp_path, field, getter, value,
+                                                          fp8_value, bad_values):
+    """The host iteration's base and its per-request term, each with its per-format form;
+    a bad value (a negative number, a format's non-number, a non-mapping) is named."""
+    by_format = f"{field}_by_format"
     base = load_calibration("h100").to_dict()
     f = tmp_path / "cal.json"
     f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
-        "eager_decode_host_s": 0.033, "eager_decode_host_s_by_format": {"fp8": 0.021}}}}))
+        field: value, by_format: {"fp8": fp8_value}}}}))
     cal = load_calibration("h100", str(f))
-    assert (cal.decode_host_s("diffkv"), cal.decode_host_s("fp8")) == (0.033, 0.021)
+    assert (getattr(cal, getter)("diffkv"), getattr(cal, getter)("fp8")) == (value, fp8_value)
     d = cal.to_dict()
-    assert d["eager_decode_host_s"] == 0.033
-    assert d["eager_decode_host_s_by_format"] == {"fp8": 0.021}
+    assert d[field] == value
+    assert d[by_format] == {"fp8": fp8_value}
     default = load_calibration("h100")
-    assert default.decode_host_s("bf16") == 0.0
-    assert "eager_decode_host_s" not in default.to_dict()
-    for bad in ({"eager_decode_host_s": -0.001},
-                {"eager_decode_host_s_by_format": {"fp8": "fast"}},
-                {"eager_decode_host_s_by_format": [0.01]}):
-        f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | bad}}))
-        with pytest.raises(SimulatorInputError, match="eager_decode_host_s"):
+    assert getattr(default, getter)("bf16") == 0.0
+    assert field not in default.to_dict()
+    for bad in bad_values:
+        entry = {field: bad} if not isinstance(bad, (dict, list)) else {by_format: bad}
+        f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | entry}}))
+        with pytest.raises(SimulatorInputError, match=field):
             load_calibration("h100", str(f))
 
 
@@ -134,26 +143,6 @@ def test_the_option_sets_the_backends_value_and_a_formats_own():
     tr = vs.with_given_ms(cal, "triton", given, "eager_decode_host_s", "eager_decode_hosts")
     assert tr.eager_decode_host_s == 0.0
     assert (tr.decode_host_s("fp8"), tr.decode_host_s("bf16")) == (pytest.approx(0.02), 0.0)
-
-
-def test_the_per_request_term_loads_round_trips_and_names_a_bad_value(tmp_path):
-    base = load_calibration("h100").to_dict()
-    f = tmp_path / "cal.json"
-    f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
-        "eager_decode_host_per_req_s": 5e-5,
-        "eager_decode_host_per_req_s_by_format": {"fp8": 2e-5}}}}))
-    cal = load_calibration("h100", str(f))
-    assert (cal.decode_host_per_req_s("diffkv"), cal.decode_host_per_req_s("fp8")) == (
-        5e-5, 2e-5)
-    d = cal.to_dict()
-    assert d["eager_decode_host_per_req_s"] == 5e-5
-    assert d["eager_decode_host_per_req_s_by_format"] == {"fp8": 2e-5}
-    assert "eager_decode_host_per_req_s" not in load_calibration("h100").to_dict()
-    for bad in ({"eager_decode_host_per_req_s": -1e-6},
-                {"eager_decode_host_per_req_s_by_format": {"fp8": None}}):
-        f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | bad}}))
-        with pytest.raises(SimulatorInputError, match="eager_decode_host_per_req_s"):
-            load_calibration("h100", str(f))
 
 
 def test_the_host_iteration_grows_with_the_eager_batch():
