@@ -74,6 +74,25 @@ class KVPool(ABC):
         decoding: 0, except for DiffKV's significance scoring."""
         return 0.0
 
+    def logged_tokens(self, kv: np.ndarray) -> float:
+        """What SGLang's Decode line logs as ``#token`` while requests hold ``kv`` tokens:
+        the units they hold (a token pool: its slots)."""
+        return float(self.decode_units(kv, None).sum())
+
+    def context_from_logged(self, reqs: int, logged: float) -> int:
+        """The KV tokens per request, alike, of ``reqs`` requests for which SGLang logs
+        ``logged`` as ``#token`` (``logged_tokens``' inverse; at least 1)."""
+        if reqs < 1:
+            raise SimulatorInputError(f"reqs={reqs}: a Decode line's batch holds >= 1 request")
+        lo, hi = 1, max(1, int(logged // reqs))   # logged_tokens never undercounts the tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.logged_tokens(np.full(reqs, mid, dtype=np.int64)) <= logged:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
 
 @dataclass
 class TokenPool(KVPool):
@@ -236,6 +255,14 @@ class DiffKVPool(KVPool):
 
     def decode_step_need(self, kv: np.ndarray) -> int:
         return int(kv.size) * self.head_count * self._tiers_growing
+
+    def logged_tokens(self, kv: np.ndarray) -> float:
+        """sglang_diffkv's SGLang pool counts as used the pages held plus the next decode
+        step's reserve, at the planning density (``physical_available_tokens``): a short
+        request's page rounding and reserve make ``#token`` overstate its context (H200
+        ladder at 23 req/s: about 850 logged per request, 560 tokens of context)."""
+        return (float(self.decode_units(kv, None).sum()) + self.decode_step_need(kv)) \
+            / self.pages_per_token
 
     def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float:
         return self.decode_state(kv, prof)[1]

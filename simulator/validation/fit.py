@@ -90,8 +90,9 @@ def decode_samples(log: ServerLog, graphed: bool | None = None) -> np.ndarray:
 
 
 def _shape(server: ResolvedServer, b: float, t: float) -> StepShape:
+    """A decode step of ``b`` requests alike for which the log gave ``t`` as ``#token``."""
     reqs = max(1, int(round(b)))
-    kv = np.full(reqs, max(1, int(t // reqs)))
+    kv = np.full(reqs, server.pool.context_from_logged(reqs, t))
     return StepShape(decode_reqs=reqs, decode_kv_tokens=int(kv.sum()),
                      decode_read_bytes=server.pool.read_bytes_per_layer(kv, None))
 
@@ -163,7 +164,8 @@ def fit_decode(server: ResolvedServer, samples: np.ndarray) -> dict[str, Any]:
 def decode_bytes(server: ResolvedServer, batch: np.ndarray,
                  kv_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per decode step: bytes the weight GEMMs and the LM head move (CUDA-graph padded batch)
-    and bytes decode attention moves (KV read + write + queries), as the cost model counts."""
+    and bytes decode attention moves (KV read + write + queries), as the cost model counts;
+    ``kv_tokens`` as the log's ``#token`` (``KVPool.context_from_logged``)."""
     cost, pool = server.cost, server.pool
     dense, attn = [], []
     for b, t in zip(batch.astype(int), kv_tokens.astype(int), strict=True):
@@ -171,7 +173,7 @@ def decode_bytes(server: ResolvedServer, batch: np.ndarray,
         per_layer = sum(w + padded * (i + o) * ACT_BYTES for w, _, i, o in cost.gemms)
         w, _, i, o = cost.lm_head
         dense.append(cost.layers * per_layer + w + padded * (i + o) * ACT_BYTES)
-        read = pool.read_bytes_per_layer(np.full(b, max(1, t // b)), None)
+        read = pool.read_bytes_per_layer(np.full(b, pool.context_from_logged(b, t)), None)
         q = b * cost.q_heads * cost.head_dim * ACT_BYTES * 2
         attn.append(cost.layers * (read + b * cost.write_bpt + q))
     return np.array(dense, dtype=float), np.array(attn, dtype=float)

@@ -88,6 +88,33 @@ def _diffkv_pool_for(f: DiffKVFormat, rest_bytes: float, max_reqs: int = 2048) -
     return pool
 
 
+def test_logged_tokens_count_pages_and_reserve_and_invert():
+    """SGLang's ``#token`` for DiffKV is the pages held plus the decode reserve at the
+    planning density, so it overstates a short context; ``context_from_logged`` undoes it."""
+    pool = _pool(TierMix(0.3, 0.5), heads=2, layers=3)
+    kv = np.array([40, 700, 3000])
+    pages = pool.decode_units(kv, None).sum() + pool.decode_step_need(kv)
+    assert pool.logged_tokens(kv) == pytest.approx(pages / pool.pages_per_token)
+    short = pool.logged_tokens(np.full(8, 60)) / 8
+    assert short > 2 * 60                     # rounding and reserve dominate a short one
+    rng = np.random.default_rng(11)
+    for reqs, length in zip(rng.integers(1, 200, 6), rng.integers(1, 6000, 6), strict=True):
+        logged = pool.logged_tokens(np.full(reqs, length))
+        got = pool.context_from_logged(int(reqs), logged)
+        # pages are whole: the longest context that logs no more than the value
+        assert got >= length
+        assert pool.logged_tokens(np.full(reqs, got)) == logged
+        assert pool.logged_tokens(np.full(reqs, got + 1)) > logged
+    with pytest.raises(SimulatorInputError, match="reqs=0"):
+        pool.context_from_logged(0, 100.0)
+
+
+def test_token_pool_logs_its_slots():
+    pool = make_format("bf16", 128).build_pool(load_model("llama-3-8b"), 1, 100_000, 64, 8192)
+    assert pool.logged_tokens(np.array([100, 50])) == 150
+    assert pool.context_from_logged(4, 1003) == 250
+
+
 def test_diffkv_pool_capacity_in_pages_and_tokens():
     m = load_model("llama-3-8b")
     f = make_format("diffkv", 128)
