@@ -173,6 +173,7 @@ def fit(h: HarnessResults, keys: list[str], model: str, gpu: str, calib: Calibra
         **res, "run": runs, "runs": keys, "backend": backend(fmt), "file": str(path)}
 
 
+KV_FORMAT_KEYS = ("bf16", "fp8", "diffkv")  # the calibration keys of the KV formats
 LAUNCH_KEYS = (*BACKENDS, "bf16", "fp8")  # backends, or a triton KV format
 
 
@@ -241,6 +242,14 @@ def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibratio
         base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
     base = with_given_ms(base, be, a.eager_prefill_launch_ms, "eager_prefill_launch_s",
                          "eager_prefill_launches")
+    base = with_given_ms(base, be, a.eager_prefill_turnaround_ms, "eager_prefill_turnaround_s",
+                         "eager_prefill_turnarounds")
+    for fmt in (f for f in KV_FORMAT_KEYS if backend(f) == be):
+        if base.prefill_turnaround_s(fmt) > 0.0 and base.prefill_launch_s(fmt) == 0.0:
+            raise SimulatorInputError(
+                f"--eager-prefill-turnaround-ms gives {fmt} a turnaround but {fmt} has no eager "
+                "prefill launch time (--eager-prefill-launch-ms, or the calibration's): the "
+                "turnaround counts from the end of those launches")
     base = with_given_ms(base, be, a.eager_decode_host_ms, "eager_decode_host_s",
                          "eager_decode_hosts")
     base = with_given_ms(base, be, a.eager_decode_host_per_req_us,
@@ -276,6 +285,10 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
         info["eager_launch_s"] = base.eager_prefill_launch_s
     if base.eager_prefill_launches:
         info["eager_launches_s"] = dict(base.eager_prefill_launches)
+    if base.eager_prefill_turnaround_s:
+        info["eager_turnaround_s"] = base.eager_prefill_turnaround_s
+    if base.eager_prefill_turnarounds:
+        info["eager_turnarounds_s"] = dict(base.eager_prefill_turnarounds)
     if base.eager_launch_holds_loop:
         info["launch_holds_loop"] = True
     if base.eager_decode_host_s:
@@ -753,6 +766,11 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         if fi.get("eager_launch_s") else "")
                      + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
                                for k, v in fi.get("eager_launches_s", {}).items())
+                     + (f"; the host's turnaround after them {1e3 * fi['eager_turnaround_s']:.1f}"
+                        " ms (--eager-prefill-turnaround-ms)"
+                        if fi.get("eager_turnaround_s") else "")
+                     + "".join(f"; {k}'s turnaround {1e3 * v:.1f} ms"
+                               for k, v in fi.get("eager_turnarounds_s", {}).items())
                      + ("; a decode step above the largest CUDA graph lasts at least the "
                         f"host's iteration, {1e3 * fi.get('eager_decode_host_s', 0.0):.1f} ms "
                         "(--eager-decode-host-ms)"
@@ -867,6 +885,17 @@ def main(argv: list[str] | None = None) -> int:
                          "step before (the overlap scheduler), DiffKV's after it (its prefill "
                          "allocation waits for that step); repeatable; default: the "
                          "calibration's (0: the sum)")
+    ap.add_argument("--eager-prefill-turnaround-ms", action="append", default=[],
+                    metavar="KEY=MS",
+                    help="the host's time from the end of an eager prefill's launches to the "
+                         "next step's launch (it streams the step before's tokens and forms "
+                         "and prepares the next batch), for KEY as in "
+                         "--eager-prefill-launch-ms, which KEY needs: the GPU idles through "
+                         "it, so a launch-bound prefill step lasts launches + this "
+                         "(calibration fields eager_prefill_turnaround_s and "
+                         "eager_prefill_turnaround_s_by_format); measured as "
+                         "scripts/loop_trace_report.py's median turnaround over the ladders' "
+                         "extends; repeatable; default: the calibration's (0: none)")
     ap.add_argument("--eager-decode-host-ms", action="append", default=[],
                     metavar="KEY=MS",
                     help="the host's time for a scheduler iteration around a decode step "
@@ -963,6 +992,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
                 f"[{ISOLATED_PREFILL_MIN:g}, 1]")
         a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
+        a.eager_prefill_turnaround_ms = key_ms_arg(
+            "--eager-prefill-turnaround-ms", a.eager_prefill_turnaround_ms, LAUNCH_KEYS)
         a.refine_hold = refine_hold_arg(a.refine_hold)
         a.eager_decode_host_ms = key_ms_arg("--eager-decode-host-ms", a.eager_decode_host_ms,
                                             LAUNCH_KEYS)

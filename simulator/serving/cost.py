@@ -5,7 +5,9 @@ prefill step whose launches the calibration times, ``eager_prefill_launch_s``, r
 (with ``prefill_token_overhead_s`` per prompt token, work on the GPU) under them and lasts the
 longer of the two, its launches counted from when the host began
 them: under the overlap scheduler, the start of the decode step before it, except for a KV
-format whose prefill allocation waits for that step, ``SYNCED_PREFILL_KEYS``; likewise a
+format whose prefill allocation waits for that step, ``SYNCED_PREFILL_KEYS``; the launches'
+side also holds the host's turnaround to the next step's launch
+(``eager_prefill_turnaround_s``), through which the GPU idles; likewise a
 decode step above the largest CUDA graph whose host iteration the calibration times,
 ``eager_decode_host_s`` plus ``eager_decode_host_per_req_s`` per request, lasts the longer of
 that iteration and its kernels with the fixed costs: the host's launches and scheduling
@@ -95,6 +97,7 @@ class CostModel:
         self.attention_key = attention_key
         self.attention_scale = calib.attention_scale(attention_key)
         self.prefill_launch_s = calib.prefill_launch_s(attention_key)
+        self.prefill_turnaround_s = calib.prefill_turnaround_s(attention_key)
         self.prefill_launch_overlaps = attention_key not in SYNCED_PREFILL_KEYS
         self.decode_host_s = calib.decode_host_s(attention_key)
         self.decode_host_per_req_s = calib.decode_host_per_req_s(attention_key)
@@ -263,6 +266,15 @@ class CostModel:
             return 0.0
         return max(0.0, self.prefill_launch_s - s.launch_head_start_s)
 
+    def launch_floor_s(self, s: StepShape) -> float:
+        """The least a prefill step with timed launches lasts from its start: its launches
+        (``launch_s``), then the host's turnaround to the next step's launch
+        (``eager_prefill_turnaround_s``), through which the GPU idles; 0 for any other step.
+        A step whose kernels outlast this lasts its kernels: the turnaround runs under them."""
+        if not s.prefill_tokens or self.prefill_launch_s <= 0.0:
+            return 0.0
+        return self.launch_s(s) + self.prefill_turnaround_s
+
     def layer_overhead(self, s: StepShape) -> float:
         """Fixed cost per layer: launches from a CUDA graph, or eager ones (a prefill step's,
         or a decode step's above the largest captured batch, which may differ; none where
@@ -299,7 +311,7 @@ class CostModel:
         if s.prefill_tokens and self.prefill_launch_s > 0.0:
             # the kernels run under their launches, which began launch_head_start_s ago
             if launch_floor:
-                t = max(t, self.launch_s(s))
+                t = max(t, self.launch_floor_s(s))
         else:
             t += self.layers * self.layer_overhead(s)
         if s.prefill_tokens:

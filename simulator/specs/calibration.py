@@ -56,6 +56,14 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # max(launches, kernels) in place of kernels + layers * ``eager_layer_overhead_s``.
 # scripts/probe_prefill_ttft.py --compare estimates it from lone prefills of several lengths;
 # 0 (the default): the sum
+# ``eager_prefill_turnaround_s`` is the host's time from the end of those launches to the
+# next step's launch: it streams the step before's tokens, forms the next batch and prepares
+# it (a decode step's metadata and graph replay, a prefill's allocation). The GPU idles
+# through it when the launches bound the step, so such a step lasts max(launches +
+# turnaround, kernels) (H200 loop traces, session 37: 2-4.5 ms median on DiffKV ladders,
+# 1.3-3 ms on triton's; the torch profiler saw 3.6-4.1 ms of GPU idle at the head of every
+# DiffKV decode step after an extend). Only with a timed launch; 0 (the default): none.
+# scripts/loop_trace_report.py measures it (the median over a ladder's extends)
 # ``eager_decode_host_s`` is the host's time for one scheduler iteration around a decode step
 # that no CUDA graph runs (a batch above the largest captured size): the step's eager
 # launches, the next batch's scheduling and the previous step's results, which a CUDA graph
@@ -71,7 +79,8 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s", "release_overhead_s",
                            "first_token_latency_s", "eager_prefill_launch_s",
-                           "eager_decode_host_s", "eager_decode_host_per_req_s")
+                           "eager_prefill_turnaround_s", "eager_decode_host_s",
+                           "eager_decode_host_per_req_s")
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -89,6 +98,8 @@ ATTENTION_SCALE_MAX = 4.0
 # e.g. SGLang's triton backend on an fp8 cache, whose KV store launches four more kernels a
 # layer (session 22's profile: 469 launches a prefill step against bf16's 405)
 PREFILL_LAUNCHES_FIELD = "eager_prefill_launch_s_by_format"
+# optional: ``eager_prefill_turnaround_s`` for one KV format where it differs
+PREFILL_TURNAROUNDS_FIELD = "eager_prefill_turnaround_s_by_format"
 # optional: ``eager_decode_host_s`` for one KV format (calibration key) where it differs
 DECODE_HOST_FIELD = "eager_decode_host_s_by_format"
 # optional: ``eager_decode_host_per_req_s`` for one KV format where it differs
@@ -332,6 +343,21 @@ def _attention_scale(v: Any, where: str) -> float:
     return float(v)
 
 
+def _check_turnarounds(default: float, by_format: dict[str, float], launch: float,
+                       launches: dict[str, float], where: str) -> None:
+    """A turnaround follows timed launches: one given where no launch is (the default without
+    ``eager_prefill_launch_s``, a format whose launch is 0) would never be used."""
+    if default > 0.0 and launch == 0.0 and not launches:
+        raise SimulatorInputError(
+            f"{where}.eager_prefill_turnaround_s={default!r} needs eager_prefill_launch_s (the "
+            "turnaround counts from the end of the timed launches)")
+    for key, v in by_format.items():
+        if v > 0.0 and launches.get(key, launch) == 0.0:
+            raise SimulatorInputError(
+                f"{where}.{PREFILL_TURNAROUNDS_FIELD}.{key}={v!r} needs a launch time for "
+                f"{key!r} (eager_prefill_launch_s or {PREFILL_LAUNCHES_FIELD}.{key})")
+
+
 def _by_format(d: dict[str, Any], name: str, value: Callable[[Any, str], float], what: str,
                where: str) -> dict[str, float]:
     """Optional field ``name`` of ``d``: KV format -> a value that ``value`` checks."""
@@ -367,6 +393,8 @@ class Calibration:
     first_token_latency_s: float = 0.0
     eager_prefill_launch_s: float = 0.0
     eager_prefill_launches: dict[str, float] = field(default_factory=dict)
+    eager_prefill_turnaround_s: float = 0.0
+    eager_prefill_turnarounds: dict[str, float] = field(default_factory=dict)
     eager_decode_host_s: float = 0.0
     eager_decode_hosts: dict[str, float] = field(default_factory=dict)
     eager_decode_host_per_req_s: float = 0.0
@@ -406,6 +434,12 @@ class Calibration:
         """The host's time to launch an eager prefill step on KV format ``key`` (its own
         where the file gives one, else ``eager_prefill_launch_s``; 0: not timed)."""
         return self.eager_prefill_launches.get(key, self.eager_prefill_launch_s)
+
+    def prefill_turnaround_s(self, key: str) -> float:
+        """The host's time from an eager prefill's launches to the next step's launch on KV
+        format ``key`` (its own where the file gives one, else
+        ``eager_prefill_turnaround_s``; 0: not timed)."""
+        return self.eager_prefill_turnarounds.get(key, self.eager_prefill_turnaround_s)
 
     def decode_host_s(self, key: str) -> float:
         """The host's time for an iteration around an eager decode step on KV format ``key``
@@ -455,6 +489,10 @@ class Calibration:
                                  f"{where}.{ATTENTION_SCALE_FIELD}")
         scales = _by_format(d, ATTENTION_SCALES_FIELD, _attention_scale, "factors", where)
         launches = _by_format(d, PREFILL_LAUNCHES_FIELD, _optional_seconds, "seconds", where)
+        turnarounds = _by_format(d, PREFILL_TURNAROUNDS_FIELD, _optional_seconds, "seconds",
+                                 where)
+        _check_turnarounds(optional["eager_prefill_turnaround_s"], turnarounds,
+                           optional["eager_prefill_launch_s"], launches, where)
         hosts = _by_format(d, DECODE_HOST_FIELD, _optional_seconds, "seconds", where)
         per_req = _by_format(d, DECODE_HOST_PER_REQ_FIELD, _optional_seconds, "seconds", where)
         isolated = d.get(ISOLATED_PREFILL_FIELD, 1.0)
@@ -480,7 +518,8 @@ class Calibration:
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
                    decode_attention_scale=scale, decode_attention_scales=scales,
-                   eager_prefill_launches=launches, eager_decode_hosts=hosts,
+                   eager_prefill_launches=launches, eager_prefill_turnarounds=turnarounds,
+                   eager_decode_hosts=hosts,
                    eager_decode_hosts_per_req=per_req,
                    eager_launch_holds_loop=holds_loop,
                    eager_decode_layer_overhead_s=eager_decode,
@@ -502,6 +541,8 @@ class Calibration:
             d[ATTENTION_SCALES_FIELD] = dict(self.decode_attention_scales)
         if self.eager_prefill_launches:
             d[PREFILL_LAUNCHES_FIELD] = dict(self.eager_prefill_launches)
+        if self.eager_prefill_turnarounds:
+            d[PREFILL_TURNAROUNDS_FIELD] = dict(self.eager_prefill_turnarounds)
         if self.eager_decode_hosts:
             d[DECODE_HOST_FIELD] = dict(self.eager_decode_hosts)
         if self.eager_decode_hosts_per_req:

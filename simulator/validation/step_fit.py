@@ -28,7 +28,8 @@ its kernels, which no linear term fits: its intervals are left out and ``c_eager
 fitted nor used; the refinement sees those steps whole, in the fitting runs' metrics); a
 prefill step keeps the calibration's
 ``eager_layer_overhead_s`` in its kernel time (or, with ``eager_prefill_launch_s``, lasts the
-longer of its launches and its kernels with ``p_tok`` per prompt token, the launches begun a
+longer of its launches, with the host's turnaround after them (``eager_prefill_turnaround_s``),
+and its kernels with ``p_tok`` per prompt token, the launches begun a
 decode step's kernel time before it, as the overlap scheduler launches a prefill while a decode
 step runs: which side holds depends on ``p_tok`` itself, so the fit iterates to a fixed point,
 ``LaunchFloors``) and its own terms absorb the rest; ``s_attn``:
@@ -138,7 +139,8 @@ def _kernels(server: ResolvedServer, shape: StepShape
     scale 1, the layers that pay the eager decode launch cost (0 for a CUDA-graph step and
     for a prefill step, whose own eager cost stays in the time: the prefill-step terms
     absorb any difference), and for a prefill step that a launch floor may bound, how far
-    its launches outlast that time (None for any other step): the time is then its
+    its launches and the turnaround after them (``CostModel.launch_floor_s``) outlast that
+    time (None for any other step): the time is then its
     kernel-bound side, as if the launches never held it back."""
     cal, cost = server.deployment.calibration, server.cost
     t = cost.step_time(shape, launch_floor=False)
@@ -153,7 +155,7 @@ def _kernels(server: ResolvedServer, shape: StepShape
     if shape.decode_reqs:
         attn = cost.layers * cost.decode_attention_time(
             shape.decode_reqs, shape.decode_kv_tokens, shape.decode_read_bytes)
-    floor = (cost.launch_s(shape) - t
+    floor = (cost.launch_floor_s(shape) - t
              if shape.prefill_tokens and cost.prefill_launch_s > 0.0 else None)
     return t - attn, attn / cost.attention_scale, eager_layers, floor
 
