@@ -44,8 +44,9 @@ A last table pools the one-prompt extends (run_batch of a prefill of one prompt,
 of every result folder's ladder runs by server configuration: n, mean and spread. The mean is
 the simulator's eager prefill launch (scripts/validate_simulator.py --eager-prefill-launch-ms),
 and the ladders' first-token latency, averaged over their requests, its
---first-token-latency-ms. Give it several starts of one configuration, as the host's speed
-moves between starts:
+--first-token-latency-ms, and the median turnaround, the host's time from an extend's
+launches to the next step's launch, its --eager-prefill-turnaround-ms. Give it several starts
+of one configuration, as the host's speed moves between starts:
 
     D=docs/data/h200-2026-11-25/s32-probe
     python scripts/loop_trace_report.py b1=$D/c1/bf16 b2=$D/c2/bf16 b3=$D/c3/bf16 \
@@ -163,6 +164,25 @@ def one_prompt_ms(seg: list[Record]) -> list[float]:
     eager prefill launch (``--eager-prefill-launch-ms``) stands for."""
     return [1e3 * (r.t1 - r.t0) for r in seg
             if r.phase == Phase.RUN and r.mode == Mode.EXTEND and r.size == 1]
+
+
+def turnaround_ms(seg: list[Record]) -> list[float]:
+    """Host ms from the end of each extend's run_batch (its launches) to the next step's
+    launch, where the iteration after it launched one: a decode step's graph replay ends its
+    run_batch, a prefill's launches begin with its run_batch. What the simulator's
+    ``--eager-prefill-turnaround-ms`` stands for: the GPU idles through it after a
+    launch-bound prefill. An extend whose kernels outlast its launches is waited for inside
+    it (a long prompt), hence the median."""
+    its = timed_iterations(seg)
+    out = []
+    for a, b in zip(its, its[1:], strict=False):
+        if a.run is None or b.run is None or a.run.mode != Mode.EXTEND:
+            continue
+        if b.run.mode == Mode.DECODE:
+            out.append(1e3 * (b.run.t1 - a.run.t1))
+        elif b.run.mode == Mode.EXTEND:
+            out.append(1e3 * (b.run.t0 - a.run.t1))
+    return out
 
 
 class RunWindow(NamedTuple):
@@ -440,6 +460,7 @@ class Report(NamedTuple):
     splits: list[dict]                    # ttft_split_rows of every result folder's runs
     launches: dict[str, list[float]]      # ladder one-prompt launches (ms) by configuration
     eager: dict[str, list[tuple[int, float]]]  # eager_points by configuration (or label)
+    turnarounds: dict[str, list[float]]   # ladder turnaround_ms by configuration
 
 
 def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
@@ -453,6 +474,7 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
     splits: list[dict] = []
     launches: dict[str, list[float]] = {}
     eager: dict[str, list[tuple[int, float]]] = {}
+    turnarounds: dict[str, list[float]] = {}
     for label, path in runs:
         results = Path(path) / "results.json"
         windows = run_windows(results) if results.is_file() else None
@@ -475,13 +497,14 @@ def report_rows(runs: list[tuple[str, str]], gap_s: float, min_s: float,
             for w, seg in runs_in:
                 if w.ladder:
                     launches.setdefault(w.config or label, []).extend(one_prompt_ms(seg))
+                    turnarounds.setdefault(w.config or label, []).extend(turnaround_ms(seg))
                 if graph_max_bs:
                     eager.setdefault(w.config or label, []).extend(
                         eager_points(seg, graph_max_bs))
         elif graph_max_bs:
             for recs in traces:
                 eager.setdefault(label, []).extend(eager_points(recs, graph_max_bs))
-    return Report(rows, splits, launches, eager)
+    return Report(rows, splits, launches, eager, turnarounds)
 
 
 def _f(v: float | None, spec: str) -> str:
@@ -588,12 +611,15 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
     return lines
 
 
-def launch_rows(launches: dict[str, list[float]], splits: Sequence[dict] = ()) -> list[dict]:
+def launch_rows(launches: dict[str, list[float]], splits: Sequence[dict] = (),
+                turnarounds: dict[str, list[float]] | None = None) -> list[dict]:
     """Per configuration: how many one-prompt extends its ladder runs launched, and their mean,
     median, 10th and 90th percentile host ms (the mean is --eager-prefill-launch-ms: the
-    model's steps pay it on average); and, from ``splits`` (ttft_split_rows, which give only
+    model's steps pay it on average); from ``splits`` (ttft_split_rows, which give only
     ladder runs a first_token_ms), that latency averaged over the joined requests
-    (--first-token-latency-ms)."""
+    (--first-token-latency-ms); and the median of ``turnarounds`` (turnaround_ms of every
+    extend, --eager-prefill-turnaround-ms)."""
+    turnarounds = turnarounds or {}
     first: dict[str, tuple[float, int]] = {}
     for r in splits:
         if r["first_token_ms"] is not None:
@@ -607,26 +633,31 @@ def launch_rows(launches: dict[str, list[float]], splits: Sequence[dict] = ()) -
         total, n = first.get(cfg, (0.0, 0))
         rows.append({"config": cfg, "n": len(v), "mean_ms": mean(v), "median_ms": median(v),
                      "p10_ms": percentile(v, 10), "p90_ms": percentile(v, 90),
-                     "first_token_n": n, "first_token_ms": total / n if n else None})
+                     "first_token_n": n, "first_token_ms": total / n if n else None,
+                     "turnaround_n": len(turnarounds.get(cfg, [])),
+                     "turnaround_ms": median(turnarounds.get(cfg, []))})
     return rows
 
 
 def format_launches(rows: list[dict]) -> list[str]:
     w = max([6] + [len(r["config"]) for r in rows])
     head = (f"{'config':{w}} {'n':>6} {'mean ms':>8} {'p10/median/p90 ms':>20} "
-            f"{'requests':>8} {'first-token ms':>14}")
+            f"{'requests':>8} {'first-token ms':>14} {'turns':>6} {'turnaround ms':>13}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = (f"{_f(r['p10_ms'], '.1f')}/{_f(r['median_ms'], '.1f')}/"
                   f"{_f(r['p90_ms'], '.1f')}")
         lines.append(f"{r['config']:{w}} {r['n']:6d} {_f(r['mean_ms'], '.2f'):>8} {spread:>20} "
-                     f"{r['first_token_n']:8d} {_f(r['first_token_ms'], '.2f'):>14}")
+                     f"{r['first_token_n']:8d} {_f(r['first_token_ms'], '.2f'):>14} "
+                     f"{r['turnaround_n']:6d} {_f(r['turnaround_ms'], '.2f'):>13}")
     lines.append(
         "one-prompt extends (run_batch of a prefill of one prompt, any length) in the ladder "
         "runs of every result folder given, pooled by server configuration; the mean is "
         "scripts/validate_simulator.py's --eager-prefill-launch-ms. first-token: the ladder "
         "runs' pre less the poll wait, plus post, over their joined requests "
-        "(--first-token-latency-ms)")
+        "(--first-token-latency-ms). turnaround: median host ms from an extend's launches to "
+        "the next step's launch, over every extend followed by one "
+        "(--eager-prefill-turnaround-ms)")
     return lines
 
 
@@ -702,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     if dup:
         ap.error(f"label given more than once: {', '.join(dup)}")
     try:
-        rows, splits, launches, eager = report_rows(a.runs, a.gap_s, a.min_s, a.graph_max_bs)
+        rows, splits, launches, eager, turns = report_rows(a.runs, a.gap_s, a.min_s,
+                                                           a.graph_max_bs)
     except ReportInputError as e:
         print(f"loop_trace_report: error: {e}", file=sys.stderr)
         return 2
@@ -716,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     if splits:
         print()
         print("\n".join(format_splits(splits)))
-    pooled = launch_rows(launches, splits)
+    pooled = launch_rows(launches, splits, turns)
     if pooled:
         print()
         print("\n".join(format_launches(pooled)))

@@ -472,13 +472,29 @@ def test_the_poll_wait_comes_off_pre_and_the_first_token_latency_pools_by_config
     assert pooled["mean_ms"] == pytest.approx(10.0)            # a's 4 ms and b's 16
     assert pooled["first_token_ms"] == pytest.approx(3.0)
     line = capsys.readouterr().out.splitlines()[-2]
-    assert line.split() == ["bf16", "2", "10.00", "5.2/10.0/14.8", "2", "3.00"]
+    # turnarounds: 116 - 107 and 526 - 519 ms (the burst's extend is no ladder's)
+    assert (pooled["turnaround_n"], pooled["turnaround_ms"]) == (2, pytest.approx(8.0))
+    assert line.split() == ["bf16", "2", "10.00", "5.2/10.0/14.8", "2", "3.00", "2", "8.00"]
+
+
+def test_the_turnaround_runs_from_an_extends_launches_to_the_next_launch(
+        tmp_path: Path) -> None:
+    tr = trace_b_first(Trace(0.0))
+    # an extend the loop idles after (an iteration that launches nothing), then a decode
+    tr.it(200, EXT, 5, tok=1, recv=("b5",), result=DEC, result_ms=2)   # run 203-208
+    tr.rec(Phase.RECV, 230, 231)
+    tr.it(240, DEC, 3, result=EXT, finish=("b5",))                      # run 243-246
+    seg = ltr.read_loop_trace(tr.write(tmp_path / "b.jsonl"))
+    # E->D to the decode's graph launch (its run's end): 15 - 8 and 157 - 133; E->E to the
+    # next extend's first launch (its run's start): 55 - 40 and 83 - 67; D->E and the
+    # extend followed by an idle iteration count nothing
+    assert ltr.turnaround_ms(seg) == pytest.approx([7.0, 15.0, 16.0, 24.0])
 
 
 def test_a_send_after_every_receipt_is_not_joined(tmp_path: Path) -> None:
     fp8 = _bench_folder(tmp_path, "fp8", (10.0, 14.0), 2.0)
     _client_log(fp8, {"requests__fp8__ladder@6rps.jsonl.gz": _req(0.5, 35.7) + _req(25.0, 60.0)})
-    rows, splits, _, _ = ltr.report_rows([("fp8", str(fp8))], 0.3, 0.0)
+    rows, splits, *_ = ltr.report_rows([("fp8", str(fp8))], 0.3, 0.0)
     assert rows and [(s["client_n"], s["joined_n"]) for s in splits] == [(2, 1)]
     assert splits[0]["pre_mean_ms"] == pytest.approx(1.5)
 
