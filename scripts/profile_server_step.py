@@ -195,15 +195,19 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
 
 # one per forward step: the sampler's argmax ends every step, prefill or decode
 STEP_END_KERNEL = "ArgMaxOps"
-# SGLang's triton extend kernel: a step that launches it is a prefill step
+# SGLang's triton extend kernel (its time is a step's extend_ms)
 EXTEND_KERNEL = "_fwd_kernel"
+# a step that launches one of these is a prefill step: the triton backend's extend kernel,
+# DiffKV's prefill store (its extend attention is a flash kernel that other paths share)
+PREFILL_KERNELS = (EXTEND_KERNEL, "_store_prefill_kernel")
 
 
 def forward_steps(kernels: list[dict]) -> list[dict]:
     """The trace's kernels cut into forward steps at each sampling argmax: per step the span
     from its first kernel's start to the argmax's end (ms), GPU busy (ms), the extend
-    kernel's time (ms), its kernel count, and whether it is a prefill step. Kernels after the
-    last argmax (a step the window cut) are left out."""
+    kernel's time (ms), its kernel count, whether it is a prefill step (it launches one of
+    PREFILL_KERNELS) and whether the step before it was (None for the first). Kernels after
+    the last argmax (a step the window cut) are left out."""
     ks = sorted(kernels, key=lambda e: float(e["ts"]))
     out, i = [], 0
     for e in ks:
@@ -220,7 +224,9 @@ def forward_steps(kernels: list[dict]) -> list[dict]:
         out.append({"span_ms": (end - float(step[0]["ts"])) / 1e3,
                     "busy_ms": union_ms([(float(k["ts"]), float(k["ts"]) + float(k["dur"]))
                                          for k in step]),
-                    "extend_ms": sum(ext) / 1e3, "kernels": len(step), "prefill": bool(ext)})
+                    "extend_ms": sum(ext) / 1e3, "kernels": len(step),
+                    "prefill": any(k["name"] in PREFILL_KERNELS for k in step),
+                    "after_prefill": out[-1]["prefill"] if out else None})
     return out
 
 
@@ -258,9 +264,15 @@ def summarize(trace_path: Path, steps: int) -> dict:
 
 
 def split_steps(steps: list[dict]) -> list[tuple[str, list[dict]]]:
-    """(kind, steps) for the prefill and the decode steps, kinds without steps left out."""
-    return [(kind, st) for kind, sel in (("prefill", True), ("decode", False))
-            if (st := [f for f in steps if f["prefill"] is sel])]
+    """(kind, steps) for the prefill steps, the decode steps, and the decode steps after a
+    decode step and after a prefill step apart (the first step, whose predecessor the window
+    cut, in neither); kinds without steps left out. A decode step after an eager prefill
+    waits on the GPU for the host to finish that prefill's launches and prepare it."""
+    dec = [f for f in steps if not f["prefill"]]
+    kinds = (("prefill", [f for f in steps if f["prefill"]]), ("decode", dec),
+             ("decode after a decode", [f for f in dec if f.get("after_prefill") is False]),
+             ("decode after a prefill", [f for f in dec if f.get("after_prefill")]))
+    return [(kind, st) for kind, st in kinds if st]
 
 
 def step_line(kind: str, st: list[dict]) -> str:

@@ -134,3 +134,29 @@ def test_forward_steps_split_at_the_sampler_and_prefill_steps_apart(prof, tmp_pa
     assert ("prefill steps: 1, median span 10.00 ms, GPU busy 3.10 ms, extend kernel 1.00 ms,"
             " 3 kernels") in text
     assert "decode steps: 1, median span 4.10 ms" in text
+    assert "decode after a" not in text      # the one decode step's predecessor was cut
+
+
+def test_decode_steps_split_by_the_step_before_and_diffkv_prefills_count(prof, tmp_path):
+    argmax = "reduce_kernel<ArgMaxOps<float>>"
+    ev = []
+    t = 0
+    # decode, DiffKV prefill (its store kernel, no triton extend), decode with 3 ms of idle
+    # at its head (the host's turnaround), decode
+    for names, idle in ((["gemm"], 0), (["flash_fwd", "_store_prefill_kernel"], 0),
+                        (["memcpy", "graph"], 3000), (["graph"], 0)):
+        for i, n in enumerate(names):
+            ev.append({"cat": "kernel", "name": n, "ts": t, "dur": 1000})
+            t += 1000 + (idle if i == 0 else 0)
+        ev.append({"cat": "kernel", "name": argmax, "ts": t, "dur": 100})
+        t += 200
+    path = tmp_path / "z.trace.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    steps = prof.summarize(path, steps=4)["forward_steps"]
+    assert [f["prefill"] for f in steps] == [False, True, False, False]
+    assert [f["after_prefill"] for f in steps] == [None, False, True, False]
+    kinds = dict(prof.split_steps(steps))
+    (after_p,), (after_d,) = kinds["decode after a prefill"], kinds["decode after a decode"]
+    assert after_p["span_ms"] - after_p["busy_ms"] == pytest.approx(3.0)
+    assert after_d["span_ms"] == pytest.approx(after_d["busy_ms"])
+    assert len(kinds["decode"]) == 3 and len(kinds["prefill"]) == 1
