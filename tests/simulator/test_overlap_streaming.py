@@ -134,6 +134,7 @@ def test_validate_simulator_turns_it_on_per_backend(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(vs, "fit", fake_fit)
     a = Namespace(diffkv_prefill_step_ms=0.0, eager_prefill_launch_ms={"diffkv": 30.0},
                   eager_decode_host_ms={}, eager_decode_host_per_req_us={},
+                  eager_prefill_turnaround_ms={},
                   launch_holds_loop=["diffkv"],
                   first_token_latency_ms={}, refine_hold=vs.refine_hold_arg([]),
                   model="llama-3-8b", gpu="h200", prefill_fit="all", fit_decode_run=[],
