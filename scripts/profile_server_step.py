@@ -202,12 +202,10 @@ EXTEND_KERNEL = "_fwd_kernel"
 PREFILL_KERNELS = (EXTEND_KERNEL, "_store_prefill_kernel")
 
 
-def forward_steps(kernels: list[dict]) -> list[dict]:
-    """The trace's kernels cut into forward steps at each sampling argmax: per step the span
-    from its first kernel's start to the argmax's end (ms), GPU busy (ms), the extend
-    kernel's time (ms), its kernel count, whether it is a prefill step (it launches one of
-    PREFILL_KERNELS) and whether the step before it was (None for the first). Kernels after
-    the last argmax (a step the window cut) are left out."""
+def cut_steps(kernels: list[dict]) -> list[tuple[list[dict], float]]:
+    """The trace's kernels in time order, cut into forward steps at each sampling argmax:
+    per step its kernels (the argmax last) and the argmax's end (trace us). Kernels after the
+    last argmax (a step the window cut) are left out."""
     ks = sorted(kernels, key=lambda e: float(e["ts"]))
     out, i = [], 0
     for e in ks:
@@ -218,14 +216,31 @@ def forward_steps(kernels: list[dict]) -> list[dict]:
         while i < len(ks) and float(ks[i]["ts"]) < end:
             step.append(ks[i])
             i += 1
-        if not step:
-            continue
+        if step:
+            out.append((step, end))
+    return out
+
+
+def busy_ms(step: list[dict]) -> float:
+    """GPU busy ms of a step's kernels (the union of their intervals)."""
+    return union_ms([(float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in step])
+
+
+def is_prefill(step: list[dict]) -> bool:
+    """Whether a step launches one of PREFILL_KERNELS."""
+    return any(k["name"] in PREFILL_KERNELS for k in step)
+
+
+def forward_steps(kernels: list[dict]) -> list[dict]:
+    """``cut_steps``' steps: per step the span from its first kernel's start to the argmax's
+    end (ms), GPU busy (ms), the extend kernel's time (ms), its kernel count, whether it is a
+    prefill step (``is_prefill``) and whether the step before it was (None for the first)."""
+    out: list[dict] = []
+    for step, end in cut_steps(kernels):
         ext = [float(k["dur"]) for k in step if k["name"] == EXTEND_KERNEL]
-        out.append({"span_ms": (end - float(step[0]["ts"])) / 1e3,
-                    "busy_ms": union_ms([(float(k["ts"]), float(k["ts"]) + float(k["dur"]))
-                                         for k in step]),
+        out.append({"span_ms": (end - float(step[0]["ts"])) / 1e3, "busy_ms": busy_ms(step),
                     "extend_ms": sum(ext) / 1e3, "kernels": len(step),
-                    "prefill": any(k["name"] in PREFILL_KERNELS for k in step),
+                    "prefill": is_prefill(step),
                     "after_prefill": out[-1]["prefill"] if out else None})
     return out
 

@@ -1,6 +1,6 @@
 """Session 37: a DiffKV server's forward steps in a torch-profiler trace, kernel time by kind.
 
-Steps are cut as ``scripts/profile_server_step.py`` cuts them (at each sampling argmax; a step
+Steps are ``scripts/profile_server_step.py``'s (``cut_steps``: at each sampling argmax; a step
 that launches DiffKV's prefill store is a prefill step). Per kind of step (prefill, decode
 after a decode, decode after a prefill): medians of the span, the GPU busy time, the kernel ms
 of the GEMMs, DiffKV's decode attention (split-K and merge), its policy kernel and the rest,
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts"))
 
-from profile_server_step import PREFILL_KERNELS, STEP_END_KERNEL, union_ms  # noqa: E402
+from profile_server_step import busy_ms, cut_steps, is_prefill  # noqa: E402
 
 PARTS = ("gemm", "attention", "policy", "other")
 
@@ -39,26 +39,14 @@ def part(name: str) -> str:
 def steps(path: Path) -> list[dict]:
     with gzip.open(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    ks = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e),
-                key=lambda e: float(e["ts"]))
-    out, i = [], 0
-    for e in ks:
-        if STEP_END_KERNEL not in e["name"]:
-            continue
-        end = float(e["ts"]) + float(e["dur"])
-        step = []
-        while i < len(ks) and float(ks[i]["ts"]) < end:
-            step.append(ks[i])
-            i += 1
+    out = []
+    for step, end in cut_steps([e for e in events if e.get("cat") == "kernel" and "dur" in e]):
         ms = collections.Counter()
         for k in step:
             ms[part(k["name"])] += float(k["dur"]) / 1e3
         grid = [k["args"]["grid"][0] for k in step if "decode_split" in k["name"]]
-        out.append({"span": (end - float(step[0]["ts"])) / 1e3,
-                    "busy": union_ms([(float(k["ts"]), float(k["ts"]) + float(k["dur"]))
-                                      for k in step]),
-                    "prefill": any(k["name"] in PREFILL_KERNELS for k in step),
-                    "batch": grid[0] if grid else 0, **ms})
+        out.append({"span": (end - float(step[0]["ts"])) / 1e3, "busy": busy_ms(step),
+                    "prefill": is_prefill(step), "batch": grid[0] if grid else 0, **ms})
     for a, b in zip(out, out[1:], strict=False):
         b["after"] = "prefill" if a["prefill"] else "decode"
     return out[1:]   # the first step's predecessor was cut
