@@ -363,6 +363,24 @@ def client_requests(tar: tarfile.TarFile, name: str, config: str,
     return sorted(out)
 
 
+# a request whose way in (pre) or first token's way out (post) took longer than this met a
+# pause of the tokenizer manager: its full garbage collection (0.39-0.53 s on the H200, SGLang's
+# GC warning), not a cost every request pays. The tokenization of a long prompt holds the
+# requests behind it 0.10-0.16 s, which stays in.
+PAUSE_MIN_S = 0.2
+
+
+def _pause_windows(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The merged (start, end) of the ``spans`` longer than PAUSE_MIN_S."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(x for x in spans if x[1] - x[0] > PAUSE_MIN_S):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]],
                poll_s: float | None = None) -> dict:
     """Where each client request's TTFT went. ``sends``: (send, first token) on the
@@ -371,32 +389,49 @@ def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]],
     millisecond may swap, which moves no mean). pre: send -> received (HTTP, the tokenizer
     manager, the wait for the loop's next poll); queue: received -> launched; step: launched
     -> first token streamed; post: streamed -> the client's first token (detokenizer, HTTP).
-    With ``poll_s``, the run's mean wait for the loop's poll (``poll_wait_s``): also
-    first_token_ms, the mean of pre less that wait, plus post. A simulator whose scheduler
+    pauses: the tokenizer manager's GC pauses (a pre or post over PAUSE_MIN_S), their count and
+    longest ms. With ``poll_s``, the run's mean wait for the loop's poll (``poll_wait_s``): also
+    first_token_ms, the mean of pre less that wait, plus post, over the requests whose way in
+    and out no pause overlaps (first_token_all_ms: over all). A simulator whose scheduler
     forms each batch from the requests that arrived before it (so waits for the poll itself)
-    adds this latency to every TTFT (--first-token-latency-ms)."""
+    and models the pauses apart adds this latency to every TTFT (--first-token-latency-ms)."""
     got = sorted(times.values(), key=lambda t: t.received)
     received = [t.received for t in got]
-    parts: dict[str, list[float]] = {k: [] for k in ("ttft", "pre", "queue", "step", "post")}
+    joined: list[tuple[float, float, RequestTimes]] = []
     j = 0
     for send, first in sorted(sends):
         j = bisect.bisect_left(received, send, lo=j)
         if j >= len(got):
             break
-        t = got[j]
+        joined.append((send, first, got[j]))
         j += 1
+    ways = [((send, t.received), (t.streamed, first)) for send, first, t in joined]
+    # a burst's requests queue for seconds at the tokenizer manager: no pause to tell apart
+    windows = _pause_windows([w for pair in ways for w in pair]) if poll_s is not None else []
+    parts: dict[str, list[float]] = {k: [] for k in ("ttft", "pre", "queue", "step", "post")}
+    calm: dict[str, list[float]] = {"pre": [], "post": []}
+    for (send, first, t), pair in zip(joined, ways, strict=True):
         for k, v in (("ttft", first - send), ("pre", t.received - send),
                      ("queue", t.launched - t.received), ("step", t.streamed - t.launched),
                      ("post", first - t.streamed)):
             parts[k].append(1e3 * v)
+        if not any(a < w1 and w0 < b for a, b in pair for w0, w1 in windows):
+            calm["pre"].append(1e3 * (t.received - send))
+            calm["post"].append(1e3 * (first - t.streamed))
     row: dict = {"client_n": len(sends), "joined_n": len(parts["ttft"])}
     for k, v in parts.items():
         row[f"{k}_median_ms"] = median(v)
         row[f"{k}_mean_ms"] = mean(v)
+    row["pauses"] = len(windows)
+    row["pause_max_ms"] = max((1e3 * (b - a) for a, b in windows), default=None)
+    row["calm_n"] = len(calm["pre"])
     row["poll_wait_ms"] = None if poll_s is None else 1e3 * poll_s
-    pre, post = row["pre_mean_ms"], row["post_mean_ms"]
-    row["first_token_ms"] = (None if poll_s is None or pre is None or post is None
-                             else pre - 1e3 * poll_s + post)
+
+    def latency(pre: float | None, post: float | None) -> float | None:
+        return None if poll_s is None or pre is None or post is None else pre - 1e3 * poll_s + post
+
+    row["first_token_all_ms"] = latency(row["pre_mean_ms"], row["post_mean_ms"])
+    row["first_token_ms"] = latency(mean(calm["pre"]), mean(calm["post"]))
     return row
 
 
@@ -616,16 +651,16 @@ def launch_rows(launches: dict[str, list[float]], splits: Sequence[dict] = (),
     """Per configuration: how many one-prompt extends its ladder runs launched, and their mean,
     median, 10th and 90th percentile host ms (the mean is --eager-prefill-launch-ms: the
     model's steps pay it on average); from ``splits`` (ttft_split_rows, which give only
-    ladder runs a first_token_ms), that latency averaged over the joined requests
-    (--first-token-latency-ms); and the median of ``turnarounds`` (turnaround_ms of every
+    ladder runs a first_token_ms), that latency averaged over the joined requests that met no
+    GC pause (--first-token-latency-ms); and the median of ``turnarounds`` (turnaround_ms of every
     extend, --eager-prefill-turnaround-ms)."""
     turnarounds = turnarounds or {}
     first: dict[str, tuple[float, int]] = {}
     for r in splits:
         if r["first_token_ms"] is not None:
             total, n = first.get(r["config"], (0.0, 0))
-            first[r["config"]] = (total + r["first_token_ms"] * r["joined_n"],
-                                  n + r["joined_n"])
+            first[r["config"]] = (total + r["first_token_ms"] * r["calm_n"],
+                                  n + r["calm_n"])
     rows = []
     for cfg, v in launches.items():
         if not v:
@@ -683,11 +718,16 @@ def format_host_lines(rows: list[dict], graph_max_bs: int) -> list[str]:
     return lines
 
 
+def _pauses(r: dict) -> str:
+    return f"{r['pauses']}/{_f(r['pause_max_ms'], '.0f')}" if r["pauses"] else "-"
+
+
 def format_splits(rows: list[dict]) -> list[str]:
     w = max([5] + [len(r["label"]) for r in rows])
     rw = max([3] + [len(r["run"]) for r in rows])
     head = (f"{'label':{w}} {'run':{rw}} {'joined':>9} {'client TTFT ms':>15} {'pre ms':>11} "
-            f"{'queue ms':>9} {'step ms':>11} {'post ms':>9} {'poll ms':>7} {'first-token ms':>14}")
+            f"{'queue ms':>9} {'step ms':>11} {'post ms':>9} {'poll ms':>7} {'pauses':>10} "
+            f"{'first-token ms':>14} {'(all)':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -697,7 +737,9 @@ def format_splits(rows: list[dict]) -> list[str]:
             f"{_pair(r['queue_median_ms'], r['queue_mean_ms'], '.1f'):>9} "
             f"{_pair(r['step_median_ms'], r['step_mean_ms'], '.1f'):>11} "
             f"{_pair(r['post_median_ms'], r['post_mean_ms'], '.1f'):>9} "
-            f"{_f(r['poll_wait_ms'], '.1f'):>7} {_f(r['first_token_ms'], '.2f'):>14}")
+            f"{_f(r['poll_wait_ms'], '.1f'):>7} "
+            f"{_pauses(r):>10} "
+            f"{_f(r['first_token_ms'], '.2f'):>14} {_f(r['first_token_all_ms'], '.2f'):>6}")
     lines.append(
         "median/mean per request of the client's requests joined with the scheduler's receipts "
         "in time order (joined/streamed); pre: client send -> scheduler received (HTTP, "
@@ -705,7 +747,9 @@ def format_splits(rows: list[dict]) -> list[str]:
         "step: -> first token streamed; post: -> the client's first token (detokenizer, HTTP); "
         "poll: the mean wait of a request that reaches the scheduler at a random moment for "
         "the loop's next poll (the iterations' sum of squares over twice their sum); "
-        "first-token: mean pre less poll, plus mean post")
+        f"pauses: the tokenizer manager's GC pauses (a pre or post over {PAUSE_MIN_S:g} s), "
+        "count/longest ms; first-token: mean pre less poll, plus mean post, over the requests "
+        "no pause met (all: over every request)")
     return lines
 
 

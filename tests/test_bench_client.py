@@ -182,3 +182,11 @@ def test_bad_requests_and_options_are_refused() -> None:
         asyncio.run(cl.replay("http://127.0.0.1:1", []))
     assert cl.default_max_inflight(1024) == 768 and cl.default_max_inflight(100) == 1
     assert cl.default_max_inflight(1 << 20) == 4096
+
+
+def test_freeze_gc_posts_once_and_reports_a_dead_server() -> None:
+    state = FakeState(step_s=0.005)
+    assert with_server(state, lambda url: cl.freeze_gc(url)) is True
+    assert state.gc_freezes == 1
+    # nothing listens on a fresh free port: False, not an exception
+    assert asyncio.run(cl.freeze_gc(f"http://127.0.0.1:{_free_port()}", timeout_s=2.0)) is False

@@ -238,6 +238,24 @@ def test_harness_skips_what_does_not_fit_and_reports_start_failures(
     assert any("SKIP config bf16" in n for n in res["notes"])
 
 
+@pytest.mark.slow
+def test_freeze_gc_follows_the_warmup_and_is_recorded(fake_python, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_STEP_S", "0.005")
+    out = tmp_path / "out"
+    rc = main(["--python", fake_python, "--out", str(out), "--port", str(_free_port()),
+               "--configs", "bf16", "--workloads", "ladder", "--ladder-abs-rates", "5",
+               "--ladder-window-s", "1", "--sharegpt-n", "20", "--min-window-s", "0.5",
+               "--budget-s", "300", "--start-estimate-s", "5", "--warmup", "2",
+               "--freeze-gc"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["configs"]["bf16"]["gc_frozen"] is True
+    assert any("/freeze_gc after the warm-up: done" in n for n in res["notes"])
+    with tarfile.open(out / "logs.tar.gz") as t:
+        log = t.extractfile("logs/server__bf16.log").read().decode()
+    assert log.count("Freezing GC") == 1
+
+
 def test_warmup_sends_every_length_alone_then_all_together() -> None:
     from sglang_diffkv.bench.e2e import WARMUP_PROMPT_LENS, warmup_phases
 

@@ -147,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up requests per server (0: none): prompts of "
                         f"{', '.join(map(str, WARMUP_PROMPT_LENS))} tokens, first one at a "
                         "time, then all together")
+    p.add_argument("--freeze-gc", action="store_true",
+                   help="after the warm-up, POST /freeze_gc (SGLang's advice against GC "
+                        "pauses: the tokenizer manager's first full collection otherwise "
+                        "stalls every request in flight for ~0.3-0.5 s, around the 900th "
+                        "request on the H200 runs); results.json records the answer")
     p.add_argument("--git-commit", default=None, help="recorded in results.json when the "
                    "machine has no .git")
     p.add_argument("--dry-run", action="store_true",
@@ -453,6 +458,7 @@ class Harness:
             for ln in info.get("diffkv_report", []):
                 self.say(f"{cfg.name}:   {ln}")
             self._warmup(cfg)
+            self._freeze_gc(cfg)
             self._workloads(server, cfg)
         finally:
             info["stop_s"] = server.stop()
@@ -472,6 +478,14 @@ class Harness:
         self.configs[cfg.name]["warmup_s"] = time.monotonic() - t
         if bad:
             self.say(f"{cfg.name}: warm-up: {len(bad)} requests failed: {bad[0]}")
+
+    def _freeze_gc(self, cfg: ServerConfig) -> None:
+        if not self.a.freeze_gc:
+            return
+        frozen = cl.run_async(cl.freeze_gc(self.plan.launch.base_url))
+        self.configs[cfg.name]["gc_frozen"] = frozen
+        self.say(f"{cfg.name}: /freeze_gc after the warm-up: "
+                 f"{'done' if frozen else 'FAILED (the runs go on unfrozen)'}")
 
     def _workloads(self, server: ServerProcess, cfg: ServerConfig) -> None:
         plan = self.plan

@@ -6,7 +6,8 @@ It speaks the part of SGLang 0.5.10's HTTP API the harness uses, the same way: `
 streams ``data: {"output_ids": [new ids], "meta_info": {"completion_tokens": cumulative, ...}}``
 lines (``--incremental-streaming-output``) every ``--stream-interval`` tokens (and the first),
 then ``data: [DONE]``; ``/abort_request {"abort_all": true}`` ends every request with
-``finish_reason {"type": "abort"}``; ``/get_load`` reports running + waiting requests. One
+``finish_reason {"type": "abort"}``; ``/get_load`` reports running + waiting requests;
+``/freeze_gc`` counts its calls (``FakeState.gc_freezes``) and logs SGLang's line. One
 decode step every ``FAKE_STEP_S`` seconds (default 0.01) adds a token to every running request
 (at most ``FAKE_MAX_RUNNING``); every ``--decode-log-interval`` steps it logs a ``Decode
 batch`` line (and for ``--attention-backend diffkv`` a DiffKV step line and a profile line).
@@ -56,6 +57,7 @@ class FakeState:
     waiting: list[FakeReq] = field(default_factory=list)
     steps: int = 0
     disconnects: int = 0
+    gc_freezes: int = 0
     tokens_used: int = 0
 
     def finish(self, r: FakeReq, reason: str) -> None:
@@ -155,6 +157,11 @@ def make_app(state: FakeState) -> web.Application:
                                    "num_waiting_reqs": len(queued), "num_tokens": 0,
                                    "ts_tic": time.perf_counter()}])
 
+    async def freeze_gc(request: web.Request) -> web.Response:
+        state.gc_freezes += 1
+        log("Freezing GC in Tokenizer Manager process.")
+        return web.Response(status=200)
+
     async def ticker(app: web.Application) -> Any:
         async def loop() -> None:
             while True:
@@ -169,6 +176,7 @@ def make_app(state: FakeState) -> web.Application:
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort)
     app.router.add_get("/get_load", get_load)
+    app.router.add_post("/freeze_gc", freeze_gc)
     app.cleanup_ctx.append(ticker)
     return app
 

@@ -34,7 +34,7 @@ class SimRequest:
         self.rejected: str | None = None
         self.replica = -1
         self.itl: list[float] | None = None  # gaps not produced by plain decode steps
-        self.queued_at = arrival
+        self.queued_at = arrival           # reached the scheduler (later in a front-end pause)
         self.user = user
         self.hash_ids = hash_ids             # Mooncake prompt-block ids (prefix cache keys)
         self.prefix_blocks: list[int] = []   # cached blocks this request holds locked

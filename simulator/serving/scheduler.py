@@ -273,8 +273,8 @@ class Scheduler:
         if new_chunked is None:
             taken = 0
             for r in self.waiting:
-                if r.arrival > self._visible_until and not r.retractions:
-                    break                   # arrived after this batch was formed
+                if r.queued_at > self._visible_until and not r.retractions:
+                    break                   # reached the scheduler after this batch was formed
                 if running_bs + len(chunks) >= lim.max_running_requests:
                     self.batch_is_full = True
                     break
