@@ -613,3 +613,24 @@ def test_the_eager_host_line_pools_the_starts_of_a_configuration(
     # without --graph-max-bs: no pooled line
     assert ltr.main([f"low={low}", "--min-s", "0", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["eager_host_lines"] == []
+
+
+def test_a_gc_pause_is_counted_and_its_requests_leave_the_first_token_latency() -> None:
+    from sglang_diffkv.loop_trace import RequestTimes
+
+    # (send, received, launched, streamed, client's first token), s; the poll wait 2 ms
+    reqs = [(0.0, 0.005, 0.006, 0.030, 0.031),
+            (1.0, 1.400, 1.401, 1.420, 1.421),    # sent into a 0.4 s pause: pre 400 ms
+            (1.1, 1.402, 1.403, 1.440, 1.441),    # sent inside it too: pre 302 ms
+            (0.9, 0.905, 0.906, 1.200, 1.410),    # its first token met the pause on its way out
+            (3.0, 3.004, 3.005, 3.030, 3.0305)]
+    times = {str(i): RequestTimes(*r[1:4]) for i, r in enumerate(reqs)}
+    row = ltr.ttft_split(times, [(r[0], r[4]) for r in reqs], poll_s=0.002)
+    assert (row["joined_n"], row["calm_n"], row["pauses"]) == (5, 2, 1)
+    assert row["pause_max_ms"] == pytest.approx(410.0)       # 1.0 -> 1.41: one window
+    # the calm two: pre 5 and 4 ms, post 1 and 0.5 ms
+    assert row["first_token_ms"] == pytest.approx(4.5 - 2.0 + 0.75)
+    assert row["first_token_all_ms"] > 100.0
+    # a burst's queueing is no pause
+    burst = ltr.ttft_split(times, [(r[0], r[4]) for r in reqs])
+    assert burst["pauses"] == 0 and burst["first_token_ms"] is None
