@@ -83,9 +83,12 @@ class FrontEnd:
 
     def seen_at(self, t: float) -> float:
         """When something the tokenizer manager gets at ``t`` gets through: the end of the
-        pause ``t`` falls in, else ``t``."""
-        i = bisect.bisect_right(self.starts, t) - 1
-        return self.ends[i] if i >= 0 and t < self.ends[i] else t
+        pause ``t`` falls in (and of any pause that starts right at its end), else ``t``."""
+        while True:
+            i = bisect.bisect_right(self.starts, t) - 1
+            if i < 0 or t >= self.ends[i]:
+                return t
+            t = self.ends[i]
 
     def hold_tokens(self, r: SimRequest, since: float) -> None:
         """Move the first and last tokens that ``r`` streamed at or after ``since`` to when
