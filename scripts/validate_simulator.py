@@ -235,8 +235,9 @@ def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: 
 
 
 def with_frontend_gc(calib: Calibration, text: str) -> Calibration:
-    """``calib`` with ``--frontend-gc FIRST,EVERY,MS``, checked as the calibration file's
-    fields are."""
+    """``calib`` with ``--frontend-gc FIRST,EVERY,MS``: the option always sets a pause, so it
+    asks FIRST >= 1 and MS > 0 (the calibration loader's ``_frontend_gc_counts`` also accepts
+    none at all)."""
     parts = text.split(",")
     try:
         if len(parts) != 3:
@@ -248,7 +249,7 @@ def with_frontend_gc(calib: Calibration, text: str) -> Calibration:
         raise SimulatorInputError(
             f"--frontend-gc {text!r}: expected FIRST,EVERY,MS: the request count (>= 1) of "
             "the first pause, the requests between later ones (0: none) and the pause in ms "
-            "(> 0), e.g. 910,1590,430") from None
+            "(> 0), e.g. 910,1590,450") from None
     return replace(calib, frontend_gc_first_reqs=first, frontend_gc_every_reqs=every,
                    frontend_gc_pause_s=ms / 1e3)
 

@@ -160,8 +160,7 @@ class Replica:
         """Stream the tokens of the step just run ``delay`` after its end (now), then hand
         its finished requests to ``on_finish``; both lists are emptied."""
         _stream_after(streamed, self.env.now, delay)
-        for r in streamed:
-            self.frontend.hold_tokens(r, self.env.now)
+        self.frontend.hold_tokens(streamed, self.env.now)
         for r in finished:
             self.outstanding -= 1
             self.on_finish(r)

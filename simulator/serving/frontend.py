@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from simulator.errors import SimulatorInputError
@@ -90,14 +91,16 @@ class FrontEnd:
                 return t
             t = self.ends[i]
 
-    def hold_tokens(self, r: SimRequest, since: float) -> None:
-        """Move the first and last tokens that ``r`` streamed at or after ``since`` to when
-        the tokenizer manager hands them on."""
+    def hold_tokens(self, reqs: Iterable[SimRequest], since: float) -> None:
+        """Move the first and last tokens that ``reqs`` streamed at or after ``since`` to when
+        the tokenizer manager hands them on (nothing to do before the first pause: the
+        replica calls this every step)."""
         if not self.starts:
             return
-        if r.first_token >= since:
-            r.first_token = self.seen_at(r.first_token)
-        if r.finish >= since:
-            r.finish = self.seen_at(r.finish)
-        if r.last_token >= since:
-            r.last_token = self.seen_at(r.last_token)
+        for r in reqs:
+            if r.first_token >= since:
+                r.first_token = self.seen_at(r.first_token)
+            if r.finish >= since:
+                r.finish = self.seen_at(r.finish)
+            if r.last_token >= since:
+                r.last_token = self.seen_at(r.last_token)

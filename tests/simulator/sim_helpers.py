@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -12,12 +13,21 @@ from simulator.kv.pool import TokenPool
 from simulator.serving.request import SimRequest
 from simulator.serving.scheduler import Scheduler, SchedulerLimits
 from simulator.serving.settings import ServerSettings
-from simulator.specs.calibration import load_calibration
+from simulator.specs.calibration import Calibration, load_calibration
 from simulator.specs.gpu import load_gpu
 from simulator.specs.model import load_model
 from simulator.studies.scenario import Scenario
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def h100_calibration_with(folder: Path, extra: dict) -> Calibration:
+    """The bundled H100 calibration with the fields of ``extra`` set, written as a file into
+    ``folder`` and loaded back (so the loader's checks run)."""
+    f = folder / "cal.json"
+    base = load_calibration("h100").to_dict()
+    f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | extra}}))
+    return load_calibration("h100", str(f))
 H100_DATA = ROOT / "docs" / "data" / "h100-2026-11-22"  # the measured runs of 2026-11-22
 
 

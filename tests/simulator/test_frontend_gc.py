@@ -5,11 +5,10 @@ requests a server took before a run, and validate_simulator's --frontend-gc."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
-from sim_helpers import load_script, scenario
+from sim_helpers import h100_calibration_with, load_script, scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.frontend import FrontEnd
@@ -91,12 +90,8 @@ def test_freeze_gc_removes_the_pauses():
 
 
 def test_the_calibration_fields_load_round_trip_and_come_in_pairs(tmp_path):
-    base = load_calibration("h100").to_dict()
-    f = tmp_path / "cal.json"
-
     def load(extra: dict):
-        f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | extra}}))
-        return load_calibration("h100", str(f))
+        return h100_calibration_with(tmp_path, extra)
 
     cal = load({"frontend_gc_first_reqs": 910, "frontend_gc_every_reqs": 1590,
                 "frontend_gc_pause_s": 0.45})

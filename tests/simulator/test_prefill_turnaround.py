@@ -6,12 +6,11 @@ option."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from sim_helpers import load_script, scenario
+from sim_helpers import h100_calibration_with, load_script, scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
@@ -34,12 +33,8 @@ def _with(turn: float, launch: float = LAUNCH):
 
 
 def test_the_fields_load_round_trip_and_name_a_bad_value(tmp_path):
-    base = load_calibration("h100").to_dict()
-    f = tmp_path / "cal.json"
-
     def load(extra: dict):
-        f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | extra}}))
-        return load_calibration("h100", str(f))
+        return h100_calibration_with(tmp_path, extra)
 
     cal = load({"eager_prefill_launch_s": LAUNCH, "eager_prefill_turnaround_s": TURN,
                 "eager_prefill_turnaround_s_by_format": {"diffkv": 0.004}})
