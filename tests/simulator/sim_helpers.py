@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,18 @@ def load_script(name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def validator_options(vs: ModuleType, **given: Any) -> SimpleNamespace:
+    """validate_simulator's parsed options as ``with_given`` and ``fit_backend`` read them:
+    none given (no launches, no holds), then ``given``."""
+    return SimpleNamespace(**{
+        "diffkv_prefill_step_ms": 0.0, "eager_prefill_launch_ms": {},
+        "eager_prefill_turnaround_ms": {}, "eager_decode_host_ms": {},
+        "eager_decode_host_per_req_us": {}, "host_launches_ms": {}, "launch_holds_loop": [],
+        "first_token_latency_ms": {}, "refine_hold": vs.refine_hold_arg([]),
+        "model": "llama-3-8b", "gpu": "h200", "prefill_fit": "all", "fit_decode_run": [],
+        "refine_on_metrics": [], **given})
 
 
 def token_scheduler(capacity: int, chunk: int | None = None, max_prefill: int = 16384,

@@ -122,9 +122,7 @@ def test_the_calibration_field_round_trips_and_names_a_bad_value(tmp_path):
 
 @pytest.mark.parametrize("backend", ["triton", "diffkv"])
 def test_validate_simulator_turns_it_on_per_backend(monkeypatch, capsys, tmp_path, backend):
-    from argparse import Namespace
-
-    from sim_helpers import load_script
+    from sim_helpers import load_script, validator_options
     vs = load_script("validate_simulator")
     seen = {}
 
@@ -132,13 +130,9 @@ def test_validate_simulator_turns_it_on_per_backend(monkeypatch, capsys, tmp_pat
         seen["base"] = base
         return keys[0], base, {"backend": keys[0]}
     monkeypatch.setattr(vs, "fit", fake_fit)
-    a = Namespace(diffkv_prefill_step_ms=0.0, eager_prefill_launch_ms={"diffkv": 30.0},
-                  eager_decode_host_ms={}, eager_decode_host_per_req_us={},
-                  eager_prefill_turnaround_ms={},
-                  launch_holds_loop=["diffkv"],
-                  first_token_latency_ms={}, refine_hold=vs.refine_hold_arg([]),
-                  model="llama-3-8b", gpu="h200", prefill_fit="all", fit_decode_run=[],
-                  refine_on_metrics=[], plots=str(tmp_path), doc=str(tmp_path / "d.md"))
+    a = validator_options(vs, eager_prefill_launch_ms={"diffkv": 30.0},
+                          launch_holds_loop=["diffkv"], plots=str(tmp_path),
+                          doc=str(tmp_path / "d.md"))
     _, cal, info = vs.fit_backend(None, a, scenario().calibration, (backend, [backend]))
     assert cal.eager_launch_holds_loop is (backend == "diffkv")
     assert info.get("launch_holds_loop", False) is (backend == "diffkv")

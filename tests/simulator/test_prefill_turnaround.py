@@ -7,10 +7,9 @@ option."""
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
-from sim_helpers import h100_calibration_with, load_script, scenario
+from sim_helpers import h100_calibration_with, load_script, scenario, validator_options
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
@@ -110,10 +109,8 @@ def test_validate_simulator_reads_the_option_and_names_a_turnaround_without_laun
         tmp_path, capsys):
     vs = load_script("validate_simulator")
     base = scenario().calibration
-    ns = SimpleNamespace(
-        diffkv_prefill_step_ms=0.0, launch_holds_loop=[], first_token_latency_ms={},
-        eager_decode_host_ms={}, eager_decode_host_per_req_us={},
-        eager_prefill_launch_ms=vs.eager_launch_arg(["diffkv=29.9"]),
+    ns = validator_options(
+        vs, eager_prefill_launch_ms=vs.eager_launch_arg(["diffkv=29.9"]),
         eager_prefill_turnaround_ms=vs.key_ms_arg("--eager-prefill-turnaround-ms",
                                                   ["diffkv=2.7", "fp8=2.0"], vs.LAUNCH_KEYS))
     dk = vs.with_given(base, "diffkv", ns)
