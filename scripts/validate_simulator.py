@@ -248,9 +248,8 @@ def host_speeds(base: Calibration, be: str, launches: dict[str, tuple[float, ...
     """Backend ``be``'s host speed factors from ``--host-launches-ms``: each start's launch over
     the launch ``base`` takes for its key (the backend's, or a KV format's own)."""
     factors: list[float] = []
-    for key in sorted(k for k in launches if k == be or (k not in BACKENDS
-                                                         and backend(k) == be)):
-        pooled = base.eager_prefill_launch_s if key in BACKENDS else base.prefill_launch_s(key)
+    for key in sorted(k for k in launches if backend(k) == be):
+        pooled = base.prefill_launch_s(key)
         if pooled <= 0.0:
             raise SimulatorInputError(
                 f"--host-launches-ms {key}=...: {key} has no eager prefill launch time "
@@ -509,8 +508,7 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         trace, warm = run.replay_inputs(radix_cache=not settings.disable_radix_cache)
         window, full = [], []
         for host in calib.host_speeds:
-            on_host = calib.on_host(host) if calib.host_speed_factors else calib
-            sc = scenario(model, gpu, on_host, settings, h, run.config)
+            sc = scenario(model, gpu, calib.on_host(host), settings, h, run.config)
             res = sc.run(trace, fmt, warm_cache=warm, requests_before=run.requests_before)
             window.append(windowed_summary(res, run.simulated_window_s))
             full.append(summarize(res))
