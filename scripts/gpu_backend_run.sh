@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One scripted H100 run of `--attention-backend diffkv` (stage 1), from the repo root, with
-# .whl/ (bash ../shared/device/fetch_wheels.sh) and .device/ (a copy of ../shared/device/).
+# .whl/ (bash scripts/fetch_wheels.sh).
 #
 #   bash scripts/gpu_backend_run.sh [STEP ...]     # default: triton nocomp default
 #
@@ -33,10 +33,10 @@ rc=$?; cat "$RES/install.txt" >> "$SUMMARY"; cat "$RES/install.txt"; rm -f "$RES
 [ "$rc" -eq 0 ] || { say "install failed"; exit 1; }
 
 MODEL=/tmp/dummy-llama3-8b
-python3 .device/dummy_model.py "$MODEL" >/dev/null || exit 1
+python3 scripts/dummy_model.py "$MODEL" >/dev/null || exit 1
 RMODEL=/tmp/random-smollm2
 case " $* " in *" r"*)
-  python3 .device/dummy_model.py "$RMODEL" --layers 30 >/dev/null \
+  python3 scripts/dummy_model.py "$RMODEL" --layers 30 >/dev/null \
     && python3 scripts/sglang_backend_random_model.py "$RMODEL" | tee -a "$SUMMARY" ;;
 esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /' | tee -a "$SUMMARY"
@@ -145,7 +145,7 @@ run_step() {
     small)
       [ "$(left)" -gt 300 ] || { say "skipped: no time"; return; }
       local small=/tmp/dummy-smollm2
-      python3 .device/dummy_model.py "$small" --layers 30 >/dev/null
+      python3 scripts/dummy_model.py "$small" --layers 30 >/dev/null
       python3 - "$small" <<'PYEOF'
 import json, sys
 p = sys.argv[1] + "/config.json"

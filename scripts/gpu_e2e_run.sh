@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# End-to-end serving benchmark on the GPU machine, from the repo root, with .whl/
-# (bash ../shared/device/fetch_wheels.sh) and .device/ (a copy of ../shared/device/):
+# End-to-end serving benchmark on the GPU machine, from the repo root, with the wheel parts
+# of scripts/fetch_wheels.sh (carried in this call or an earlier one on the same machine):
 #
 #   bash scripts/gpu_e2e_run.sh [bench_e2e.py options ...]
 #   e.g. bash scripts/gpu_e2e_run.sh --configs bf16 --workloads longgen,sharegpt,ladder
 #
-# Installs SGLang (.device/install_on_device.sh) and this package (editable, so the diffkv
-# backend plugin and its import hook load), writes the dummy Llama-3-8B model, then runs
+# Installs SGLang and this package (scripts/device_install.sh: editable, so SGLang's
+# load_plugins finds the diffkv entry point), writes the dummy Llama-3-8B model, then runs
 # scripts/bench_e2e.py with the time that is left. Everything lands in $OUT (or
 # /tmp/diffkv_e2e): results.json, bench_serving.jsonl, summary.txt, logs.tar.gz -- four files,
 # inside the GPU tool's limit of eight. BUDGET_S (default 560) bounds the whole script,
@@ -27,7 +27,7 @@ trap finish EXIT
 
 source scripts/device_install.sh "$LOGS/install.log" || { echo "install failed"; exit 1; }
 python3 -c "import aiohttp, numpy" || { echo "aiohttp/numpy missing"; exit 1; }
-python3 .device/dummy_model.py /tmp/dummy-llama3-8b > /dev/null || exit 1
+python3 scripts/dummy_model.py /tmp/dummy-llama3-8b > /dev/null || exit 1
 LEFT=$(( BUDGET_S - ($(date +%s) - T0) ))
 echo "install done in $(( $(date +%s) - T0 )) s; bench budget ${LEFT} s"
 python3 scripts/bench_e2e.py --model /tmp/dummy-llama3-8b --out "$RES" --budget-s "$LEFT" "$@"

@@ -24,8 +24,9 @@ class PoolSize(NamedTuple):
 
 
 def cache_rows(max_running_requests: int) -> int:
-    """Request rows of the DiffKV cache: SGLang's request slots plus the pad request that
-    CUDA-graph padding rows point at (``DiffKVTokenToKVPool.pad_req``, the last row)."""
+    """Request rows of the DiffKV cache: SGLang's request slots (1..N) plus row 0, which
+    SGLang never allocates and CUDA-graph padding rows point at
+    (``DiffKVTokenToKVPool.pad_req``)."""
     return max_running_requests + 1
 
 

@@ -7,9 +7,11 @@ them) and ``launch_batch_sample_if_needed``. ``install`` wraps those methods on 
 class so that each call appends one record (phase, host start and end, the batch's mode,
 size and new tokens, the wait for the previous batch's tokens, the request ids a prefill
 launched or finished). Records stay in memory and are written, as JSON lines to
-``DIR/loop-<pid>.jsonl``, only when the loop goes idle (``self_check_during_idle``), so
-writing never lands inside a measured step. Off (no wrapper installed) unless the variable is
-set. A wrapped call costs about two microseconds.
+``DIR/loop-<pid>.jsonl``, only when the loop goes idle (``on_idle``; sglang 0.5.10:
+``self_check_during_idle``), so writing never lands inside a measured step. Since sglang
+0.5.17 the loop receives through its ``request_receiver`` (``install``'s ``receiver_cls``)
+and ``get_next_batch_to_run`` returns a plan holding the batch. Off (no wrapper installed)
+unless the variable is set. A wrapped call costs about two microseconds.
 
 ``time_method`` adds named spans inside a step: the host time of a method (the model runner's
 eager forward, the attention backend's extend, the KV store) summed since the launch began,
@@ -128,8 +130,11 @@ def _batch_fields(batch: Any) -> tuple[Mode, int, int]:
 
 def install(cls: Any, trace_dir: str | os.PathLike,
             clock: Callable[[], float] = time.perf_counter,
-            cpu_clock: Callable[[], float] = time.thread_time) -> bool:
-    """Wrap ``cls``'s loop methods (idempotent). Returns whether it wrapped them now."""
+            cpu_clock: Callable[[], float] = time.thread_time,
+            receiver_cls: Any = None) -> bool:
+    """Wrap ``cls``'s loop methods (idempotent). ``receiver_cls``: the class whose
+    ``recv_requests`` the loop calls when ``cls`` has none (sglang 0.5.17: the scheduler's
+    ``request_receiver``). Returns whether it wrapped them now."""
     if getattr(cls, _MARK, False):
         return False
     _time_gc()
@@ -142,18 +147,32 @@ def install(cls: Any, trace_dir: str | os.PathLike,
             rec = recorders[pid] = LoopRecorder(Path(trace_dir) / f"loop-{pid}.jsonl")
         return rec
 
-    orig = {name: getattr(cls, name) for name in WRAPPED}
-    orig_idle = getattr(cls, "self_check_during_idle", None)
+    recv_owner = cls if hasattr(cls, "recv_requests") else receiver_cls
+    orig = {name: getattr(recv_owner if name == "recv_requests" else cls, name)
+            for name in WRAPPED}
+    idle_name = "on_idle" if hasattr(cls, "on_idle") else "self_check_during_idle"
+    orig_idle = getattr(cls, idle_name, None)
+    # a receiver's last call (t0, t1, requests): it cannot tell an idle spin, so the loop's
+    # next process_input_requests keeps or drops it
+    pending_recv: list[tuple[float, float, int]] = []
+
+    def keep_recv(loop: Any, t0: float, t1: float, n: int) -> None:
+        if n or getattr(loop, "last_batch", None) is not None:  # idle spins are not kept
+            recorder().add(Phase.RECV, t0, t1, size=n)
 
     def recv_requests(self: Any, *a: Any, **k: Any) -> Any:
         t0 = clock()
         out = orig["recv_requests"](self, *a, **k)
         n = len(out) if out is not None else 0
-        if n or getattr(self, "last_batch", None) is not None:  # idle spins are not kept
-            recorder().add(Phase.RECV, t0, clock(), size=n)
+        if recv_owner is cls:
+            keep_recv(self, t0, clock(), n)
+        else:
+            pending_recv[:] = [(t0, clock(), n)]
         return out
 
     def process_input_requests(self: Any, recv_reqs: Any, *a: Any, **k: Any) -> Any:
+        if pending_recv:
+            keep_recv(self, *pending_recv.pop())
         t0 = clock()
         out = orig["process_input_requests"](self, recv_reqs, *a, **k)
         if recv_reqs:
@@ -163,11 +182,12 @@ def install(cls: Any, trace_dir: str | os.PathLike,
 
     def get_next_batch_to_run(self: Any, *a: Any, **k: Any) -> Any:
         t0 = clock()
-        batch = orig["get_next_batch_to_run"](self, *a, **k)
+        out = orig["get_next_batch_to_run"](self, *a, **k)
+        batch = getattr(out, "batch_to_run", out)  # (sglang 0.5.17: a NextBatchPlan)
         if batch is not None:
             mode, n, tok = _batch_fields(batch)
             recorder().add(Phase.NEXT, t0, clock(), mode, n, tok)
-        return batch
+        return out
 
     def run_batch(self: Any, batch: Any, *a: Any, **k: Any) -> Any:
         mode, n, tok = _batch_fields(batch)
@@ -204,13 +224,15 @@ def install(cls: Any, trace_dir: str | os.PathLike,
         recorder().add(Phase.SAMPLE, t0, clock())
         return out
 
-    def self_check_during_idle(self: Any, *a: Any, **k: Any) -> Any:
+    def on_idle(self: Any, *a: Any, **k: Any) -> Any:
         recorder().flush()
         return orig_idle(self, *a, **k) if orig_idle is not None else None
 
-    for fn in (recv_requests, process_input_requests, get_next_batch_to_run, run_batch,
-               process_batch_result, launch_batch_sample_if_needed, self_check_during_idle):
+    recv_owner.recv_requests = recv_requests
+    for fn in (process_input_requests, get_next_batch_to_run, run_batch,
+               process_batch_result, launch_batch_sample_if_needed):
         setattr(cls, fn.__name__, fn)
+    setattr(cls, idle_name, on_idle)
     setattr(cls, _MARK, True)
     return True
 

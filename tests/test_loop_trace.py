@@ -6,6 +6,7 @@ import gc
 import json
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -64,8 +65,10 @@ class _Result:
         self.copy_done = done
 
 
-def make_scheduler(clock: FakeClock) -> type:
-    """A class with the loop methods SGLang's overlap loop calls, each costing known time."""
+def make_scheduler(clock: FakeClock, receiver: bool = False) -> type:
+    """A class with the loop methods SGLang's overlap loop calls, each costing known time.
+    ``receiver``: sglang 0.5.17's shape (the loop receives through ``request_receiver``,
+    ``get_next_batch_to_run`` returns a plan, idle housekeeping is ``on_idle``)."""
 
     class Scheduler:
         def __init__(self) -> None:
@@ -114,14 +117,56 @@ def make_scheduler(clock: FakeClock) -> type:
             self.pending = (batch, result)
             self.last_batch = batch
 
-    return Scheduler
+    if not receiver:
+        return Scheduler
+
+    # the receiver owns recv_requests; the scheduler has none
+    base = {k: v for k, v in vars(Scheduler).items()
+            if k not in ("recv_requests", "__dict__", "__weakref__")}
+
+    class RequestReceiver:
+        def __init__(self, scheduler) -> None:
+            self.scheduler = scheduler
+
+        def recv_requests(self) -> list:
+            return Scheduler.recv_requests(self.scheduler)
+
+    class Plan(NamedTuple):
+        batch_to_run: object
+
+    def init(self) -> None:
+        Scheduler.__init__(self)
+        self.request_receiver = RequestReceiver(self)
+
+    def get_next_batch_to_run(self):
+        return Plan(Scheduler.get_next_batch_to_run(self))
+
+    def on_idle(self) -> None:
+        self.idle_checks += 1
+
+    def loop_once(self) -> None:
+        self.process_input_requests(self.request_receiver.recv_requests())
+        batch = self.get_next_batch_to_run().batch_to_run
+        result = self.run_batch(batch) if batch else None
+        if self.last_batch is not None:
+            self.process_batch_result(*self.pending)
+        elif batch is None:
+            self.on_idle()
+        self.launch_batch_sample_if_needed(result)
+        self.pending = (batch, result)
+        self.last_batch = batch
+
+    return type("Scheduler", (), {
+        **base, "__init__": init, "get_next_batch_to_run": get_next_batch_to_run,
+        "on_idle": on_idle, "loop_once": loop_once, "receiver_cls": RequestReceiver})
 
 
-@pytest.fixture
-def traced(tmp_path: Path):
+@pytest.fixture(params=[False, True], ids=["sglang-0.5.10", "sglang-0.5.17"])
+def traced(tmp_path: Path, request):
     clock = FakeClock()
-    cls = make_scheduler(clock)
-    assert lt.install(cls, tmp_path, clock=clock)
+    cls = make_scheduler(clock, receiver=request.param)
+    receiver_cls = getattr(cls, "receiver_cls", None)
+    assert lt.install(cls, tmp_path, clock=clock, receiver_cls=receiver_cls)
     assert not lt.install(cls, tmp_path, clock=clock)  # idempotent
     return cls(), clock, tmp_path
 

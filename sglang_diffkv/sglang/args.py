@@ -1,14 +1,15 @@
 """``ServerArgs`` fix-ups for ``--attention-backend diffkv``: forced settings and refusals.
 
 ``ServerArgs.__post_init__`` runs in the process that parses the command line; scheduler
-children receive the pickled, already fixed-up object. The wrapper applies the stage-1
-settings before SGLang's own ``__post_init__`` (so its derived defaults see them) and again
-after it (so nothing it does undoes them), logging each forced setting once, with the reason.
+children receive the pickled, already fixed-up object. ``post_init_hook`` (an AROUND hook,
+``plugin.HOOKS``) applies the stage-1 settings before SGLang's own ``__post_init__`` (so its
+derived defaults see them) and again after it (so nothing it does undoes them), logging each
+forced setting once, with the reason. SGLang folds the per-phase CUDA-graph flags into
+``cuda_graph_config`` inside ``__post_init__``; the resolved phases are forced there too.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -20,6 +21,12 @@ from sglang_diffkv.sglang.ops import KERNELS_ENV, REFERENCE_MODES
 logger = logging.getLogger("sglang_diffkv")
 
 BACKEND_NAME = "diffkv"
+
+
+# SGLang's name for a CUDA-graph phase that runs eagerly (cuda_graph_config.Backend.DISABLED)
+GRAPHS_OFF = "disabled"
+# decode graph backends the DiffKV decode supports: whole-step capture, or none
+DECODE_GRAPH_BACKENDS = ("full", "disabled")
 
 
 class DiffKVUnsupportedError(ValueError):
@@ -35,8 +42,8 @@ FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
      "compressed tokens is stage 2"),
     ("chunked_prefill_size", -1,
      "stage 1 scores and compresses whole prompts in one extend (chunk-wise prefill is stage 2)"),
-    ("disable_piecewise_cuda_graph", True,
-     "piecewise prefill graphs pad the token count, which the DiffKV extend does not handle"),
+    ("cuda_graph_backend_prefill", GRAPHS_OFF,
+     "prefill CUDA graphs pad the token count, which the DiffKV extend does not handle"),
 )
 
 
@@ -44,7 +51,7 @@ FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
 # with the host inside the forward; the Triton path captures decode graphs and runs under
 # the overlap scheduler (pool.py: the scheduler's side waits on the forward's stream).
 REFERENCE_FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
-    ("disable_cuda_graph", True,
+    ("cuda_graph_backend_decode", GRAPHS_OFF,
      "SGLANG_DIFFKV_KERNELS=0 runs the torch reference, which cannot be graph-captured"),
     ("disable_overlap_schedule", True,
      "SGLANG_DIFFKV_KERNELS=0 runs the torch reference, which synchronises inside the "
@@ -98,8 +105,9 @@ def unsupported_reasons(args: Any) -> list[str]:
          "tensor parallelism (--tp-size > 1) is not supported in stage 1"),
         (getattr(args, "pp_size", 1) > 1,
          "pipeline parallelism (--pp-size > 1) is not supported in stage 1"),
-        (getattr(args, "enforce_piecewise_cuda_graph", False),
-         "--enforce-piecewise-cuda-graph is not supported"),
+        (getattr(args, "cuda_graph_backend_decode", None) not in (None, *DECODE_GRAPH_BACKENDS),
+         f"--cuda-graph-backend-decode {getattr(args, 'cuda_graph_backend_decode', None)}: "
+         f"the DiffKV decode supports {' or '.join(DECODE_GRAPH_BACKENDS)}"),
         (getattr(args, "kv_cache_dtype", "auto") not in ("auto", "bf16", "bfloat16"),
          f"--kv-cache-dtype {getattr(args, 'kv_cache_dtype', None)}: the DiffKV config sets the "
          "KV precision (SGLANG_DIFFKV_CONFIG); leave --kv-cache-dtype at auto"),
@@ -124,24 +132,52 @@ def forced_setting_lines(args: Any) -> list[str]:
     return lines
 
 
-def apply_forced_settings(args: Any, *, log: bool) -> None:
+def apply_forced_settings(args: Any) -> None:
+    """Set the forced settings before SGLang resolves the arguments (and log each once)."""
     # The launching process has not configured logging yet when ServerArgs is built, so an
     # override of the user's own value is a warning (always shown); the scheduler repeats
     # every line at INFO in the server log (runner.init_pools).
-    if log:
-        for line in forced_setting_lines(args):
-            logger.log(logging.WARNING if "(was " in line else logging.INFO, line)
+    for line in forced_setting_lines(args):
+        logger.log(logging.WARNING if "(was " in line else logging.INFO, line)
     for name, value, _ in forced_settings():
         setattr(args, name, value)
 
 
 def apply_defaults(args: Any) -> None:
     """Defaults diffkv changes where the user left SGLang's (before its __post_init__)."""
-    if getattr(args, "cuda_graph_max_bs", 0) is None and getattr(args, "cuda_graph_bs",
-                                                                  0) is None:
-        args.cuda_graph_max_bs = DEFAULT_CUDA_GRAPH_MAX_BS
-        logger.info("diffkv: --cuda-graph-max-bs defaults to %d (decode batches up to it "
-                    "replay CUDA graphs; larger ones run eagerly)", DEFAULT_CUDA_GRAPH_MAX_BS)
+    explicit = args.cuda_graph_config
+    explicit = explicit.to_dict() if hasattr(explicit, "to_dict") else (explicit or {})
+    user_sized = (args.cuda_graph_max_bs_decode is not None
+                  or args.cuda_graph_bs_decode is not None
+                  or any(k in (explicit.get("decode") or {}) for k in ("max_bs", "bs")))
+    if not user_sized:
+        args.cuda_graph_max_bs_decode = DEFAULT_CUDA_GRAPH_MAX_BS
+        logger.info("diffkv: --cuda-graph-max-bs-decode defaults to %d (decode batches up to "
+                    "it replay CUDA graphs; larger ones run eagerly)", DEFAULT_CUDA_GRAPH_MAX_BS)
+
+
+def check_forced_settings(args: Any) -> None:
+    """After SGLang's ``__post_init__`` the arguments are resolved and read-only: every forced
+    setting must have survived, and so must the resolved per-phase CUDA-graph backends (an
+    explicit ``--cuda-graph-config`` JSON outranks the per-phase flags we set)."""
+    config = getattr(args, "cuda_graph_config", None)
+    for name, value, why in forced_settings():
+        if name.startswith("cuda_graph_backend_") and hasattr(config, "prefill"):
+            phase = name.rsplit("_", 1)[1]
+            got, where = getattr(config, phase).backend, f"cuda_graph_config {phase} backend"
+        else:
+            got, where = getattr(args, name), f"--{name.replace('_', '-')}"
+        if got != value:
+            raise DiffKVUnsupportedError(
+                f"--attention-backend diffkv: {where} resolved to {got!r}; diffkv needs "
+                f"{value!r} ({why})"
+            )
+    if config is not None and hasattr(config, "decode") and (
+            config.decode.backend not in DECODE_GRAPH_BACKENDS):
+        raise DiffKVUnsupportedError(
+            f"--attention-backend diffkv: cuda_graph_config decode backend "
+            f"{config.decode.backend!r}: the DiffKV decode supports "
+            f"{' or '.join(DECODE_GRAPH_BACKENDS)}")
 
 
 def load_config_for_startup() -> DiffKVConfig:
@@ -173,23 +209,16 @@ def check_model(args: Any) -> None:
         )
 
 
-def wrap_post_init(original: Callable[[Any], None]) -> Callable[[Any], None]:
-    if getattr(original, "_diffkv_wrapped", False):
-        return original
-
-    @functools.wraps(original)
-    def __post_init__(self: Any) -> None:
-        if not uses_diffkv(self):
-            original(self)
-            return
-        check_supported(self)
-        load_config_for_startup()
-        apply_forced_settings(self, log=True)
-        apply_defaults(self)
+def post_init_hook(original: Callable[[Any], None], self: Any) -> None:
+    """AROUND ``ServerArgs.__post_init__``: other backends run SGLang's own code alone."""
+    if not uses_diffkv(self):
         original(self)
-        check_supported(self)
-        apply_forced_settings(self, log=False)
-        check_model(self)
-
-    __post_init__._diffkv_wrapped = True  # type: ignore[attr-defined]
-    return __post_init__
+        return
+    check_supported(self)
+    load_config_for_startup()
+    apply_forced_settings(self)
+    apply_defaults(self)
+    original(self)
+    check_supported(self)
+    check_forced_settings(self)
+    check_model(self)

@@ -70,10 +70,14 @@ class DiffKVAttnBackend(AttentionBackend):
         if not isinstance(pool, DiffKVTokenToKVPool):
             raise DiffKVPoolError(
                 "the diffkv attention backend needs the DiffKV memory pool, got "
-                f"{type(pool).__name__}; is the sglang_diffkv import hook active "
-                "(SGLANG_DIFFKV_DISABLE unset)?"
+                f"{type(pool).__name__}; is the sglang_diffkv plugin loaded "
+                "(SGLANG_DIFFKV_DISABLE unset, SGLANG_PLUGINS empty or naming diffkv)?"
             )
         self.pool = pool
+        # what SGLang's forward context hands model code (get_token_to_kv_pool(): e.g. the
+        # fused RoPE + set-KV check reads the pool's dtype)
+        self.token_to_kv_pool = pool
+        self.req_to_token_pool = model_runner.req_to_token_pool
         self.cache = pool.cache
         self.device = model_runner.device
         self.start_layer = pool.start_layer
@@ -114,7 +118,9 @@ class DiffKVAttnBackend(AttentionBackend):
             if self.prof is not None:
                 self.prof.begin_step()
             self.forward_metadata = self._decode_metadata(forward_batch)
-        elif mode.is_extend() and not mode.is_target_verify() and not mode.is_draft_extend():
+        # (is_extend() leaves out DRAFT_EXTEND_V2 unless asked; sglang 0.5.17 has no
+        # is_draft_extend())
+        elif mode.is_extend_without_speculative():
             if self.prof is not None:
                 self.prof.begin_step()
             self.forward_metadata = self._extend_metadata(forward_batch)
@@ -240,8 +246,8 @@ class DiffKVAttnBackend(AttentionBackend):
                     max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        # padding rows get sequence length 0, so a replay counts its real rows on the host
-        # (real decode rows hold at least one token)
+        # padding rows get sequence length 0 (they are never read: replays name their real
+        # row count, and padding rows point at the empty pad request)
         return 0
 
     def _graph_state(self) -> DecodeGraphState:
@@ -256,39 +262,34 @@ class DiffKVAttnBackend(AttentionBackend):
         return DiffKVForwardMetadata(True, None, g.req[:bs], seq, positions=g.positions[:bs],
                                      step=g.step(bs), graph_bs=bs)
 
-    def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor, encoder_lens: Any, forward_mode: Any, spec_info: Any,
-    ) -> None:
-        if not forward_mode.is_decode() or spec_info is not None:
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False
+                                        ) -> None:
+        """The decode CUDA-graph runner's metadata step, before capture (``in_capture``) and
+        before every replay (``forward_batch`` is then its padded view: ``batch_size`` is the
+        captured size, the first ``batch_size - num_padding`` rows are real). Eager batches
+        come through ``init_forward_metadata``. Nothing is recorded inside the graph: every
+        per-step input is copied into ``DecodeGraphState``'s static buffers here."""
+        mode = forward_batch.forward_mode
+        if not mode.is_decode() or getattr(forward_batch, "spec_info", None) is not None:
             raise NotImplementedError(
-                f"diffkv CUDA graphs capture plain decode only, not {forward_mode.name}"
+                f"diffkv CUDA graphs capture plain decode only, not {mode.name}"
             )
+        bs = forward_batch.batch_size
         self._close_graph_step()
-        # capture runs with every row padding: the kernels are recorded, nothing is stored
         g = self._graph_state()
-        g.load(bs, g.req[:0], g.positions[:0])
-        self.forward_metadata = self._graph_metadata(bs, seq_lens[:0])
-
-    def init_forward_metadata_replay_cuda_graph(
-        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-        seq_lens_sum: int, encoder_lens: Any, forward_mode: Any, spec_info: Any,
-        seq_lens_cpu: torch.Tensor | None = None, **kwargs: Any,
-    ) -> None:
-        self._close_graph_step()
+        if in_capture:
+            # capture runs with every row padding: the kernels are recorded, nothing stored
+            g.load(bs, g.req[:0], g.positions[:0])
+            self.forward_metadata = self._graph_metadata(bs, forward_batch.seq_lens[:0])
+            return
         self.pool.mark_forward_stream()
-        if not forward_mode.is_decode() or spec_info is not None:
-            raise NotImplementedError(
-                f"diffkv CUDA graphs replay plain decode only, not {forward_mode.name}"
-            )
-        seq_host = (seq_lens_cpu if seq_lens_cpu is not None else seq_lens.cpu())[:bs].tolist()
-        n = sum(1 for s in seq_host if s > 0)  # real rows come first; padding has length 0
+        n = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
         if self.prof is not None:
             self.prof.begin_step()
-        req = req_pool_indices[:n].long()
-        seq = seq_lens[:n].long()
+        req = forward_batch.req_pool_indices[:n].long()
+        seq = forward_batch.seq_lens[:n].long()
         self._allocate_decode(req, seq)
-        self._graph_state().load(bs, req, seq - 1)
+        g.load(bs, req, seq - 1)
         md = self._graph_metadata(bs, seq)
         self.forward_metadata = md
         self._graph_step_open = md

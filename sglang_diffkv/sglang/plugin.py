@@ -1,7 +1,30 @@
-"""The patches the import hook applies to sglang 0.5.10.post1, one function per module.
+"""SGLang's plugin entry point for ``--attention-backend diffkv``.
 
-Every patch is idempotent (newer sglang may also call ``register`` through its
-``sglang.srt.plugins`` entry point) and leaves other attention backends on SGLang's own code.
+SGLang calls ``register`` (the ``sglang.srt.plugins`` entry point in pyproject.toml) from
+``load_plugins()``: in the launching process before the command line is parsed, and in every
+scheduler process before it builds its model runner. It uses SGLang's official hooks:
+
+- ``add_attention_backend_choices`` makes ``diffkv`` a valid ``--attention-backend``;
+- ``register_attention_backend`` makes ``create_diffkv_backend`` its factory;
+- ``HookRegistry`` (AROUND hooks, applied by ``load_plugins``) for the three places that have
+  no dedicated extension point. Each leaves every other backend on SGLang's own code:
+
+  ============================================  ============================================
+  target                                        why
+  ============================================  ============================================
+  ``ServerArgs.__post_init__``                  refusals and forced settings (``args``)
+  ``KVCacheConfigurator.configure``             the DiffKV pools (``runner``)
+  ``PrefillAdder.add_one_req``                  exact physical admission (``admission``)
+  ============================================  ============================================
+
+SGLang's platform entry point (``sglang.srt.platforms``) can supply KV pool and allocator
+classes, but only to an out-of-tree *hardware* platform: activating one switches the whole
+process off SGLang's CUDA paths (graph runner, fused RoPE, quantisation, op dispatch), it is
+activated for every server in the environment whatever its backend, and it cannot supply the
+request-to-token pool. docs/backend.md ("SGLang hooks") lists each hook with the test that
+fails if SGLang changes the function it wraps.
+
+``SGLANG_DIFFKV_DISABLE=1`` makes ``register`` do nothing.
 """
 
 from __future__ import annotations
@@ -10,36 +33,77 @@ import logging
 import os
 from typing import Any
 
-from sglang_diffkv.sglang.args import BACKEND_NAME, uses_diffkv, wrap_post_init
+from sglang_diffkv.sglang.args import BACKEND_NAME
 
 logger = logging.getLogger("sglang_diffkv")
 
-_MARK = "_sglang_diffkv_patched"
+DISABLE_ENV = "SGLANG_DIFFKV_DISABLE"
+
+# (dotted SGLang target, "module:function" of our AROUND hook)
+HOOKS: tuple[tuple[str, str], ...] = (
+    ("sglang.srt.server_args.ServerArgs.__post_init__",
+     "sglang_diffkv.sglang.args:post_init_hook"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+     "sglang_diffkv.sglang.runner:configure_hook"),
+    ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+     "sglang_diffkv.sglang.admission:add_one_req_hook"),
+)
+
+_registered = False
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def register() -> None:
-    """Entry point of the ``sglang.srt.plugins`` group, and the manual way in: install the
-    post-import hook (unless SGLANG_DIFFKV_DISABLE is set) and patch what is loaded."""
-    from sglang_diffkv.sglang import _bootstrap
-
-    _bootstrap.install()
-
-
-def _once(obj: Any) -> bool:
-    """True the first time it is asked for ``obj``."""
-    if getattr(obj, _MARK, False):
-        return False
-    setattr(obj, _MARK, True)
-    return True
-
-
-def patch_server_args(mod: Any) -> None:
-    """``--attention-backend diffkv`` is an accepted choice; ServerArgs applies our fix-ups."""
-    if not _once(mod):
+    """Register the backend and its hooks (idempotent). Inside ``load_plugins`` SGLang applies
+    the hooks itself right after; called directly (tests, scripts) they are applied here."""
+    global _registered
+    if disabled():
         return
-    if BACKEND_NAME not in mod.ATTENTION_BACKEND_CHOICES:
-        mod.add_attention_backend_choices([BACKEND_NAME])
-    mod.ServerArgs.__post_init__ = wrap_post_init(mod.ServerArgs.__post_init__)
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    if BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND_NAME)(create_diffkv_backend)
+    if not _registered:
+        for target, hook in HOOKS:
+            HookRegistry.register(target, _resolve(hook), HookType.AROUND)
+        _registered = True
+        _install_loop_trace()
+    HookRegistry.apply_hooks()  # skips targets already patched
+
+
+def hooks_applied() -> dict[str, bool]:
+    """Each hook target -> whether SGLang's function there is now wrapped by ours."""
+    import pkgutil
+
+    out = {}
+    for target, hook in HOOKS:
+        owner, attr = target.rsplit(".", 1)
+        fn = getattr(pkgutil.resolve_name(owner), attr)
+        out[target] = _wraps(fn, _resolve(hook))
+    return out
+
+
+def _wraps(fn: Any, hook: Any) -> bool:
+    # HookRegistry's AROUND wrapper is a closure over (original_fn, hook)
+    cells = getattr(fn, "__closure__", None) or ()
+    return any(c.cell_contents is hook for c in cells)
+
+
+def _resolve(spec: str) -> Any:
+    import importlib
+
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def create_diffkv_backend(runner: Any) -> Any:
@@ -55,85 +119,47 @@ def create_diffkv_backend(runner: Any) -> Any:
     return DiffKVAttnBackend(runner)
 
 
-def patch_attention_registry(mod: Any) -> None:
-    if not _once(mod):
-        return
-    mod.register_attention_backend(BACKEND_NAME)(create_diffkv_backend)
-
-
-def patch_kv_cache_mixin(mod: Any) -> None:
-    """Cell size and pool construction; ModelRunner inherits both from the mixin."""
-    cls = mod.ModelRunnerKVCacheMixin
-    if not _once(cls):
-        return
-    original_cell = cls.get_cell_size_per_token
-    original_init = cls._init_pools
-
-    def get_cell_size_per_token(self: Any, num_layers: int) -> int:
-        if uses_diffkv(self.server_args):
-            from sglang_diffkv.sglang.runner import cell_size_per_token
-
-            return cell_size_per_token(self, num_layers)
-        return original_cell(self, num_layers)
-
-    def _init_pools(self: Any) -> None:
-        if uses_diffkv(self.server_args):
-            from sglang_diffkv.sglang.runner import init_pools
-
-            return init_pools(self)
-        return original_init(self)
-
-    cls.get_cell_size_per_token = get_cell_size_per_token
-    cls._init_pools = _init_pools
-
-
-def patch_schedule_policy(mod: Any) -> None:
-    """Exact physical admission: a prompt joins a prefill batch only if its all-high pages,
-    plus the next decode step's reserve for every request, fit in the free pages. (The token
-    budget SGLang keeps is in logical slots and cannot see the per-request page rounding.)"""
-    cls = mod.PrefillAdder
-    if not _once(cls):
-        return
-    original = cls.add_one_req
-    no_token = mod.AddReqResult.NO_TOKEN
-
-    def add_one_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-        kv = getattr(self.token_to_kv_pool_allocator, "diffkv_pool", None)
-        if kv is None:
-            return original(self, req, *args, **kwargs)
-        pages, reqs = getattr(self, "_diffkv_pending", (0, 0))
-        need = kv.prefill_pages(req.extend_input_len)
-        if not kv.admits(pages + need, reqs + 1):
-            if not kv.fits_empty_pool(req.extend_input_len):
-                logger.error(
-                    "DiffKV: a %d-token prompt can never fit in %d pages (rid %s)",
-                    req.extend_input_len, kv.num_pages, getattr(req, "rid", "?"),
-                )
-            return no_token
-        before = len(self.can_run_list)
-        result = original(self, req, *args, **kwargs)
-        if len(self.can_run_list) > before:
-            self._diffkv_pending = (pages + need, reqs + 1)
-        return result
-
-    cls.add_one_req = add_one_req
-
-
-def patch_scheduler(mod: Any) -> None:
-    """With SGLANG_DIFFKV_LOOP_TRACE=DIR set, time the scheduler loop's phases into DIR
-    (``sglang_diffkv.loop_trace``); without it the scheduler is left as it is."""
-    from sglang_diffkv.loop_trace import install
-
-    trace_dir = _loop_trace_dir()
-    if trace_dir and install(mod.Scheduler, trace_dir):
-        logger.info("DiffKV: scheduler loop trace on, written to %s when the loop idles",
-                    trace_dir)
+# ---- the scheduler loop trace (SGLANG_DIFFKV_LOOP_TRACE=DIR, any backend) ------------------
 
 
 def _loop_trace_dir() -> str:
     from sglang_diffkv.loop_trace import TRACE_ENV
 
     return os.environ.get(TRACE_ENV, "").strip()
+
+
+def _install_loop_trace() -> None:
+    """With SGLANG_DIFFKV_LOOP_TRACE=DIR set, time the scheduler loop's phases into DIR
+    (``sglang_diffkv.loop_trace``); without it nothing is wrapped."""
+    trace_dir = _loop_trace_dir()
+    if not trace_dir:
+        return
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.request_receiver import (
+        SchedulerRequestReceiver,
+    )
+
+    from sglang_diffkv.loop_trace import WRAPPED, install
+
+    # the loop receives through its request_receiver (Scheduler.recv_requests before 0.5.17)
+    missing = [m for m in WRAPPED if not hasattr(
+        SchedulerRequestReceiver if m == "recv_requests" else Scheduler, m)]
+    if missing or not hasattr(Scheduler, "on_idle"):
+        logger.warning("DiffKV: loop trace off: this SGLang's Scheduler has no %s",
+                       ", ".join(missing or ["on_idle"]))
+        return
+    if install(Scheduler, trace_dir, receiver_cls=SchedulerRequestReceiver):
+        logger.info("DiffKV: scheduler loop trace on, written to %s when the loop idles",
+                    trace_dir)
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.runner.eager_runner import EagerRunner
+
+    # the eager extend forward (ModelRunner.forward_extend before sglang 0.5.17)
+    _time_methods(EagerRunner, {"_execute_extend": "runner_extend"})
+    _time_methods(TritonAttnBackend, {"forward_extend": "attn_extend",
+                                      "init_forward_metadata": "attn_metadata"})
+    _time_methods(MHATokenToKVPool, {"set_kv_buffer": "kv_store"})
 
 
 def _time_methods(cls: Any, spans: dict[str, str]) -> None:
@@ -144,17 +170,5 @@ def _time_methods(cls: Any, spans: dict[str, str]) -> None:
     from sglang_diffkv.loop_trace import time_method
 
     for name, span in spans.items():
-        time_method(cls, name, span)
-
-
-def patch_model_runner(mod: Any) -> None:
-    _time_methods(mod.ModelRunner, {"forward_extend": "runner_extend"})
-
-
-def patch_triton_backend(mod: Any) -> None:
-    _time_methods(mod.TritonAttnBackend, {"forward_extend": "attn_extend",
-                                          "init_forward_metadata": "attn_metadata"})
-
-
-def patch_memory_pool(mod: Any) -> None:
-    _time_methods(mod.MHATokenToKVPool, {"set_kv_buffer": "kv_store"})
+        if hasattr(cls, name):
+            time_method(cls, name, span)

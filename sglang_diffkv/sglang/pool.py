@@ -53,6 +53,10 @@ ALPHA_H_PARAM = "diffkv_alpha_h"  # per-request overrides in sampling_params.cus
 ALPHA_L_PARAM = "diffkv_alpha_l"
 
 
+# SGLang's ReqToTokenPool never allocates request slot 0 (its CUDA-graph padding row)
+PAD_REQ = 0
+
+
 class DiffKVPoolError(RuntimeError):
     """The DiffKV pool cannot be built or used as asked."""
 
@@ -103,10 +107,11 @@ class DiffKVTokenToKVPool(KVCache):
 
     @property
     def pad_req(self) -> int:
-        """The cache row CUDA-graph padding rows use: one past SGLang's request slots
-        (``cache_rows``), so it is never allocated and its counters stay zero: attention
-        over it reads nothing and the policy step skips it (its position is -1)."""
-        return self.cache.spec.max_reqs - 1
+        """The cache row CUDA-graph padding rows use: row 0, which SGLang's ReqToTokenPool
+        keeps for padding and never allocates (its request slots are 1..size, ``cache_rows``),
+        so its counters stay zero: attention over it reads nothing and the policy step skips
+        it (its position is -1)."""
+        return PAD_REQ
 
     # -- streams: the scheduler's work is ordered after the forward in flight ---------------
 

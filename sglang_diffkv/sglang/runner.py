@@ -1,12 +1,14 @@
-"""Model-runner side: per-token cell size and pool construction for diffkv.
+"""Model-runner side: the DiffKV pools, built in place of SGLang's for ``--attention-backend
+diffkv`` (``configure_hook``, an AROUND hook on ``KVCacheConfigurator.configure``; other
+backends run SGLang's own code).
 
-Replaces ``ModelRunnerKVCacheMixin.get_cell_size_per_token`` and ``_init_pools`` when the
-attention backend is diffkv (``plugin`` wraps them; other backends run SGLang's own code).
-
-Capacity flow: SGLang profiles free memory ``rest`` and sets ``max_total_num_tokens =
-rest // cell`` with our cell = bytes per logical token at the planning mix. ``_init_pools``
-turns that budget back into bytes, takes the per-request state (page tables, counters) off
-the top, fills the rest with unified pages, and sets the logical slot count from the pages.
+Capacity flow: SGLang profiles the free memory left for the KV cache (its
+``_profile_available_bytes``: free memory after the weights, less the non-static slack).
+That byte budget is split as our ``CapacityPlan`` says: the per-request state (page tables,
+counters) off the top, the rest in unified pages; the logical slot count SGLang schedules
+with follows from the pages at the planning density. SGLang's own constraints still apply:
+``--max-total-tokens`` caps the planning tokens, and the request count comes from SGLang's
+``resolve_max_num_reqs``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.capacity import EXTRA_CONTEXT, CapacityPlan, cache_rows, capacity_report
 from sglang_diffkv.config import ConfigError, DiffKVConfig
-from sglang_diffkv.sglang.args import forced_settings
+from sglang_diffkv.sglang.args import forced_settings, uses_diffkv
 from sglang_diffkv.sglang.pool import (
     DiffKVPoolError,
     DiffKVReqToTokenPool,
@@ -29,13 +31,14 @@ logger = logging.getLogger("sglang_diffkv")
 
 
 def check_model(runner: Any) -> None:
+    """``runner``: SGLang's KVCacheConfigurator (or anything with the same fields)."""
     mc = runner.model_config
     if runner.use_mla_backend:
         raise DiffKVPoolError(
             "--attention-backend diffkv: MLA models are not supported; DiffKV compresses "
             "per-KV-head keys and values"
         )
-    if getattr(mc, "is_hybrid_swa", False) or getattr(runner, "mambaish_config", None):
+    if getattr(runner, "is_hybrid_swa", False) or getattr(runner, "mambaish_config", None):
         raise DiffKVPoolError(
             "--attention-backend diffkv: hybrid sliding-window / linear-attention models are "
             "not supported in stage 1"
@@ -52,9 +55,14 @@ def check_model(runner: Any) -> None:
 
 
 def _num_kv_heads(runner: Any) -> int:
-    from sglang.srt.layers.dp_attention import get_attention_tp_size
+    """KV heads this rank stores (its attention-TP share)."""
+    return runner.model_config.get_num_kv_heads(runner.ps.attn_tp_size)
 
-    return runner.model_config.get_num_kv_heads(get_attention_tp_size())
+
+def _layers(runner: Any) -> tuple[int, int]:
+    """(first layer, number of layers) this rank stores."""
+    info = runner.layer_info
+    return info.start_layer, info.num_effective_layers
 
 
 def _load_config() -> DiffKVConfig:
@@ -75,21 +83,47 @@ def plan_for(runner: Any, num_layers: int) -> CapacityPlan:
         raise DiffKVPoolError(f"--attention-backend diffkv: {e}") from e
 
 
-def cell_size_per_token(runner: Any, num_layers: int) -> int:
-    return plan_for(runner, num_layers).cell_bytes
+def configure_hook(original: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``KVCacheConfigurator.configure``: the DiffKV pools when the backend is diffkv."""
+    if not uses_diffkv(kvc.server_args):
+        return original(kvc, *args, **kwargs)
+    pre_model_load_memory = kwargs.get("pre_model_load_memory", args[0] if args else None)
+    return build_pools(kvc, kvc._profile_available_bytes(pre_model_load_memory))
 
 
-def init_pools(runner: Any) -> None:
-    """Build the request pool, the DiffKV pool and the logical-slot allocator on ``runner``."""
-    if runner.req_to_token_pool is not None:
+def build_pools(kvc: Any, budget_bytes: int) -> Any:
+    """SGLang's ``KVCacheConfigResult`` for a KV budget of ``budget_bytes`` on ``kvc``."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigResult
+    from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+
+    if kvc.req_to_token_pool is not None or kvc.is_draft_worker:
         raise DiffKVPoolError("--attention-backend diffkv: draft workers are not supported")
-    num_layers = runner.end_layer - runner.start_layer
-    plan = plan_for(runner, num_layers)
-    max_reqs = runner.max_running_requests
-    context_len = runner.model_config.context_len
+    start_layer, num_layers = _layers(kvc)
+    plan = plan_for(kvc, num_layers)
+    # planning tokens: the budget at the planning density, capped by --max-total-tokens
+    tokens = kvc._apply_token_constraints(budget_bytes // plan.cell_bytes)
+    max_reqs = kvc.resolve_max_num_reqs(tokens)
+    kv, req_pool, allocator, slots = init_pools(kvc, plan, tokens, max_reqs, start_layer)
+    config = MemoryPoolConfig(max_total_num_tokens=slots, max_running_requests=max_reqs,
+                              mem_fraction_static=kvc.server_args.mem_fraction_static)
+    return KVCacheConfigResult(
+        max_total_num_tokens=slots, max_running_requests=max_reqs,
+        full_max_total_num_tokens=None, swa_max_total_num_tokens=None,
+        req_to_token_pool=req_pool, token_to_kv_pool=kv, token_to_kv_pool_allocator=allocator,
+        memory_pool_config=config,
+    )
+
+
+def init_pools(kvc: Any, plan: CapacityPlan, tokens: int, max_reqs: int, start_layer: int
+               ) -> tuple[DiffKVTokenToKVPool, DiffKVReqToTokenPool,
+                          DiffKVTokenToKVPoolAllocator, int]:
+    """The DiffKV pool, the request pool and the logical-slot allocator for ``tokens``
+    planning tokens and ``max_reqs`` requests; returns them and the logical slot count."""
+    num_layers = plan.num_layers
+    context_len = kvc.model_config.context_len
     max_context = context_len + EXTRA_CONTEXT
-    budget = runner.max_total_num_tokens * plan.cell_bytes
-    num_pages, slots = plan.size_pool(runner.max_total_num_tokens, max_reqs, context_len)
+    budget = tokens * plan.cell_bytes
+    num_pages, slots = plan.size_pool(tokens, max_reqs, context_len)
     if num_pages < plan.min_pages:
         raise DiffKVPoolError(
             f"--attention-backend diffkv: the KV budget of {budget / 2**30:.2f} GiB leaves "
@@ -105,25 +139,22 @@ def init_pools(runner: Any) -> None:
         num_pages=num_pages,
         max_reqs=cache_rows(max_reqs),
         max_context=max_context,
-        device=runner.device,
+        device=kvc.device,
         validate=False,
     )
     kv = DiffKVTokenToKVPool(
-        cache, plan, slots, num_layers, runner.device, runner.start_layer, runner.end_layer - 1
+        cache, plan, slots, num_layers, kvc.device, start_layer, start_layer + num_layers - 1
     )
-    runner.token_to_kv_pool = kv
-    runner.req_to_token_pool = DiffKVReqToTokenPool(
+    req_pool = DiffKVReqToTokenPool(
         kv,
         size=max_reqs,
         max_context_len=max_context,
-        device=runner.device,
-        enable_memory_saver=runner.server_args.enable_memory_saver,
+        device=kvc.device,
+        enable_memory_saver=kvc.server_args.enable_memory_saver,
     )
-    runner.token_to_kv_pool_allocator = DiffKVTokenToKVPoolAllocator(
-        slots, dtype=runner.kv_cache_dtype, device=runner.device, kvcache=kv
+    allocator = DiffKVTokenToKVPoolAllocator(
+        slots, dtype=kvc.kv_cache_dtype, device=kvc.device, kvcache=kv
     )
-    # The scheduler reads the slot count from here (tp_worker.get_worker_info).
-    runner.max_total_num_tokens = slots
     for name, value, why in forced_settings():
         logger.info("diffkv: %s=%s (forced): %s", name, value, why)
     for line in capacity_report(plan, num_pages, slots, max_reqs, context_len):
@@ -133,3 +164,4 @@ def init_pools(runner: Any) -> None:
             "DiffKV KV cache: a %d-token prompt needs more pages than the pool has; such "
             "prompts can never be admitted", context_len,
         )
+    return kv, req_pool, allocator, slots

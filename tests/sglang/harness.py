@@ -1,12 +1,14 @@
 """A CPU stand-in for one SGLang scheduler + model runner, driving real SGLang objects.
 
-Real: ServerArgs (with our fix-ups), ModelRunnerKVCacheMixin's (patched) cell size and pool
-construction, ReqToTokenPool / allocator / KV pool subclasses, ChunkCache, Req, PrefillAdder
-(with our admission patch), ScheduleBatch.prepare_for_extend / prepare_for_decode /
-check_decode_mem / retract_decode, release_kv_cache, ForwardBatch.init_new, RadixAttention
-and the scheduler's own idle memory checks. Stand-ins: the transformer (q/k/v are a fixed
-function of (token id, position, layer) so a retracted request recomputes the same K/V) and
-the sampler (next token = a hash of the last one).
+Real: ServerArgs (with our fix-ups), SGLang's KVCacheConfigurator.configure (through our
+hook; only its GPU memory profile is replaced by a fixed budget), ReqToTokenPool / allocator
+/ KV pool subclasses, ChunkCache, Req, PrefillAdder (with our admission hook),
+ScheduleBatch.prepare_for_extend / prepare_for_decode / check_decode_mem / retract_decode,
+release_kv_cache, resolve_forward_inputs, ForwardBatch.init_new, RadixAttention under the
+runner's ForwardContext, the decode CUDA-graph runner's buffer registry and replay view, and
+the scheduler's own idle memory checks (SchedulerInvariantChecker). Stand-ins: the
+transformer (q/k/v are a fixed function of (token id, position, layer) so a retracted
+request recomputes the same K/V) and the sampler (next token = a hash of the last one).
 
 Two helpers SGLang runs as Triton kernels on GPUs (req_to_token writes, extend positions)
 take their torch paths here, exactly as SGLang does for its torch_native backend.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from array import array
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -26,24 +29,47 @@ import sglang_cpu_env  # noqa: E402
 sglang_cpu_env.install()
 
 import torch  # noqa: E402
+from transformers import PretrainedConfig  # noqa: E402
 
 from sglang_diffkv.sglang import plugin  # noqa: E402
 
-plugin.register()  # idempotent; in an installed environment the .pth hook already did it
+plugin.register()  # idempotent; a server gets it from load_plugins() (the entry point)
 
+import sglang.srt.mem_cache.allocation as mem_allocation  # noqa: E402
 import sglang.srt.mem_cache.common as mem_common  # noqa: E402
 import sglang.srt.model_executor.forward_batch_info as fbi  # noqa: E402
-from sglang.srt.layers import dp_attention  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.distributed.parallel_state_wrapper import ParallelState  # noqa: E402
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.managers.overlap_utils import (  # noqa: E402
+    FutureMap,
+    RelayPayload,
+    resolve_forward_inputs,
+)
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
-from sglang.srt.managers.scheduler_runtime_checker_mixin import (  # noqa: E402
-    SchedulerRuntimeCheckerMixin,
+from sglang.srt.managers.scheduler_components.invariant_checker import (  # noqa: E402
+    SchedulerInvariantChecker,
+)
+from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # noqa: E402
+    SchedulerPoolStatsObserver,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.chunk_cache import ChunkCache  # noqa: E402
-from sglang.srt.model_executor.model_runner_kv_cache_mixin import (  # noqa: E402
-    ModelRunnerKVCacheMixin,
+from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator  # noqa: E402
+from sglang.srt.model_executor.cuda_graph_buffer_registry import (  # noqa: E402
+    build_decode_registry,
+)
+from sglang.srt.model_executor.forward_context import (  # noqa: E402
+    ForwardContext,
+    forward_context,
+)
+from sglang.srt.model_executor.model_runner_components.layer_setup import (  # noqa: E402
+    ModelLayerInfo,
+)
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (  # noqa: E402
+    build_replay_fb_view,
 )
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
@@ -54,10 +80,9 @@ VOCAB = 1000
 
 def cpu_sglang_helpers(monkeypatch: Any) -> None:
     """Torch paths for SGLang's Triton helper kernels; TP size 1 without process groups."""
-    monkeypatch.setattr(mem_common, "support_triton", lambda backend: False)
+    monkeypatch.setattr(mem_allocation, "support_triton", lambda backend: False)
     monkeypatch.setattr(fbi, "support_triton", lambda backend: False)
-    monkeypatch.setattr(fbi, "enable_num_token_non_padded", lambda server_args: False)
-    monkeypatch.setattr(dp_attention, "get_attention_tp_size", lambda: 1)
+    monkeypatch.setattr(fbi, "enable_num_token_non_padded", lambda: False)
 
 
 @dataclass
@@ -92,48 +117,78 @@ class FakeModelConfig:
         self.head_dim = shape.head_dim
         self.v_head_dim = shape.head_dim
         self.num_attention_heads = shape.num_q_heads
+        self.num_hidden_layers = shape.num_layers
         self.context_len = shape.context_len
         self.num_kv = shape.num_kv_heads
         self.is_hybrid_swa = False
         self.is_encoder_decoder = False
         self.is_multimodal = False
         self.is_matryoshka = False
+        self.model_is_mrope = False
         self.vocab_size = VOCAB
-        self.hf_config = SimpleNamespace()
+        self.hf_config = PretrainedConfig(architectures=["LlamaForCausalLM"])
+        self.hf_text_config = self.hf_config
+        self.linear_attn_registry_result = None  # (not a linear-attention model)
 
     def get_num_kv_heads(self, tp_size: int) -> int:
         return self.num_kv // tp_size
 
 
-class FakeRunner(ModelRunnerKVCacheMixin):
-    """What SGLang's ModelRunner holds that the pools, ForwardBatch and backend read."""
+@dataclass(kw_only=True)
+class FixedBudgetConfigurator(KVCacheConfigurator):
+    """SGLang's KVCacheConfigurator with a fixed KV byte budget in place of its GPU memory
+    profile (``_profile_available_bytes``: free memory after the weights, less the slack)."""
+
+    kv_budget_bytes: int = 0
+
+    def _profile_available_bytes(self, pre_model_load_memory: int) -> int:
+        return self.kv_budget_bytes
+
+
+class FakeRunner:
+    """What SGLang's ModelRunner holds that the pools, ForwardBatch and backend read. The pools
+    come from ``KVCacheConfigurator.configure`` as in ``ModelRunner.alloc_memory_pool`` (our
+    hook builds the DiffKV pools there)."""
 
     def __init__(self, server_args: ServerArgs, shape: ModelShape, kv_budget_bytes: int,
                  max_running_requests: int, *, use_mla_backend: bool = False,
                  hybrid_swa: bool = False) -> None:
+        # the scheduler process publishes its ServerArgs before building the model runner;
+        # the configurator reads --max-running-requests & co. from it
+        server_args.max_running_requests = max_running_requests
+        set_global_server_args_for_scheduler(server_args)
         self.server_args = server_args
         self.model_config = FakeModelConfig(shape)
         self.model_config.is_hybrid_swa = hybrid_swa
         self.device = "cpu"
+        self.gpu_id = 0
         self.use_mla_backend = use_mla_backend
-        self.mambaish_config = None
-        self.is_hybrid_swa = False
+        self.is_hybrid_swa = hybrid_swa
         self.is_draft_worker = False
-        self.start_layer, self.end_layer = 0, shape.num_layers
         self.kv_cache_dtype = torch.bfloat16
-        self.req_to_token_pool = None
         self.spec_algorithm = SpeculativeAlgorithm.NONE
-        self.use_ngram_embedding = False
-        self.model_is_mrope = False
+        self.ngram_embedding_manager = SimpleNamespace(enabled=False)
         self.lora_manager = None
-        self.max_running_requests = max_running_requests
-        # profile_max_num_token's arithmetic, with a fixed budget instead of free GPU memory
-        self.max_total_num_tokens = kv_budget_bytes // self.get_cell_size_per_token(
-            shape.num_layers
+        self.layer_info = ModelLayerInfo(start_layer=0, end_layer=shape.num_layers,
+                                         num_effective_layers=shape.num_layers)
+        self.kv_cache_configurator = FixedBudgetConfigurator(
+            device=self.device, gpu_id=self.gpu_id, ps=ParallelState.trivial(), pp_group=None,
+            model=None, model_config=self.model_config, server_args=server_args,
+            kv_cache_dtype=self.kv_cache_dtype, model_dtype=shape.dtype, page_size=1,
+            sliding_window_size=None, spec_algorithm=self.spec_algorithm,
+            is_draft_worker=False, post_capture_kv_active=False, spec_aux_config=None,
+            is_hybrid_swa=hybrid_swa, is_hybrid_swa_compress=False,
+            use_mla_backend=use_mla_backend, layer_info=self.layer_info, forward_stream=None,
+            req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
+            kv_budget_bytes=kv_budget_bytes,
         )
-        self._init_pools()
-        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-
+        result = self.kv_cache_configurator.configure(pre_model_load_memory=0)
+        self.max_total_num_tokens = result.max_total_num_tokens
+        self.max_running_requests = result.max_running_requests
+        self.req_to_token_pool = result.req_to_token_pool
+        self.token_to_kv_pool = result.token_to_kv_pool
+        self.token_to_kv_pool_allocator = result.token_to_kv_pool_allocator
+        self.memory_pool_config = result.memory_pool_config
         self.attn_backend = ATTENTION_BACKENDS[server_args.attention_backend](self)
 
 
@@ -168,7 +223,7 @@ class StepRecord:
 
 
 @dataclass
-class MiniScheduler(SchedulerRuntimeCheckerMixin):
+class MiniScheduler:
     """The scheduler loop's memory-relevant steps, on SGLang's own objects."""
 
     shape: ModelShape
@@ -177,23 +232,25 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
     server_args: ServerArgs = field(init=False)
     waiting: list[Req] = field(default_factory=list)
     running: ScheduleBatch | None = None
+    last_batch: ScheduleBatch | None = None
     finished: list[Req] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list)
     retractions: int = 0
     new_token_ratio: float = 0.7
-    # decode rows appended as CUDA-graph padding does: out_cache_loc 0, stale req_pool_idx
+    # eager decode rows appended as padding: out_cache_loc 0, a stale req_pool_idx naming a
+    # live request (the backend must skip them whatever they name)
     pad_decode_rows: int = 0
     padded_rows_seen: int = 0
     padded_outputs: list[torch.Tensor] = field(default_factory=list)
     max_peak_logical_used: int = 0
-    # CUDA-graph decode as SGLang's CudaGraphRunner drives the backend (capture sizes; empty:
-    # eager). Emulated on the CPU: the "graph" is the captured metadata re-run as recorded.
+    # CUDA-graph decode as SGLang's DecodeCudaGraphRunner drives the backend (capture sizes;
+    # empty: eager). Emulated on the CPU: the "graph" is the captured metadata re-run as
+    # recorded, on the runner's static input buffers.
     graph_bs: tuple[int, ...] = ()
     graph_replays: int = 0
 
     def __post_init__(self) -> None:
         self.server_args = ServerArgs(model_path="dummy", attention_backend="diffkv")
-        set_global_server_args_for_scheduler(self.server_args)
         self.runner = FakeRunner(self.server_args, self.shape, self.kv_budget_bytes,
                                  self.max_running_requests)
         self.req_to_token_pool = self.runner.req_to_token_pool
@@ -207,6 +264,10 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
             page_size=1,
             chunked_prefill_size=self.server_args.chunked_prefill_size,
         ))
+        # the next iteration's input ids, relayed per request slot as the scheduler does
+        self.future_map = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.NONE,
+                                    self.req_to_token_pool)
+        self._init_invariant_checker()
         self.layers = [
             RadixAttention(self.shape.num_q_heads, self.shape.head_dim, self.shape.scaling,
                            self.shape.num_kv_heads, layer_id=i)
@@ -215,50 +276,93 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
         if self.graph_bs:
             self._capture_graphs()
 
-    # -- CUDA-graph decode, as CudaGraphRunner drives it ------------------------------------
+    def _init_invariant_checker(self) -> None:
+        """The scheduler's pool observer and invariant checker (Scheduler.init_invariant_checker)
+        on this scheduler's pools."""
+        common = dict(
+            tree_cache=self.tree_cache,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            req_to_token_pool=self.req_to_token_pool,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            full_tokens_per_layer=None,
+            swa_tokens_per_layer=None,
+            get_last_batch=lambda: self.last_batch,
+            get_running_batch=lambda: self.running,
+        )
+        self.pool_stats_observer = SchedulerPoolStatsObserver(
+            session_controller=SimpleNamespace(sessions={}),
+            hisparse_coordinator=None,
+            enable_hisparse=False,
+            max_total_num_tokens=self.max_total_num_tokens * self.server_args.dcp_size,
+            **common,
+        )
+        self.invariant_checker = SchedulerInvariantChecker(
+            disaggregation_mode=DisaggregationMode.NULL,
+            page_size=1,
+            max_total_num_tokens=self.max_total_num_tokens,
+            server_args=self.server_args,
+            pool_stats_observer=self.pool_stats_observer,
+            **common,
+        )
+
+    # -- CUDA-graph decode, as DecodeCudaGraphRunner drives it -------------------------------
 
     def _capture_graphs(self) -> None:
         backend = self.runner.attn_backend
         n = max(self.graph_bs)
         backend.init_cuda_graph_state(n, n)
-        fill = backend.get_cuda_graph_seq_len_fill_value()
-        # DecodeInputBuffers: stale rows past a replay's batch keep their old values, except
-        # seq_lens (refilled with the fill value when the batch is padded)
-        self.g_req = torch.zeros(n, dtype=torch.int64)
-        self.g_seq = torch.full((n,), fill, dtype=torch.int64)
-        self.g_seq_cpu = self.g_seq.clone()
-        self.g_ids = torch.zeros(n, dtype=torch.int64)
-        self.g_pos = torch.zeros(n, dtype=torch.int64)
+        self.seq_len_fill_value = fill = backend.get_cuda_graph_seq_len_fill_value()
+        # the runner's static decode inputs, with SGLang's per-slot padding policy (replays
+        # zero req_pool_indices / positions / out_cache_loc past the batch, refill seq_lens)
+        self.registry = build_decode_registry(
+            device=torch.device("cpu"), max_bs=n, max_num_token=n, seq_len_fill_value=fill,
+            cache_loc_dtype=torch.int64, share_pool=False,
+        )
+        buf = {name: self.registry.get_slot(name).buffer for name in self.registry.slot_names()}
+        self.buffers = SimpleNamespace(**buf, encoder_lens=None, mamba_track_indices=None)
+        self.buffers.seq_lens.fill_(fill)
+        self.buffers.seq_lens_cpu.fill_(fill)
         self.captured: dict[int, Any] = {}
-        for bs in sorted(self.graph_bs, reverse=True):  # SGLang captures largest first
-            backend.init_forward_metadata_capture_cuda_graph(
-                bs, bs, self.g_req[:bs], self.g_seq[:bs], None, fbi.ForwardMode.DECODE, None)
-            self.captured[bs] = backend.forward_metadata
-            self._graph_forward(bs)
+        with forward_context(ForwardContext(attn_backend=backend)):
+            for bs in sorted(self.graph_bs, reverse=True):  # SGLang captures largest first
+                b = self.buffers
+                fb = fbi.ForwardBatch(
+                    forward_mode=fbi.ForwardMode.DECODE, batch_size=bs,
+                    input_ids=b.input_ids[:bs], req_pool_indices=b.req_pool_indices[:bs],
+                    seq_lens=b.seq_lens[:bs], seq_lens_cpu=b.seq_lens_cpu[:bs],
+                    orig_seq_lens=b.seq_lens[:bs], out_cache_loc=b.out_cache_loc[:bs],
+                    seq_lens_sum=int(b.seq_lens[:bs].sum()), positions=b.positions[:bs],
+                    return_logprob=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+                    spec_info=None, global_forward_mode=fbi.ForwardMode.DECODE,
+                )
+                backend.init_forward_metadata_out_graph(fb, in_capture=True)
+                backend.init_forward_metadata_in_graph(fb)  # (recorded inside the graph)
+                self.captured[bs] = backend.forward_metadata
+                self._graph_forward(bs)
 
     def _graph_forward(self, bs: int) -> list[torch.Tensor]:
         backend = self.runner.attn_backend
         backend.forward_metadata = self.captured[bs]  # a graph replays its capture's inputs
         outs = []
+        ids, pos = self.buffers.input_ids[:bs], self.buffers.positions[:bs]
         for layer in self.layers:
-            q, k, v = fake_qkv(self.g_ids[:bs], self.g_pos[:bs], layer.layer_id, self.shape)
+            q, k, v = fake_qkv(ids, pos, layer.layer_id, self.shape)
             outs.append((q, k, v, backend.forward_decode(q, k, v, layer, None)))
         return outs
 
     def _replay(self, fb: Any) -> list[tuple[torch.Tensor, ...]]:
+        """DecodeCudaGraphRunner.load_batch, then the graph's replay."""
         raw = fb.batch_size
         bs = min(b for b in self.graph_bs if b >= raw)
-        fill = self.runner.attn_backend.get_cuda_graph_seq_len_fill_value()
-        if bs != raw:
-            self.g_seq.fill_(fill)
-            self.g_seq_cpu.fill_(fill)
-        for buf, src in ((self.g_req, fb.req_pool_indices), (self.g_seq, fb.seq_lens),
-                         (self.g_seq_cpu, fb.seq_lens_cpu), (self.g_ids, fb.input_ids),
-                         (self.g_pos, fb.positions)):
-            buf[:raw].copy_(src)
-        self.runner.attn_backend.init_forward_metadata_replay_cuda_graph(
-            bs, self.g_req[:bs], self.g_seq[:bs], int(self.g_seq[:bs].sum()), None,
-            fbi.ForwardMode.DECODE, None, seq_lens_cpu=self.g_seq_cpu[:bs])
+        self.registry.fill_from(fb, raw_bs=raw, padded_bs=bs, raw_num_tokens=raw,
+                                padded_num_tokens=bs)
+        fb_view = build_replay_fb_view(
+            forward_batch=fb, buffers=self.buffers, bs=bs, raw_bs=raw, num_tokens=bs,
+            seq_len_fill_value=self.seq_len_fill_value,
+            capture_forward_mode=fbi.ForwardMode.DECODE, is_encoder_decoder=False,
+        )
+        self.runner.attn_backend.init_forward_metadata_out_graph(fb_view)
         self.graph_replays += 1
         self.padded_rows_seen += bs - raw
         return self._graph_forward(bs)
@@ -270,7 +374,7 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
         sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
                             custom_params=custom_params)
         sp.normalize(None)
-        req = Req(rid, "", list(prompt), sp, vocab_size=VOCAB)
+        req = Req(rid, "", array("q", prompt), sp, vocab_size=VOCAB)
         self.waiting.append(req)
         return req
 
@@ -289,6 +393,7 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
             self._drop_finished()
             return "prefill"
         if self.running is None or self.running.is_empty():
+            self.last_batch = None
             return "idle"
         if not self.running.check_decode_mem():
             retracted, self.new_token_ratio, aborted = self.running.retract_decode(
@@ -338,8 +443,9 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
         return batch
 
     def _run(self, batch: ScheduleBatch) -> None:
-        mwb = batch.get_model_worker_batch()
-        fb = fbi.ForwardBatch.init_new(mwb, self.runner)
+        self.last_batch = batch
+        resolve_forward_inputs(batch, self.future_map)
+        fb = fbi.ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
         real = fb.batch_size
         ids = fb.input_ids
         is_decode = fb.forward_mode.is_decode()
@@ -349,16 +455,19 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
             [r.rid for r in batch.reqs], [], fb.positions[:n_real_tokens].clone(),
             fb.seq_lens[:real].tolist(), fb.req_pool_indices[:real].tolist(),
         )
-        if is_decode and self.graph_bs and real <= max(self.graph_bs):
-            layers = self._replay(fb)
-        else:
-            if self.pad_decode_rows and is_decode:
-                self._pad(fb, self.pad_decode_rows)
-            self.runner.attn_backend.init_forward_metadata(fb)
-            layers = []
-            for layer in self.layers:
-                q, k, v = fake_qkv(fb.input_ids, fb.positions, layer.layer_id, self.shape)
-                layers.append((q, k, v, layer(q, k, v, fb)))
+        backend = self.runner.attn_backend
+        # ModelRunner.forward runs the model inside the backend's ForwardContext
+        with forward_context(ForwardContext(attn_backend=backend)):
+            if is_decode and self.graph_bs and real <= max(self.graph_bs):
+                layers = self._replay(fb)
+            else:
+                if self.pad_decode_rows and is_decode:
+                    self._pad(fb, self.pad_decode_rows)
+                backend.init_forward_metadata(fb)
+                layers = []
+                for layer in self.layers:
+                    q, k, v = fake_qkv(fb.input_ids, fb.positions, layer.layer_id, self.shape)
+                    layers.append((q, k, v, layer(q, k, v, fb)))
         for q, k, v, o in layers:
             record.layers.append(
                 (q[:n_real_tokens], k[:n_real_tokens], v[:n_real_tokens], o[:n_real_tokens])
@@ -372,12 +481,16 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
             self.max_peak_logical_used, alloc.size - alloc.logical_available_size()
         )
         # sampling stand-in: next token from the last token of each request
-        if fb.forward_mode.is_decode():
+        if is_decode:
             last = ids[:real]
         else:
             ends = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu), 0) - 1
             last = ids[ends]
-        batch.output_ids = torch.tensor([next_token(int(t)) for t in last], dtype=torch.int64)
+        next_ids = torch.tensor([next_token(int(t)) for t in last], dtype=torch.int64)
+        self.output_ids = next_ids.tolist()
+        # relayed to the next iteration's input ids (Scheduler._relay_forward_payload)
+        self.future_map.stash(batch.req_pool_indices, RelayPayload(bonus_tokens=next_ids))
+        batch.input_ids = None
 
     def _pad(self, fb: Any, n: int) -> None:
         stale = fb.req_pool_indices[:1].repeat(n)  # names a live request, as stale rows can
@@ -391,9 +504,9 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
         self.padded_rows_seen += n
 
     def _process(self, batch: ScheduleBatch) -> None:
-        for req, tok in zip(batch.reqs, batch.output_ids.tolist(), strict=True):
+        for req, tok in zip(batch.reqs, self.output_ids, strict=True):
             req.output_ids.append(tok)
-            req.check_finished()
+            req.update_finish_state()
             if req.finished():
                 mem_common.release_kv_cache(req, self.tree_cache)
                 self.finished.append(req)
@@ -404,11 +517,17 @@ class MiniScheduler(SchedulerRuntimeCheckerMixin):
             if len(keep) != len(self.running.reqs):
                 self.running.filter_batch(keep_indices=keep)
 
-    # -- SGLang's own idle checks ------------------------------------------------------------
+    # -- SGLang's own idle checks (Scheduler.on_idle) ----------------------------------------
 
     def idle_leak_check(self) -> tuple[bool, str]:
-        leak, msg = self._check_radix_cache_memory()
-        return leak, msg
+        leak, messages = self.invariant_checker._check_all_pools(
+            self.pool_stats_observer.get_pool_stats()
+        )
+        return leak, "\n".join(messages)
 
     def req_pool_leak(self) -> bool:
-        return len(self.req_to_token_pool.free_slots) != self.req_to_token_pool.size
+        try:  # raises under SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (on by default)
+            self.invariant_checker._check_req_pool()
+        except ValueError:
+            return True
+        return self.invariant_checker.count_req_pool_leak_warnings > 0

@@ -1,4 +1,4 @@
-"""Make sglang 0.5.10.post1 importable on a CPU-only CI machine.
+"""Make sglang (0.5.17) importable on a CPU-only CI machine.
 
 sglang hard-imports two CUDA-only binary packages at module level: ``torchvision`` (its PyPI
 build for torch 2.13 links libtorch_cuda) and ``sgl_kernel`` (a 336 MB CUDA wheel). Neither is

@@ -1,12 +1,14 @@
-"""Run in a fresh interpreter: report what sglang looks like there, and in a spawned child.
+"""Run in a fresh interpreter: what SGLang's own ``load_plugins()`` does in a spawned child.
 
 Used by test_registration.py as ``python spawn_probe.py``. It never calls our ``register()``:
-whatever is registered came from the ``.pth`` import hook processed at interpreter start.
+whatever is registered came from the ``sglang.srt.plugins`` entry point, loaded by SGLang
+in a child started the way SGLang starts its scheduler processes (spawn).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import sys
@@ -17,22 +19,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def probe() -> dict:
     import sglang_cpu_env
 
-    before = {"sglang": "sglang" in sys.modules, "torch": "torch" in sys.modules}
+    before = {"sglang": "sglang" in sys.modules,
+              "plugin": "sglang_diffkv.sglang.plugin" in sys.modules}
     sglang_cpu_env.install()
-    from sglang.srt import server_args
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-    from sglang.srt.managers.schedule_policy import PrefillAdder
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, prepare_server_args
 
-    return {
-        "imported_at_start": before,
-        "choice": "diffkv" in server_args.ATTENTION_BACKEND_CHOICES,
+    load_plugins()
+    out = {
+        "imported_before_load": before,
+        "choice": "diffkv" in ATTENTION_BACKEND_CHOICES,
         "factory": "diffkv" in ATTENTION_BACKENDS,
-        "pools": ModelRunner._init_pools.__module__,
-        "cell": ModelRunner.get_cell_size_per_token.__module__,
-        "admission": PrefillAdder.add_one_req.__module__,
-        "post_init": getattr(server_args.ServerArgs.__post_init__, "_diffkv_wrapped", False),
+        "hooks": {},
+        "parsed": None,
     }
+    if "sglang_diffkv.sglang.plugin" in sys.modules:
+        from sglang_diffkv.sglang import plugin
+
+        out["hooks"] = plugin.hooks_applied()
+    logging.disable(logging.CRITICAL)  # (the forced-setting lines)
+    try:
+        a = prepare_server_args(["--model-path", "dummy", "--attention-backend", "diffkv"])
+        out["parsed"] = {"attention_backend": a.attention_backend, "page_size": a.page_size}
+    except SystemExit:  # argparse: invalid choice
+        pass
+    return out
 
 
 def _child(queue: mp.Queue) -> None:

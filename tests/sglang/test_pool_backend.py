@@ -130,6 +130,26 @@ def test_extend_and_decode_match_the_reference_through_compression(monkeypatch):
     assert_back_to_initial_state(s)
 
 
+def test_the_forward_context_hands_model_code_the_diffkv_pools(monkeypatch):
+    """Model code reaches the pools through the backend (SGLang's get_token_to_kv_pool /
+    get_req_to_token_pool); the fused RoPE + set-KV check reads the pool's dtype there and
+    must never pick the dense-buffer path."""
+    from sglang.srt.model_executor.forward_context import (
+        ForwardContext,
+        forward_context,
+        get_req_to_token_pool,
+        get_token_to_kv_pool,
+    )
+
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", "default")
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8))
+    with forward_context(ForwardContext(attn_backend=s.runner.attn_backend)):
+        assert get_token_to_kv_pool() is s.kv_pool
+        assert get_req_to_token_pool() is s.req_to_token_pool
+        assert get_token_to_kv_pool().dtype == torch.uint8  # never the bf16 fused path
+
+
 def test_padded_decode_rows_are_skipped(monkeypatch):
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     shape = H.ModelShape()
@@ -205,7 +225,7 @@ def test_startup_report_and_step_metrics_are_logged(monkeypatch, caplog):
     assert f"page {s.kv_pool.cache.geometry.page_bytes} B; tokens per page: high 32" in text
     assert f"{s.kv_pool.num_pages} pages" in text and "fp16/bf16 tokens" in text
     assert "logical token slots" in text and "expected max concurrency" in text
-    assert "diffkv: disable_piecewise_cuda_graph=True (forced): " in text  # repeated in log
+    assert "diffkv: cuda_graph_backend_prefill=disabled (forced): " in text  # repeated in log
     assert "DiffKV prefill: batch 1, tokens high" in text
     assert "DiffKV decode: batch 1" in text and "pruned" in text and "pages in use" in text
     assert "a bf16 cache would need" in text
@@ -231,10 +251,11 @@ def test_kernel_path_matches_the_reference(monkeypatch):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
 def test_cuda_graph_decode_matches_the_reference(monkeypatch, caplog):
-    """Decode driven as CudaGraphRunner does it: captured per batch size with every row
-    padding, replayed from static buffers whose rows past the batch are stale (SGLang
-    refills only seq_lens). Padding must neither store nor score anything: outputs and
-    counters match the reference per request, and the pad request stays empty."""
+    """Decode driven as DecodeCudaGraphRunner does it: captured per batch size with every
+    row padding, replayed from its static buffers through build_replay_fb_view (rows past
+    the batch: req_pool_indices 0, SGLang's padding row, seq_lens the fill value, input ids
+    stale). Padding must neither store nor score anything: outputs and counters match the
+    reference per request, and the pad request stays empty."""
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "1")
     monkeypatch.setenv("SGLANG_DIFFKV_LOG_INTERVAL", "1")
@@ -252,11 +273,12 @@ def test_cuda_graph_decode_matches_the_reference(monkeypatch, caplog):
     s.add_request("c", [(5 * i) % 983 + 3 for i in range(38)], 6)
     with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
         s.run_until_idle()
-    # batches of 3 (padded to 4, the padding naming live requests), then 2 and 1
+    # batches of 3 (padded to 4), then 2 and 1
     assert s.graph_replays == 13 and s.padded_rows_seen == 5
     compared = replay_on_reference(s, tol=2e-2)
     assert compared == {"extend": 3, "decode": 13 + 9 + 5}
     pad = s.kv_pool.pad_req
+    assert pad == 0  # SGLang's own padding row: its ReqToTokenPool never allocates it
     cache = s.kv_pool.cache
     assert not bool(cache.counts[pad].any()) and bool((cache.manager.table[pad] == -1).all())
     # the replayed steps still log, each at the next step's metadata (so the last one, with

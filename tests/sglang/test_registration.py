@@ -1,4 +1,5 @@
-"""The .pth import hook registers diffkv in every process, with no call from the user."""
+"""SGLang loads diffkv through its plugin entry point (``sglang.srt.plugins``) in every
+process that calls ``load_plugins()``, with no call from the user."""
 
 from __future__ import annotations
 
@@ -6,12 +7,17 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import entry_points
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ENTRY_POINT = "sglang_diffkv.sglang.plugin:register"
 
 
 def _fresh_python(code: str, **env: str) -> str:
-    full_env = {k: v for k, v in os.environ.items() if k != "SGLANG_DIFFKV_DISABLE"}
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("SGLANG_DIFFKV_DISABLE", "SGLANG_PLUGINS")}
     full_env.update(env)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120,
@@ -21,64 +27,77 @@ def _fresh_python(code: str, **env: str) -> str:
     return out.stdout.strip()
 
 
-META_PATH = "import sys; print([type(f).__name__ for f in sys.meta_path])"
-
-
-def test_pth_hook_is_installed_at_interpreter_start_without_importing_sglang_or_torch():
-    code = META_PATH + "; print('sglang' in sys.modules, 'torch' in sys.modules)"
-    finders, loaded = _fresh_python(code).splitlines()
-    assert "PostImportFinder" in finders, (
-        "sglang_diffkv.pth is not active: install the package (pip install -e .)"
-    )
-    assert loaded == "False False"
-
-
-def test_disable_env_turns_the_hook_off():
-    assert "PostImportFinder" not in _fresh_python(META_PATH, SGLANG_DIFFKV_DISABLE="1")
-
-
-def test_spawned_scheduler_style_child_sees_every_registration():
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_DIFFKV_DISABLE"}
+def _spawned_child(**env: str) -> dict:
+    """spawn_probe.py in a fresh interpreter: SGLang's load_plugins() in a spawned child."""
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("SGLANG_DIFFKV_DISABLE", "SGLANG_PLUGINS")}
+    full_env.update(env)
     out = subprocess.run(
         [sys.executable, os.path.join(HERE, "spawn_probe.py")],
-        capture_output=True, text=True, env=env, timeout=600, cwd="/",
+        capture_output=True, text=True, env=full_env, timeout=600, cwd="/",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    child = json.loads(out.stdout.strip().splitlines()[-1])["child"]
-    assert child["imported_at_start"] == {"sglang": False, "torch": False}
-    assert child["choice"] and child["factory"] and child["post_init"]
-    # ModelRunner inherits the patched mixin methods; the scheduler's PrefillAdder too.
-    assert child["pools"] == child["cell"] == child["admission"] == "sglang_diffkv.sglang.plugin"
+    return json.loads(out.stdout.strip().splitlines()[-1])["child"]
+
+
+def test_the_entry_point_is_installed():
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "diffkv"]
+    assert len(eps) == 1, "install the package (pip install -e .) for its entry point"
+    assert eps[0].value == ENTRY_POINT
+    from sglang_diffkv.sglang import plugin
+
+    assert eps[0].load() is plugin.register
+
+
+def test_load_plugins_in_a_spawned_scheduler_style_child_registers_everything():
+    child = _spawned_child()
+    assert child["imported_before_load"] == {"sglang": False, "plugin": False}
+    assert child["choice"] and child["factory"]
+    assert child["hooks"] and all(child["hooks"].values()), child["hooks"]
+    assert child["parsed"] == {"attention_backend": "diffkv", "page_size": 1}
+
+
+@pytest.mark.parametrize("env", [{"SGLANG_DIFFKV_DISABLE": "1"},
+                                 {"SGLANG_PLUGINS": "some-other-plugin"}])
+def test_disable_env_or_plugin_selection_turns_it_off(env):
+    child = _spawned_child(**env)
+    assert not child["choice"] and not child["factory"]
+    assert not any(child["hooks"].values())
+    assert child["parsed"] is None  # --attention-backend diffkv is not a valid choice
 
 
 def test_register_is_idempotent_in_process():
     import harness  # noqa: F401  (imports sglang with the CPU stand-ins, registers once)
     from sglang.srt import server_args
-    from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 
     from sglang_diffkv.sglang import plugin
 
-    init_pools = ModelRunnerKVCacheMixin._init_pools
+    configure = KVCacheConfigurator.configure
     plugin.register()
     plugin.register()
     assert server_args.ATTENTION_BACKEND_CHOICES.count("diffkv") == 1
-    assert ModelRunnerKVCacheMixin._init_pools is init_pools
+    assert KVCacheConfigurator.configure is configure
+    assert all(plugin.hooks_applied().values())
 
 
 def test_loop_trace_wraps_the_scheduler_only_when_asked(tmp_path):
     code = (f"import sys; sys.path.insert(0, {HERE!r}); import harness; "
             "from sglang.srt.managers.scheduler import Scheduler; "
+            "from sglang.srt.managers.scheduler_components.request_receiver import "
+            "SchedulerRequestReceiver as Rx; "
             "from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool as P; "
             "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend as T; "
-            "from sglang.srt.model_executor.model_runner import ModelRunner as R; "
-            "print(Scheduler.run_batch.__module__, Scheduler.self_check_during_idle.__module__, "
+            "from sglang.srt.model_executor.runner.eager_runner import EagerRunner as R; "
+            "print(Scheduler.run_batch.__module__, Scheduler.on_idle.__module__, "
+            "Scheduler.get_next_batch_to_run.__module__, Rx.recv_requests.__module__, "
             "*(hasattr(f, '_sglang_diffkv_loop_traced') for f in "
-            "(P.set_kv_buffer, T.forward_extend, T.init_forward_metadata, R.forward_extend)))")
+            "(P.set_kv_buffer, T.forward_extend, T.init_forward_metadata, R._execute_extend)))")
     assert _fresh_python(code).splitlines()[-1].split() == [
-        "sglang.srt.managers.scheduler", "sglang.srt.managers.scheduler_runtime_checker_mixin",
-        *["False"] * 4]
+        *["sglang.srt.managers.scheduler"] * 3,
+        "sglang.srt.managers.scheduler_components.request_receiver", *["False"] * 4]
     traced = _fresh_python(code, SGLANG_DIFFKV_LOOP_TRACE=str(tmp_path))
-    assert traced.splitlines()[-1].split() == ["sglang_diffkv.loop_trace"] * 2 + ["True"] * 4
+    assert traced.splitlines()[-1].split() == ["sglang_diffkv.loop_trace"] * 4 + ["True"] * 4
 
 
 def test_loop_trace_times_the_diffkv_backend_when_it_is_built(tmp_path):

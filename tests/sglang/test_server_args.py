@@ -13,8 +13,16 @@ from sglang_diffkv.sglang.args import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
     FORCED_SETTINGS,
     DiffKVUnsupportedError,
+    check_forced_settings,
 )
 from sglang_diffkv.sglang.pool import DiffKVPoolError
+
+
+@pytest.fixture(autouse=True)
+def _keep_pytest_log_capture(monkeypatch):
+    # prepare_server_args calls logging.basicConfig(force=True), which would take pytest's
+    # capture handler (caplog) off the root logger
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)
 
 
 def _args(*extra: str) -> ServerArgs:
@@ -28,10 +36,15 @@ def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
     assert a.page_size == 1
     assert a.disable_radix_cache is True
     assert a.chunked_prefill_size == -1
-    assert a.disable_cuda_graph is False  # the kernel path captures decode graphs
-    assert a.cuda_graph_max_bs == DEFAULT_CUDA_GRAPH_MAX_BS
-    assert a.disable_piecewise_cuda_graph is True
+    assert a.cuda_graph_backend_decode is None  # the kernel path captures decode graphs
+    assert a.cuda_graph_max_bs_decode == DEFAULT_CUDA_GRAPH_MAX_BS
+    assert a.cuda_graph_backend_prefill == "disabled"
     assert a.disable_overlap_schedule is False  # the pool orders itself after the forward
+    # what SGLang resolves from them (its __post_init__ stops before that for a dummy model)
+    a._parse_cuda_graph_config()
+    graphs = a.cuda_graph_config
+    assert (graphs.decode.backend, graphs.decode.max_bs) == ("full", DEFAULT_CUDA_GRAPH_MAX_BS)
+    assert graphs.prefill.backend == "disabled"
     forced = [r.getMessage() for r in caplog.records if "forcing" in r.getMessage()]
     # one line per forced setting, each with its reason; the user's values are named
     assert len(forced) == len(FORCED_SETTINGS)
@@ -44,22 +57,46 @@ def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
 
 
 def test_cuda_graphs_follow_the_compute_path(monkeypatch, caplog):
-    a = _args("--cuda-graph-max-bs", "64")
-    assert a.disable_cuda_graph is False and a.cuda_graph_max_bs == 64  # the user's value
+    a = _args("--cuda-graph-max-bs-decode", "64")
+    assert a.cuda_graph_backend_decode is None and a.cuda_graph_max_bs_decode == 64  # the user's
     monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "0")
     with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
         a = _args()
-    assert a.disable_cuda_graph is True  # the torch reference cannot be captured
+    assert a.cuda_graph_backend_decode == "disabled"  # the torch reference cannot be captured
     assert a.disable_overlap_schedule is True
-    for name in ("disable_cuda_graph", "disable_overlap_schedule"):
-        assert any(f"forcing {name}=True" in r.getMessage()
+    for name, value in (("cuda_graph_backend_decode", "disabled"),
+                        ("disable_overlap_schedule", True)):
+        assert any(f"forcing {name}={value}" in r.getMessage()
                    and "SGLANG_DIFFKV_KERNELS=0" in r.getMessage() for r in caplog.records)
+    a._parse_cuda_graph_config()
+    assert a.cuda_graph_config.decode.backend == a.cuda_graph_config.prefill.backend == "disabled"
+
+
+def test_an_explicit_cuda_graph_config_must_keep_the_forced_phases():
+    """--cuda-graph-config JSON outranks the per-phase flags in SGLang's resolution; after
+    SGLang's __post_init__ the resolved config is checked (check_forced_settings)."""
+    a = _args("--cuda-graph-config",
+              '{"prefill": {"backend": "disabled"}, "decode": {"max_bs": 32}}')
+    assert a.cuda_graph_max_bs_decode is None  # the user sized the decode graphs in the JSON
+    a._parse_cuda_graph_config()  # (what SGLang's __post_init__ does for a real model)
+    check_forced_settings(a)
+    assert (a.cuda_graph_config.decode.backend, a.cuda_graph_config.decode.max_bs) == ("full", 32)
+    a = _args("--cuda-graph-config", '{"prefill": {"backend": "breakable"}}')
+    a._parse_cuda_graph_config()
+    with pytest.raises(DiffKVUnsupportedError,
+                       match="cuda_graph_config prefill backend resolved to 'breakable'"):
+        check_forced_settings(a)
+    a = _args("--cuda-graph-config", '{"decode": {"backend": "breakable"}}')
+    a._parse_cuda_graph_config()
+    with pytest.raises(DiffKVUnsupportedError, match="the DiffKV decode supports full or disabled"):
+        check_forced_settings(a)
 
 
 def test_other_backends_are_untouched():
     a = prepare_server_args(["--model-path", "dummy", "--attention-backend", "triton",
                              "--page-size", "16"])
-    assert a.page_size == 16 and not a.disable_radix_cache and not a.disable_cuda_graph
+    assert a.page_size == 16 and not a.disable_radix_cache
+    assert a.cuda_graph_backend_prefill is None and a.cuda_graph_max_bs_decode is None
 
 
 @pytest.mark.parametrize(
@@ -73,6 +110,7 @@ def test_other_backends_are_untouched():
         (["--tp-size", "2"], "tensor parallelism"),
         (["--kv-cache-dtype", "fp8_e4m3"], "leave --kv-cache-dtype at auto"),
         (["--decode-attention-backend", "triton"], "diffkv must run both prefill and decode"),
+        (["--cuda-graph-backend-decode", "breakable"], "the DiffKV decode supports full or"),
     ],
 )
 def test_unsupported_options_are_refused(flags, message):
