@@ -30,11 +30,14 @@ A profile's ``ms/step`` divides by ``--steps``, but SGLang's window may hold few
 steps (9 of 10 in session 15's drain profiles): a per-layer kernel's launches over the layers
 count the steps that ran.
 
-    python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config diffkv-mix \\
+    python -m sglang_diffkv.bench.profile_server_step --model /tmp/dummy-llama3-8b \\
+        --config diffkv-mix \\
         --out /tmp/prof --requests 400 --warm-s 60 --steps 20
-    python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config bf16 \\
+    python -m sglang_diffkv.bench.profile_server_step --model /tmp/dummy-llama3-8b \\
+        --config bf16 \\
         --out /tmp/prof --requests 128,256,450 --prompt-len 16,256 --warm-s 8 --steps 10
-    python3 scripts/profile_server_step.py --model /tmp/dummy-llama3-8b --config bf16 \\
+    python -m sglang_diffkv.bench.profile_server_step --model /tmp/dummy-llama3-8b \\
+        --config bf16 \\
         --out /tmp/prof --requests 750 --at-batch 650,500,380,250,120 --prompt-len 16,500 \\
         --output-len 64,1400 --warm-s 10 --steps 10 --stream \\
         --server-args=--cuda-graph-max-bs=1536
@@ -54,10 +57,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sglang_diffkv.bench.client import prompt_ids  # noqa: E402
-from sglang_diffkv.bench.server import (  # noqa: E402
+from sglang_diffkv.bench.client import prompt_ids
+from sglang_diffkv.bench.server import (
     LaunchOptions,
     ServerProcess,
     launch_command,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Kernel benchmarks on the GPU (issue 5): decode attention, prefill scoring + compression,
 decode-step compaction, the decode policy step (``--only policy``: scan vs parallel
 argmin). Prints markdown tables and writes them (and JSON) under --out.
@@ -10,7 +9,7 @@ unused tail included), bandwidth is relative to a measured device-to-device copy
 cache of the same context, loaded from the wheel in .whl/ when present; otherwise torch
 SDPA on bf16 (the table says which).
 
-    python scripts/bench_kernels.py --out DIR [--quick]
+    python -m sglang_diffkv.kernels.bench --out DIR [--quick]
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import argparse
 import glob
 import json
 import re
-import sys
 import time
 import types
 import zipfile
@@ -29,10 +27,8 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sglang_diffkv.config import K4V2, K8V4  # noqa: E402
-from sglang_diffkv.kernels import (  # noqa: E402
+from sglang_diffkv.config import K4V2, K8V4
+from sglang_diffkv.kernels import (
     DecodeAttentionPlan,
     PrefillBuffers,
     compaction_backend,
@@ -41,8 +37,8 @@ from sglang_diffkv.kernels import (  # noqa: E402
     decode_compaction_reference,
     prefill_scores,
 )
-from sglang_diffkv.kernels.decode_attention import VARIANTS  # noqa: E402
-from sglang_diffkv.kernels.decode_policy import (  # noqa: E402
+from sglang_diffkv.kernels.decode_attention import VARIANTS
+from sglang_diffkv.kernels.decode_policy import (
     ARGMIN_BLOCK,
     ARGMIN_PROGRAMS,
     SCAN_BLOCK,
@@ -50,10 +46,10 @@ from sglang_diffkv.kernels.decode_policy import (  # noqa: E402
     argmin_splits,
     decode_policy_step,
 )
-from sglang_diffkv.kernels.testing import random_decode_case  # noqa: E402
-from sglang_diffkv.layout import PageGeometry  # noqa: E402
-from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
-from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention  # noqa: E402
+from sglang_diffkv.kernels.testing import random_decode_case
+from sglang_diffkv.layout import PageGeometry
+from sglang_diffkv.memory import MemorySpec, PageManager
+from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention
 
 DEV = "cuda"
 HQ, HKV, D = 32, 8, 128

@@ -1,4 +1,4 @@
-"""scripts/probe_prefill_ttft.py against the CPU stand-in server (no GPU, no sglang)."""
+"""sglang_diffkv.bench.prefill_ttft against the CPU stand-in server (no GPU, no sglang)."""
 
 import json
 import os
@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from sglang_diffkv.bench import prefill_ttft as probe
+from sglang_diffkv.bench.errors import BenchInputError
+from sglang_diffkv.bench.fakeserver import READY
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import probe_prefill_ttft as probe  # noqa: E402
-
-from sglang_diffkv.bench.errors import BenchInputError  # noqa: E402
-from sglang_diffkv.bench.fakeserver import READY  # noqa: E402
 
 
 def _free_port() -> int:

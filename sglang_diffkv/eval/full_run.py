@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Full quality run behind docs/quality.md: calibrate -> evaluate -> report.
 
 Stages (``--stages``, comma list, default all):
@@ -11,7 +10,7 @@ Stages (``--stages``, comma list, default all):
 
 Everything lands in --out-dir; the chosen preset is also written to --preset.
 Example (what docs/quality.md ran):
-  python scripts/run_quality.py --device cuda --out-dir results/quality
+  python -m sglang_diffkv.eval.full_run --device cuda --out-dir results/quality
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from sglang_diffkv.eval import cli
 
-log = logging.getLogger("run_quality")
+log = logging.getLogger("full_run")
 
 BASELINES = "uniform:K8V8,uniform:K8V4,uniform:K4V4,uniform:K4V2,kivi:2,kivi:2:residual=32"
 

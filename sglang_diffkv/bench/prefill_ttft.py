@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """What a lone prefill costs a live SGLang server, per KV cache configuration and per server
 start, timed from the client. One GPU run.
 
@@ -21,9 +20,9 @@ median and the 10th / 90th percentile of the time to the first token, with a hos
 reading (``simulator/calibration/host_probe.py``) taken before the start. Writes
 OUT/prefill_ttft.json (every request) and OUT/logs/ (the servers' logs).
 
-    python3 scripts/probe_prefill_ttft.py --model /tmp/dummy-llama3-8b --configs bf16,fp8 \
+    python -m sglang_diffkv.bench.prefill_ttft --model /tmp/dummy-llama3-8b --configs bf16,fp8 \
         --starts 2 --out "$OUT"
-    python3 scripts/probe_prefill_ttft.py --url http://127.0.0.1:30000 --out /tmp/p
+    python -m sglang_diffkv.bench.prefill_ttft --url http://127.0.0.1:30000 --out /tmp/p
                                            # a server already running (no start, no stop)
 
 ``--compare`` (CPU only) replays the same phases (not the prime burst) through the simulator,
@@ -31,7 +30,7 @@ for each start with that server's settings (its log) and the calibration of its 
 prints the measured median beside the model's:
 
     C=docs/simulator-validation-h200/calibration-fitted
-    python3 scripts/probe_prefill_ttft.py --compare docs/data/h200-2026-11-24/s23-probes/a \
+    python -m sglang_diffkv.bench.prefill_ttft --compare docs/data/h200-2026-11-24/s23-probes/a \
         --gpu h200 --calibration triton=$C-triton.json --calibration diffkv=$C-diffkv.json
 """
 
@@ -49,11 +48,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sglang_diffkv.bench import client as cl  # noqa: E402
-from sglang_diffkv.bench.errors import BenchInputError  # noqa: E402
-from sglang_diffkv.bench.server import (  # noqa: E402
+from sglang_diffkv.bench import client as cl
+from sglang_diffkv.bench.errors import BenchInputError
+from sglang_diffkv.bench.server import (
     LaunchOptions,
     ServerConfig,
     ServerProcess,
@@ -63,8 +60,8 @@ from sglang_diffkv.bench.server import (  # noqa: E402
     make_config,
     parse_config_list,
 )
-from simulator.calibration.host_probe import python_loop_ms  # noqa: E402
-from simulator.errors import SimulatorInputError  # noqa: E402
+from simulator.calibration.host_probe import python_loop_ms
+from simulator.errors import SimulatorInputError
 
 PHASES = ("fresh", "cached", "loaded")
 MAX_CONTEXT = 8192   # Llama-3-8B's
@@ -491,7 +488,7 @@ def main_compare(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     try:
         rows, launches = compare(a.compare, calibrations, a.gpu)
     except (BenchInputError, SimulatorInputError) as e:
-        print(f"probe_prefill_ttft: error: {e}", file=sys.stderr)
+        print(f"prefill_ttft: error: {e}", file=sys.stderr)
         return 2
     print(format_comparison(rows))
     print(format_launches(launches))

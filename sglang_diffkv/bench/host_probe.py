@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
 """A few seconds' reading of how fast this machine's host and GPU are right now, as one JSON
 line: single-thread Python speed, CUDA launch overhead (what an eager prefill step and the
 scheduler pay per op), a bf16 GEMM's TFLOP/s, a device copy's bandwidth, and nvidia-smi's
 clocks. Run it next to a serving benchmark to tell a slow server start from a slow host.
 
-  python3 scripts/probe_host.py                # GPU parts too when CUDA is there
-  python3 scripts/probe_host.py --repeat 5 --out probe.json
-  python3 scripts/probe_host.py --watch 1.0 --out host.jsonl   # Python speed every second
-                                                              # (epoch time), until killed
+  python -m sglang_diffkv.bench.host_probe              # GPU parts too when CUDA is there
+  python -m sglang_diffkv.bench.host_probe --repeat 5 --out probe.json
+  python -m sglang_diffkv.bench.host_probe --watch 1.0 --out host.jsonl
+      # --watch: Python speed every second (epoch time), until killed
 """
 
 import argparse
@@ -17,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from simulator.calibration.host_probe import python_loop_ms  # noqa: E402
+from simulator.calibration.host_probe import python_loop_ms
 
 
 def launch_us(n: int, repeat: int) -> float:

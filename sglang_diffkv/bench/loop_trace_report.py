@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
 """Busy segments of SGLang scheduler loop traces (SGLANG_DIFFKV_LOOP_TRACE, see
 sglang_diffkv/loop_trace.py), one table row per segment, and how each run's one-token
 extends cost the host compared with the first run's. CPU only.
 
-    python scripts/loop_trace_report.py fp8=/tmp/s24/1/fp8/loop bf16=/tmp/s24/1/bf16/loop
+    python -m sglang_diffkv.bench.loop_trace_report fp8=/tmp/s24/1/fp8/loop \
+        bf16=/tmp/s24/1/bf16/loop
 
 With --graph-max-bs N (the server's cuda_graph_max_bs), each row also gives the median wall
 time of the decode iterations at batch N/1.25 to N (CUDA graphs) and N+1 to 1.25 N (eager):
@@ -37,8 +37,8 @@ also gives the mean wait for the loop's next poll, and the first-token latency: 
 that wait, plus mean post. The simulator makes each request wait for the next batch itself, so
 this, not pre + post, is what it adds to every TTFT.
 
-    python scripts/loop_trace_report.py fp8=docs/data/h200-2026-11-25/s24-loop/c3/fp8 \
-        bf16=docs/data/h200-2026-11-25/s24-loop/c3/bf16
+    D=docs/data/h200-2026-11-25/s24-loop   # loop traces: git checkout 8dc2c27 -- $D
+    python -m sglang_diffkv.bench.loop_trace_report fp8=$D/c3/fp8 bf16=$D/c3/bf16
 
 A last table pools the one-prompt extends (run_batch of a prefill of one prompt, any length)
 of every result folder's ladder runs by server configuration: n, mean and spread. The mean is
@@ -48,8 +48,8 @@ and the ladders' first-token latency, averaged over their requests, its
 launches to the next step's launch, its --eager-prefill-turnaround-ms. Give it several starts
 of one configuration, as the host's speed moves between starts:
 
-    D=docs/data/h200-2026-11-25/s32-probe
-    python scripts/loop_trace_report.py b1=$D/c1/bf16 b2=$D/c2/bf16 b3=$D/c3/bf16 \
+    D=docs/data/h200-2026-11-25/s32-probe  # git checkout 8dc2c27 -- $D (its loop traces)
+    python -m sglang_diffkv.bench.loop_trace_report b1=$D/c1/bf16 b2=$D/c2/bf16 b3=$D/c3/bf16 \
         b4=$D/c4/bf16 f1=$D/c1/fp8 f2=$D/c2/fp8 f3=$D/c3/fp8 f4=$D/c4/fp8
 """
 
@@ -69,10 +69,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from sglang_diffkv.loop_trace import (  # noqa: E402
+from sglang_diffkv.loop_trace import (
     Mode,
     ModeStats,
     Phase,

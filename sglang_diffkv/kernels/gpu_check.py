@@ -1,30 +1,25 @@
-#!/usr/bin/env python3
 """Every kernel against its torch reference on the GPU at real sizes, in one go.
 
 Fresh random inputs per check, outputs and scratch poisoned before each run. Prints one
 table row per check (PASS/FAIL, the error measured, the time the check took) and exits
 non-zero if any check fails.
 
-    python scripts/gpu_check.py [--quick]
+    python -m sglang_diffkv.kernels.gpu_check [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sglang_diffkv.cache import CompressedKVCache, _tier_scores  # noqa: E402
-from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED, DiffKVConfig  # noqa: E402
-from sglang_diffkv.kernels import (  # noqa: E402
+from sglang_diffkv.cache import CompressedKVCache, _tier_scores
+from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED, DiffKVConfig
+from sglang_diffkv.kernels import (
     DecodeAttentionPlan,
     compaction_backend,
     compress_prefill,
@@ -39,18 +34,18 @@ from sglang_diffkv.kernels import (  # noqa: E402
     store_tokens,
     store_tokens_reference,
 )
-from sglang_diffkv.kernels.decode_attention import VARIANTS  # noqa: E402
-from sglang_diffkv.kernels.decode_policy import (  # noqa: E402
+from sglang_diffkv.kernels.decode_attention import VARIANTS
+from sglang_diffkv.kernels.decode_policy import (
     argmin_partials,
     argmin_splits,
     unpack_keys,
 )
-from sglang_diffkv.kernels.decode_split_cuda import geometry_reason  # noqa: E402
-from sglang_diffkv.kernels.testing import random_decode_case, rel_err  # noqa: E402
-from sglang_diffkv.layout import PageGeometry  # noqa: E402
-from sglang_diffkv.memory import MemorySpec, PageManager  # noqa: E402
-from sglang_diffkv.policy import _eligible_argmin  # noqa: E402
-from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention  # noqa: E402
+from sglang_diffkv.kernels.decode_split_cuda import geometry_reason
+from sglang_diffkv.kernels.testing import random_decode_case, rel_err
+from sglang_diffkv.layout import PageGeometry
+from sglang_diffkv.memory import MemorySpec, PageManager
+from sglang_diffkv.policy import _eligible_argmin
+from sglang_diffkv.prompt_attention import PackedPrompts, choose_prompt_attention
 
 DEV = "cuda"
 ROWS: list[tuple[str, str, str, bool, float]] = []
