@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""End-to-end serving benchmark: bf16 / fp8 / diffkv SGLang servers x longgen / sharegpt / ladder
-workloads, inside one time budget. See docs/e2e.md; on the GPU machine run
-scripts/gpu_e2e_run.sh, which installs SGLang and then calls this.
+"""End-to-end serving benchmark on the GPU machine: scripts/gpu_e2e_run.sh installs SGLang
+and this package, then calls this wrapper. Anywhere else run the package entry directly,
+``python -m sglang_diffkv.bench.e2e`` (docs/e2e.md).
 
   python3 scripts/bench_e2e.py --configs bf16,diffkv-mix --workloads longgen,sharegpt,ladder \
       --budget-s 500 --out "$OUT" --model /tmp/dummy-llama3-8b
@@ -9,11 +8,8 @@ scripts/gpu_e2e_run.sh, which installs SGLang and then calls this.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sglang_diffkv.bench.e2e import main  # noqa: E402
+from sglang_diffkv.bench.e2e import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -56,12 +56,10 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_kernels import bench, bench_graph, copy_bandwidth  # noqa: E402
 
 from sglang_diffkv.config import K4V2, K8V4  # noqa: E402
 from sglang_diffkv.kernels import DecodeAttentionPlan  # noqa: E402
+from sglang_diffkv.kernels.bench import bench, bench_graph, copy_bandwidth  # noqa: E402
 from sglang_diffkv.kernels.testing import random_decode_case  # noqa: E402
 from sglang_diffkv.layout import PageGeometry  # noqa: E402
 from simulator.calibration.build import (  # noqa: E402

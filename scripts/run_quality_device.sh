@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run scripts/run_quality.py on a lent GPU machine (the reference cache is plain torch, so
+# Run the full quality run (python -m sglang_diffkv.eval.full_run) on a lent GPU machine (the reference cache is plain torch, so
 # --device cuda runs the very same code as the CPU, only faster). The GGUF (98 MB) is over
 # the 64 MiB a call may carry, so it travels in two parts under the git-ignored .dk/:
 #   head -c 50000000 $GGUF > .dk/p1; tail -c +50000001 $GGUF > .dk/p2; gguf wheel in .dk/whl
@@ -40,7 +40,7 @@ case $mode in
     assemble || exit 1
     mkdir -p $D/out
     SGLANG_DIFFKV_DATA=$D/data PYTHONPATH=$D/site:$PWD HF_HUB_OFFLINE=1 SGLANG_DIFFKV_CACHE=$D/cache PYTHONUNBUFFERED=1 \
-      setsid nohup python3 scripts/run_quality.py --model $GGUF --device cuda \
+      setsid nohup python3 -m sglang_diffkv.eval.full_run --model $GGUF --device cuda \
       --out-dir $D/out --preset $D/out/smollm2-135m.json "$@" > $D/log 2>&1 &
     echo $! > $D/pid
     wait_and_pack

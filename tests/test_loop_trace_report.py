@@ -1,23 +1,18 @@
-"""scripts/loop_trace_report.py on hand-built loop traces with hand-computed numbers."""
+"""sglang_diffkv.bench.loop_trace_report on hand-built loop traces with hand-computed numbers."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import json
-import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import loop_trace_report as ltr  # noqa: E402
-
-from sglang_diffkv.loop_trace import Mode, Phase  # noqa: E402
+from sglang_diffkv.bench import loop_trace_report as ltr
+from sglang_diffkv.loop_trace import Mode, Phase
 
 EXT, DEC = int(Mode.EXTEND), int(Mode.DECODE)
 

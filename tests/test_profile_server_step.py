@@ -1,23 +1,17 @@
-"""scripts/profile_server_step.py's trace reading on a synthetic torch-profiler trace."""
+"""sglang_diffkv.bench.profile_server_step's trace reading on a synthetic torch-profiler trace."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_server_step.py"
 
 
 @pytest.fixture(scope="module")
 def prof():
-    spec = importlib.util.spec_from_file_location("profile_server_step", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from sglang_diffkv.bench import profile_server_step
+    return profile_server_step
 
 
 def test_busy_time_is_the_union_of_kernel_intervals(prof, tmp_path):

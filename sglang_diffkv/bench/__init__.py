@@ -1,7 +1,10 @@
-"""End-to-end serving benchmark harness for SGLang with ``--attention-backend diffkv``.
+"""End-to-end serving benchmark harness for SGLang with ``--attention-backend diffkv``, and the
+tools that measure a serving run.
 
 It launches ``python -m sglang.launch_server`` as a subprocess and talks HTTP to it, so nothing
-here imports sglang (only ``sglang_diffkv.sglang`` may). Modules:
+here imports sglang (only ``sglang_diffkv.sglang`` may). May import: the core package root,
+``simulator`` (trace schema and loaders, server-log parsing); never ``eval`` or ``sglang``.
+The simulator never imports this layer. Modules:
 
   server     named configurations (bf16, fp8, diffkv variants) -> command line + env; the
              server process (setsid, ready wait, process-group stop)
@@ -10,7 +13,18 @@ here imports sglang (only ``sglang_diffkv.sglang`` may). Modules:
   logstats   per-workload statistics from a byte slice of the server log
   workloads  longgen / sharegpt / ladder request lists (simulator.workload traces)
   budget     a wall-clock budget that skips or shortens steps instead of overrunning
-  e2e        the CLI behind ``scripts/bench_e2e.py`` (see docs/e2e.md)
+  e2e        the CLI: ``python -m sglang_diffkv.bench.e2e`` (``scripts/bench_e2e.py`` on the
+             GPU machine; see docs/e2e.md)
+  errors     the one exception a bad harness input raises
+  fakeserver a CPU stand-in server for rehearsing the harness without a GPU
+
+Measurement tools, each ``python -m sglang_diffkv.bench.<name>`` (docs/benchmarks.md):
+
+  loop_trace_report    where the scheduler loop's time goes (``SGLANG_DIFFKV_LOOP_TRACE``)
+  profile_server_step  a served decode step under SGLang's torch profiler
+  prefill_ttft         lone-prefill TTFT on live servers; ``--compare`` fits the simulator's
+                       eager prefill launch
+  host_probe           the host's and GPU's speed right now, beside a run
 """
 
 from sglang_diffkv.bench.errors import BenchInputError

@@ -1,4 +1,5 @@
-"""``scripts/bench_e2e.py``: configurations x workloads against real SGLang servers, one server
+"""``python -m sglang_diffkv.bench.e2e`` (``scripts/bench_e2e.py`` on the GPU machine):
+configurations x workloads against real SGLang servers, one server
 start per configuration, inside one wall-clock budget (see docs/e2e.md).
 
 It assumes SGLang is importable by ``--python`` and the model folder exists
@@ -91,7 +92,7 @@ def warmup_phases(n: int) -> list[tuple[list[cl.RequestSpec], bool]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench_e2e.py", description=__doc__,
+        prog="python -m sglang_diffkv.bench.e2e", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="bf16,fp8,diffkv-mix",
                    help="bf16, fp8, diffkv, diffkv-<variant> (comma-separated)")
@@ -602,3 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchInputError, SimulatorInputError) as e:
         print(f"bench_e2e: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,10 @@ references.
 
 Each kernel ``f`` has a twin ``f_reference`` taking the same arguments, so a caller can
 switch between them (the backend's CPU path uses the references).
+
+May import: the core package root and ``memory``; never ``bench``, ``eval`` or ``sglang``.
+On a GPU, ``python -m sglang_diffkv.kernels.gpu_check`` checks every kernel against its
+reference and ``python -m sglang_diffkv.kernels.bench`` times them (docs/benchmarks.md).
 """
 
 from sglang_diffkv.kernels.compaction import (

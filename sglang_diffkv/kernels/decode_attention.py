@@ -26,9 +26,9 @@ Everything runs in base 2 (exp2) internally; the returned LSE is natural-log.
 tensor-core kernel of ``cuda/decode_attention.cu`` (``decode_split_cuda``; the default
 wherever it can run), or this file's Triton pass with codes converted by Triton ops
 (``base``) or by inline PTX, 4 bytes per call (``asm``). All three are checked by
-``scripts/gpu_check.py`` and ``tests/kernels`` (GPU) and timed side by side by
-``scripts/bench_kernels.py --variants``. The merge pass is shared; the CUDA pass keeps one
-running max per warp, which the merge reads with ``MW``.
+``kernels.gpu_check`` and ``tests/kernels`` (GPU) and timed side by side by
+``kernels.bench --variants``. The merge pass is shared; the CUDA pass keeps one running max
+per warp, which the merge reads with ``MW``.
 """
 
 from __future__ import annotations
@@ -471,7 +471,7 @@ class DecodeAttentionPlan:
     no program and the merge reads partitions nobody wrote), so callers size
     ``max_context`` from the batch's longest sequence. ``run`` checks shapes and launches
     two kernels without any host synchronisation (CUDA graphs can capture it). Defaults
-    are the fastest of ``scripts/bench_kernels.py``'s sweeps on an H100 (docs/benchmarks.md):
+    are the fastest of ``kernels.bench``'s sweeps on an H100 (docs/benchmarks.md):
     one page per iteration and 8 programs per SM for both passes; for the Triton pass 4
     warps, 2 software-pipeline stages and 96 registers per thread (5 programs resident per
     SM instead of 4); for the CUDA pass ``num_stages`` is the bulk-copy depth, 4 pages in

@@ -1,5 +1,7 @@
 """DiffKV's device-resident page manager: circular free list, bidirectional page table,
-prefix-sum compaction. Device-agnostic torch (CPU in tests, CUDA unchanged)."""
+prefix-sum compaction. Device-agnostic torch (CPU in tests, CUDA unchanged).
+
+May import: the core package root (``layout``); nothing else in ``sglang_diffkv``."""
 
 from sglang_diffkv.memory.free_list import CircularFreeList, Take
 from sglang_diffkv.memory.inputs import Phase

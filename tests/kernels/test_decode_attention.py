@@ -77,7 +77,7 @@ def test_decode_attention_cpu(head_dim, tiers, group, dtype):
 @pytest.mark.parametrize("tiers", [(K8V4, K4V2), (K8V4_GROUPED, K4V2_GROUPED)])
 def test_decode_attention_variants_cpu(variant, tiers):
     # (under the interpreter the inline-asm conversion takes the plain path; the asm itself
-    # is checked byte by byte in test_codes.py and on the GPU by scripts/gpu_check.py)
+    # is checked byte by byte in test_codes.py and on the GPU by sglang_diffkv.kernels.gpu_check)
     geo = PageGeometry.build(64, *tiers)
     check_case(geo, [130, 61, 200], 2, 4, torch.bfloat16, 0.45, 0.4, "cpu", seed=11,
                pages_per_iter=1, target_programs=12, variant=variant)

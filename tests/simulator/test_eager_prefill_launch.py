@@ -5,11 +5,10 @@ model, validate_simulator's option, and the probe's fit that estimates it."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
 
 import pytest
-from sim_helpers import ROOT, load_script, scenario
+from sim_helpers import load_script, scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
@@ -126,8 +125,7 @@ def test_validate_simulator_reads_the_option_per_backend(tmp_path, capsys):
 
 
 def test_the_probe_fit_finds_the_launch_time_it_was_built_with():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import probe_prefill_ttft as probe  # a dataclass inside: imported, not loaded by path
+    from sglang_diffkv.bench import prefill_ttft as probe
     launch, offset = 9.0, 10.0
     kernels = [3.1, 4.4, 6.0, 11.8, 23.1, 104.0]
     points = [(k, offset + max(launch, k)) for k in kernels]

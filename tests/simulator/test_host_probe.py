@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from sim_helpers import load_script
 
+from sglang_diffkv.bench import host_probe as probe
 from simulator.calibration.host_probe import python_loop_ms
 
 
@@ -21,7 +21,6 @@ def test_python_loop_rejects_bad_sizes(repeat, n):
 
 
 def test_probe_script_writes_one_json_line(tmp_path, capsys, monkeypatch):
-    probe = load_script("probe_host")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     out = tmp_path / "probe.json"
     assert probe.main(["--repeat", "1", "--out", str(out)]) == 0
@@ -33,7 +32,6 @@ def test_probe_script_writes_one_json_line(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("args,named", [(["--repeat", "0"], "--repeat 0"),
                                         (["--watch", "0"], "--watch 0.0")])
 def test_probe_script_names_bad_options(args, named, capsys):
-    probe = load_script("probe_host")
     with pytest.raises(SystemExit) as e:
         probe.main(args)
     assert e.value.code == 2 and named in capsys.readouterr().err

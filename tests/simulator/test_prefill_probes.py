@@ -1,51 +1,30 @@
-"""The CPU parts of the two prefill probes (scripts/probe_extend_mix.py,
-scripts/probe_sustained_prefill.py): chunk compositions, a burst's chunk cycle, the model
-column, nvidia-smi parsing and argument errors. Their GPU timings live in benchmarks.md."""
+"""The CPU parts of the sustained-prefill probe (scripts/probe_sustained_prefill.py): the model
+column, nvidia-smi parsing and argument errors; and the cost model's extend time of a burst's
+multi-sequence chunk against its H200 measurement (session 20's extend-mix probe,
+scripts/probe_extend_mix.py in commit 8dc2c27). Their GPU timings live in benchmarks.md."""
 
 from __future__ import annotations
 
 import pytest
 from sim_helpers import ROOT, load_script
 
-mix = load_script("probe_extend_mix")
 sustained = load_script("probe_sustained_prefill")
 H200_CALIBRATION = ROOT / "docs" / "data" / "h200-2026-11-24" / "calibration" / "calibration.json"
 
 
-def test_compositions_parse_and_label_round_trip():
-    c = mix.parse("300+3000/20x390+0")
-    assert c == [(300, 3000)] + [(390, 0)] * 20
-    assert mix.label(c) == "300+3000/20x390+0"
-    assert mix.parse(mix.label(c)) == c
+def _extend_s(cost, chunk: list[tuple[int, int]]) -> float:
+    """The cost model's time of one layer's extend over ``chunk`` ((new, past) per sequence)."""
+    pairs = sum(e * p + e * e / 2 for e, p in chunk)
+    return cost.prefill_attention_time(sum(e for e, _ in chunk), sum(p for _, p in chunk),
+                                       pairs, len(chunk), tuple(chunk))
 
 
-@pytest.mark.parametrize("bad", ["400", "0+5", "3x-1+0", "0x10+0", "a+b"])
-def test_bad_compositions_name_the_term(bad):
-    with pytest.raises(SystemExit, match="composition"):
-        mix.parse(bad)
-
-
-def test_a_bursts_cycle_cuts_prompts_into_full_chunks():
-    comps = mix.cycle(8000, 8192, 9)
-    assert len(comps) == 9
-    assert comps[0] == [(8000, 0), (192, 0)]
-    for c in comps:
-        assert sum(e for e, _ in c) == 8192
-        tail_e, tail_p = c[0]
-        assert tail_e + tail_p == 8000          # the first sequence finishes its prompt
-        assert all(p == 0 for _, p in c[1:])    # the rest start fresh prompts
-    assert comps[-1][0] == (1, 7999)
-
-
-def test_model_column_is_the_cost_models_time_of_the_composition():
-    cost = mix.bf16_server("llama-3-8b", "h200", str(H200_CALIBRATION)).cost
+def test_a_bursts_multi_sequence_chunk_costs_what_the_h200_measured():
+    cost = sustained.bf16_server("llama-3-8b", "h200", str(H200_CALIBRATION)).cost
     late = [(1, 7999), (8000, 0), (191, 0)]
-    pairs = sum(e * p + e * e / 2 for e, p in late)
-    assert mix.modelled_s(cost, late) == cost.prefill_attention_time(8192, 7999, pairs, 3,
-                                                                     tuple(late))
     # the measured 8.77 ms of this chunk on an H200 (benchmarks.md, session 20)
-    assert mix.modelled_s(cost, late) == pytest.approx(8.77e-3, rel=0.05)
-    assert mix.modelled_s(cost, late) > 2.5 * mix.modelled_s(cost, [(8000, 0)])
+    assert _extend_s(cost, late) == pytest.approx(8.77e-3, rel=0.05)
+    assert _extend_s(cost, late) > 2.5 * _extend_s(cost, [(8000, 0)])
 
 
 def test_smi_samples_parse_nvidia_smi_csv(tmp_path):
