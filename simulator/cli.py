@@ -26,7 +26,7 @@ from simulator.metrics.slo import SLO
 from simulator.metrics.summary import timeseries
 from simulator.report import table
 from simulator.serving.settings import ServerSettings
-from simulator.specs.calibration import load_calibration
+from simulator.specs.calibration_set import CalibrationSet, load_calibration_set, measured_gpus
 from simulator.specs.gpu import gpu_names, load_gpu
 from simulator.specs.model import BUNDLED as BUNDLED_MODELS
 from simulator.specs.model import load_model
@@ -57,8 +57,12 @@ def _deployment_options(p: argparse.ArgumentParser) -> None:
                    choices=("round_robin", "least_outstanding", "random"),
                    help="how requests are spread over replicas (default: %(default)s)")
     g.add_argument("--calibration", default=None, metavar="PATH",
-                   help="calibration JSON with eta efficiencies and fixed costs per GPU "
-                        "(default: the shipped simulator/calibration/default.json)")
+                   help="calibration JSON with eta efficiencies and fixed costs per GPU, for "
+                        "every KV format (default: for a measured GPU (h100, h200) the shipped "
+                        "calibration fitted to its real runs, simulator/calibration/"
+                        "GPU-{triton,diffkv}.json, one per attention backend; for any other "
+                        "GPU the published efficiencies in simulator/calibration/default.json, "
+                        "an uncalibrated estimate)")
 
 
 def _format_options(p: argparse.ArgumentParser, many: bool) -> None:
@@ -329,7 +333,7 @@ def _slo(a: argparse.Namespace, required: bool) -> SLO | None:
 def _scenario(a: argparse.Namespace) -> Scenario:
     model = load_model(a.model)
     gpu = load_gpu(a.gpu)
-    calib = load_calibration(gpu.key, a.calibration)
+    calib = load_calibration_set(gpu.key, a.calibration)
     settings = ServerSettings(
         tp=a.tp, chunked_prefill_size=a.chunked_prefill_size,
         max_prefill_tokens=a.max_prefill_tokens, cuda_graph_max_bs=a.cuda_graph_max_bs,
@@ -372,6 +376,12 @@ def _header(sc: Scenario, workload: Trace | ClosedLoop) -> str:
             f"requests, {kind}")
 
 
+def _calibration_note(sc: Scenario) -> str:
+    """Which calibration ran (every command's output says it, and whether it is measured)."""
+    c = sc.calibration
+    return c.note() if isinstance(c, CalibrationSet) else f"calibration: {c.source_file}"
+
+
 # ---- commands ----------------------------------------------------------------------------
 def cmd_compare(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     sc = _scenario(a)
@@ -397,6 +407,7 @@ def cmd_compare(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     print(f"KV pool from SGLang's formula: mem_fraction_static={servers[0]['mem_fraction_static']},"
           f" {servers[0]['memory']['kv_pool_gib']:.1f} GiB per GPU. Simulated in {elapsed:.1f} s.",
           file=out)
+    print(_calibration_note(sc), file=out)
     payload = {"command": "compare", "scenario": sc.describe(), "servers": servers,
                "summaries": summaries, "timeseries": series, "elapsed_s": elapsed}
     if a.plot:
@@ -421,6 +432,7 @@ def cmd_replay(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         print(note, file=out)
     n = len(workload)
     print(f"Simulated {n:,} requests in {elapsed:.2f} s ({n / elapsed:,.0f} req/s).", file=out)
+    print(_calibration_note(sc), file=out)
     series = timeseries(res)
     per_request = [{"id": r.rid, "arrival": r.arrival, "input": r.input_len,
                     "output": r.gen, "first_token": r.first_token, "finish": r.finish,
@@ -465,6 +477,7 @@ def cmd_sweep(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     headers = list(rows[0])
     print(table.render(headers, [[r[h] for h in headers] for r in rows],
                        _header(sc, base) + " | rates swept"), file=out)
+    print(_calibration_note(sc), file=out)
     if a.plot:
         from simulator.report.plots import plot_sweep
 
@@ -520,6 +533,7 @@ def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
                        [[r["metric"], r["measured"], r["simulated"],
                          "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"]
                         for r in rows]), file=out)
+    print(_calibration_note(sc), file=out)
     return {"command": "validate", "scenario": sc.describe(), "summary": s, "rows": rows,
             "server_log": a.server_log, "bench_json": a.bench_json}
 
@@ -579,7 +593,9 @@ def cmd_list(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         print(f"  {name:24s} [{fmt}] {desc}", file=out)
     print("length models (--synthetic): " + ", ".join(length_model_names()), file=out)
     print("models: " + ", ".join(BUNDLED_MODELS), file=out)
-    print("GPUs: " + ", ".join(gpu_names()), file=out)
+    measured = measured_gpus()
+    print("GPUs: " + ", ".join(f"{g} ({'measured' if g in measured else 'uncalibrated'})"
+                               for g in gpu_names()), file=out)
     print("KV formats: " + ", ".join(FORMAT_NAMES), file=out)
     return {}
 
