@@ -641,6 +641,11 @@ def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
                          "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"]
                         for r in rows]), file=out)
     print(_calibration_note(sc), file=out)
+    if a.plot:
+        from simulator.report.plots import plot_timeseries
+
+        title = _header(sc, workload) + f" | {a.format} (simulated)"
+        print(f"plot: {plot_timeseries({a.format: timeseries(res)}, a.plot, title)}", file=out)
     return {"command": "validate", "scenario": sc.describe(), "summary": s, "rows": rows,
             "server_log": a.server_log, "bench_json": a.bench_json}
 
