@@ -30,7 +30,9 @@ PACKAGE = "simulator.calibration"
 
 def backend_of(calibration_key: str) -> str:
     """The attention backend that serves a KV format (its calibration key): ``triton`` for
-    bf16 and fp8, ``diffkv`` for the DiffKV backend's formats."""
+    bf16 and fp8, ``diffkv`` for the DiffKV backend's formats; a backend's name is its own."""
+    if calibration_key in BACKENDS:
+        return calibration_key
     return "triton" if calibration_key in TRITON_KEYS else "diffkv"
 
 

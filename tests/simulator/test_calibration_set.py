@@ -34,8 +34,8 @@ def test_measured_gpus_ship_one_file_per_backend():
 
 
 def test_formats_run_on_their_backends_calibration():
-    assert [backend_of(k) for k in ("bf16", "fp8", "K8V4", "K4V2", "diffkv")] == [
-        "triton", "triton", "diffkv", "diffkv", "diffkv"]
+    assert [backend_of(k) for k in ("bf16", "fp8", "K8V4", "K4V2", "diffkv", "triton")] == [
+        "triton", "triton", "diffkv", "diffkv", "diffkv", "triton"]
     cset = load_calibration_set("h200")
     sc = Scenario(load_model("llama-3-8b"), load_gpu("h200"), cset, ServerSettings())
     for fmt, be in (("bf16", "triton"), ("fp8", "triton"), ("k8v4", "diffkv"),
