@@ -65,6 +65,11 @@ from simulator.specs.calibration import (  # noqa: E402
     Calibration,
     load_calibration,
 )
+from simulator.specs.calibration_set import (  # noqa: E402
+    BACKENDS,
+    backend_of,
+    load_calibration_set,
+)
 from simulator.specs.gpu import load_gpu  # noqa: E402
 from simulator.specs.model import load_model  # noqa: E402
 from simulator.studies.scenario import Scenario  # noqa: E402
@@ -117,14 +122,11 @@ def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
     return log
 
 
-BACKENDS = ("triton", "diffkv")  # what backend() returns: each fits its own step costs
-
-
-def backend(fmt: str) -> str:
-    """Which fixed costs a KV format shares: SGLang's triton backend (bf16, fp8) or the
-    DiffKV backend (its own decode kernels and per-step host work; both decode under CUDA
-    graphs up to cuda_graph_max_bs, the run's server args say)."""
-    return "diffkv" if fmt == "diffkv" else "triton"
+# what backend() returns: each fits its own step costs. Which fixed costs a KV format shares:
+# SGLang's triton backend (bf16, fp8) or the DiffKV backend (its own decode kernels and
+# per-step host work; both decode under CUDA graphs up to cuda_graph_max_bs, the run's server
+# args say)
+backend = backend_of
 
 
 def scenario(model: str, gpu: str, calib: Calibration, settings: Any,
@@ -947,6 +949,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", default=None,
                     help="calibration JSON (scripts/calibrate_gpu.py's calibration.json); "
                          "default: the shipped one")
+    ap.add_argument("--shipped", action="store_true",
+                    help="score what a user gets: replay every run with the calibration "
+                         "`diffkv-sim --gpu GPU` uses by default (simulator/calibration/"
+                         "GPU-{triton,diffkv}.json for a measured GPU, default.json for "
+                         "another), nothing fitted (no --fit-run, --calibration or measured "
+                         "inputs), at the files' host times as diffkv-sim runs them")
     ap.add_argument("--fit-run", action="append", default=None,
                     help="CONFIG/WORKLOAD (e.g. bf16/longgen, bf16/ladder@4rps) whose log "
                          "fits the fixed step costs of its backend (triton or diffkv); "
@@ -1138,7 +1146,11 @@ def main(argv: list[str] | None = None) -> int:
         calibs: dict[str, Calibration] = {"base": calib}
         if a.jobs < 1:
             raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
-        fit_runs = [k for k in (a.fit_run or ["bf16/longgen"]) if k.lower() != "none"]
+        if a.shipped and (a.calibration or a.fit_run or a.fit_decode_run):
+            raise SimulatorInputError("--shipped scores the shipped calibration as it is: "
+                                      "give no --calibration, --fit-run or --fit-decode-run")
+        fit_runs = [] if a.shipped else [
+            k for k in (a.fit_run or ["bf16/longgen"]) if k.lower() != "none"]
         fit_runs += a.fit_decode_run
         by_backend: dict[str, list[str]] = {}
         for key in fit_runs:
@@ -1157,6 +1169,12 @@ def main(argv: list[str] | None = None) -> int:
             fitting.update(info["runs"])
         for be in set(BACKENDS) - set(by_backend):
             calibs[be] = with_given(calib, be, a)   # no fitting runs: the file's costs
+        if a.shipped:
+            shipped = load_calibration_set(load_gpu(a.gpu).key)
+            # one host, the times as given: diffkv-sim runs one replay, not a mean over hosts
+            calibs = {"base": shipped.for_key("bf16").on_host(1.0),
+                      **{be: c.on_host(1.0) for be, c in shipped.by_backend.items()}}
+            calib = calibs["base"]
         rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
     except SimulatorInputError as e:
         print(f"validate_simulator: error: {e}", file=sys.stderr)

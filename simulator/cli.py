@@ -10,10 +10,12 @@ models, models and GPUs).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,14 +28,19 @@ from simulator.metrics.slo import SLO
 from simulator.metrics.summary import timeseries
 from simulator.report import table
 from simulator.serving.settings import ServerSettings
-from simulator.specs.calibration import load_calibration
+from simulator.specs.calibration_set import CalibrationSet, load_calibration_set, measured_gpus
 from simulator.specs.gpu import gpu_names, load_gpu
 from simulator.specs.model import BUNDLED as BUNDLED_MODELS
 from simulator.specs.model import load_model
 from simulator.studies.scenario import Scenario
-from simulator.studies.search import gpus_needed, max_rate
+from simulator.studies.search import OnProbe, Probe, replicas_for, steady_max_rate
 from simulator.workload.bundled import BUNDLED_TRACES, load_named_trace
-from simulator.workload.generate import ClosedLoop, resample_arrivals, synthetic_trace
+from simulator.workload.generate import (
+    ClosedLoop,
+    resample_arrivals,
+    scale_lengths,
+    synthetic_trace,
+)
 from simulator.workload.lengths import length_model, length_model_names
 from simulator.workload.loaders import FORMATS as TRACE_FORMATS
 from simulator.workload.schema import Trace
@@ -57,8 +64,12 @@ def _deployment_options(p: argparse.ArgumentParser) -> None:
                    choices=("round_robin", "least_outstanding", "random"),
                    help="how requests are spread over replicas (default: %(default)s)")
     g.add_argument("--calibration", default=None, metavar="PATH",
-                   help="calibration JSON with eta efficiencies and fixed costs per GPU "
-                        "(default: the shipped simulator/calibration/default.json)")
+                   help="calibration JSON with eta efficiencies and fixed costs per GPU, for "
+                        "every KV format (default: for a measured GPU (h100, h200) the shipped "
+                        "calibration fitted to its real runs, simulator/calibration/"
+                        "GPU-{triton,diffkv}.json, one per attention backend; for any other "
+                        "GPU the published efficiencies in simulator/calibration/default.json, "
+                        "an uncalibrated estimate)")
 
 
 def _format_options(p: argparse.ArgumentParser, many: bool) -> None:
@@ -154,6 +165,12 @@ def _workload_options(p: argparse.ArgumentParser, default_trace: str) -> None:
                         "previous one finishes (arrival times ignored)")
     g.add_argument("--think-time", type=float, default=0.0,
                    help="closed loop: seconds between a response and the next request")
+    g.add_argument("--input-scale", type=float, default=1.0, metavar="F",
+                   help="multiply every prompt length by F, e.g. 2 for a prompt-heavier "
+                        "version of the trace (default: %(default)s)")
+    g.add_argument("--output-scale", type=float, default=1.0, metavar="F",
+                   help="multiply every output length (and client max_tokens) by F "
+                        "(default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="client max_tokens for every request (default: the trace's, else its "
                         "output length, like bench_serving)")
@@ -219,12 +236,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("capacity", help="max QPS per replica and GPUs needed under an SLO",
                        description="For each KV format: the highest Poisson rate one replica "
-                                   "sustains under the SLO (bisection), and the fewest GPUs "
-                                   "that meet the SLO for the trace at its rate (or --rate).")
+                                   "sustains under the SLO in steady state (bisection on "
+                                   "traces of the trace's lengths, doubled in length until "
+                                   "the answer moves by less than --steady-tol), the metrics "
+                                   "at that rate, and the GPUs the trace's rate (or --rate) "
+                                   "needs: ceil(rate / max rate per replica) replicas.")
     k.add_argument("--max-replicas", type=int, default=64,
                    help="give up above this many replicas (default: %(default)s)")
     k.add_argument("--rate-bracket", default="0.25,256", metavar="LO,HI",
                    help="req/s range searched for the max rate (default: %(default)s)")
+    k.add_argument("--start-requests", type=int, default=1000,
+                   help="requests in the first (shortest) search trace; the trace's lengths "
+                        "are drawn again past its end (default: %(default)s)")
+    k.add_argument("--max-requests", type=int, default=16000,
+                   help="longest search trace: stop doubling here and say the answer is not "
+                        "steady (default: %(default)s)")
+    k.add_argument("--steady-tol", type=float, default=0.05,
+                   help="steady state: the max rate moved by at most this fraction when the "
+                        "trace doubled (default: %(default)s)")
     _workload_options(k, "azure-conv")
     _format_options(k, many=True)
     _deployment_options(k)
@@ -299,6 +328,8 @@ def _workload(a: argparse.Namespace) -> Trace | ClosedLoop:
             trace = trace.time_scaled(a.time_scale)
         if a.rate is not None:
             trace = resample_arrivals(trace, a.rate, a.seed, a.cv)
+    trace = scale_lengths(trace, getattr(a, "input_scale", 1.0),
+                          getattr(a, "output_scale", 1.0))
     if a.max_new_tokens is not None:
         from dataclasses import replace
 
@@ -329,7 +360,7 @@ def _slo(a: argparse.Namespace, required: bool) -> SLO | None:
 def _scenario(a: argparse.Namespace) -> Scenario:
     model = load_model(a.model)
     gpu = load_gpu(a.gpu)
-    calib = load_calibration(gpu.key, a.calibration)
+    calib = load_calibration_set(gpu.key, a.calibration)
     settings = ServerSettings(
         tp=a.tp, chunked_prefill_size=a.chunked_prefill_size,
         max_prefill_tokens=a.max_prefill_tokens, cuda_graph_max_bs=a.cuda_graph_max_bs,
@@ -372,6 +403,12 @@ def _header(sc: Scenario, workload: Trace | ClosedLoop) -> str:
             f"requests, {kind}")
 
 
+def _calibration_note(sc: Scenario) -> str:
+    """Which calibration ran (every command's output says it, and whether it is measured)."""
+    c = sc.calibration
+    return c.note() if isinstance(c, CalibrationSet) else f"calibration: {c.source_file}"
+
+
 # ---- commands ----------------------------------------------------------------------------
 def cmd_compare(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     sc = _scenario(a)
@@ -397,6 +434,7 @@ def cmd_compare(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     print(f"KV pool from SGLang's formula: mem_fraction_static={servers[0]['mem_fraction_static']},"
           f" {servers[0]['memory']['kv_pool_gib']:.1f} GiB per GPU. Simulated in {elapsed:.1f} s.",
           file=out)
+    print(_calibration_note(sc), file=out)
     payload = {"command": "compare", "scenario": sc.describe(), "servers": servers,
                "summaries": summaries, "timeseries": series, "elapsed_s": elapsed}
     if a.plot:
@@ -421,6 +459,7 @@ def cmd_replay(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         print(note, file=out)
     n = len(workload)
     print(f"Simulated {n:,} requests in {elapsed:.2f} s ({n / elapsed:,.0f} req/s).", file=out)
+    print(_calibration_note(sc), file=out)
     series = timeseries(res)
     per_request = [{"id": r.rid, "arrival": r.arrival, "input": r.input_len,
                     "output": r.gen, "first_token": r.first_token, "finish": r.finish,
@@ -465,6 +504,7 @@ def cmd_sweep(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     headers = list(rows[0])
     print(table.render(headers, [[r[h] for h in headers] for r in rows],
                        _header(sc, base) + " | rates swept"), file=out)
+    print(_calibration_note(sc), file=out)
     if a.plot:
         from simulator.report.plots import plot_sweep
 
@@ -484,20 +524,100 @@ def cmd_capacity(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         lo, hi = (float(x) for x in a.rate_bracket.split(","))
     except ValueError as e:
         raise SimulatorInputError(f"--rate-bracket {a.rate_bracket!r} must be LO,HI") from e
+    if a.max_replicas < 1:
+        raise SimulatorInputError(f"--max-replicas {a.max_replicas} must be >= 1")
+    rate = a.rate if a.rate is not None else trace.mean_rate
+    # one replica, no per-run bar: the search's own bar counts its runs
+    one = dataclasses.replace(sc.with_replicas(1), progress=False)
     results = []
+    t0 = time.perf_counter()
     for f in _formats(a):
-        one = max_rate(sc.with_replicas(1), trace, f, slo, lo, hi, seed=a.seed)
-        need = gpus_needed(sc, trace, f, slo, a.max_replicas, seed=a.seed)
-        results.append({"format": f, "max_rate_per_replica": one["max_rate"],
-                        "replicas": need["replicas"], "gpus": need["gpus"],
-                        "max_rate_search": one, "gpus_search": need})
-    rows = [[r["format"], r["max_rate_per_replica"], r["replicas"], r["gpus"]] for r in results]
-    title = (f"{_header(sc, trace)}\nSLO: {slo.describe()}; trace rate "
-             f"{trace.mean_rate:.2f} req/s")
-    print(table.render(["format", "max req/s per replica", "replicas", "GPUs"], rows, title),
-          file=out)
+        with _search_progress(a, f) as on_probe:
+            found = steady_max_rate(one, trace, f, slo, lo, hi, a.start_requests,
+                                    a.steady_tol, a.max_requests, a.seed, on_probe)
+        need = replicas_for(rate, found["max_rate"], sc.settings.tp, a.max_replicas)
+        results.append({"format": f, "max_rate_per_replica": found["max_rate"], **need,
+                        "at_max": found["at_max"], "converged": found["converged"],
+                        "levels": found["levels"], "last_change": found["last_change"],
+                        "search_note": found["note"], "probes": found["probes"]})
+    elapsed = time.perf_counter() - t0
+    rows = []
+    for r in results:
+        m = r["at_max"] or {}
+        why = m.get("rejection_reasons") or {}
+        rows.append([r["format"], r["max_rate_per_replica"], m.get("request_throughput"),
+                     m.get("output_throughput"), m.get("ttft_p50_ms"), m.get("ttft_p99_ms"),
+                     m.get("tpot_p50_ms"), m.get("tpot_p99_ms"),
+                     None if not m else f"{m['attainment']:.0%}",
+                     _rejected_cell(m.get("rejected", 0), why),
+                     r["replicas"] if r["replicas"] else "-", r["gpus"] if r["gpus"] else "-"])
+    title = (f"{_header(sc, trace)}\nSLO: {slo.describe()}; GPUs for {rate:.2f} req/s"
+             f"{' (--rate)' if a.rate is not None else ' (the trace rate)'}; metrics at "
+             "each format's max rate on its longest trace")
+    print(table.render(["format", "max req/s per replica", "req/s", "out tok/s",
+                        "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+                        "SLO met", "rejected", "replicas", "GPUs"], rows, title), file=out)
+    for r in results:
+        print(_steady_line(r, a.steady_tol), file=out)
+    print(f"GPUs = replicas x tp{sc.settings.tp}, replicas = ceil({rate:.2f} req/s / max "
+          f"req/s per replica). Searched in {elapsed:.1f} s.", file=out)
+    print(_calibration_note(sc), file=out)
+    if a.plot:
+        from simulator.report.plots import plot_capacity
+
+        p = plot_capacity(results, slo.attainment, a.plot,
+                          f"{sc.model.name} on {sc.gpu.key}, {trace.name}: {slo.describe()}")
+        print(f"plot: {p}", file=out)
     return {"command": "capacity", "scenario": sc.describe(), "slo": slo.describe(),
-            "trace_rate": trace.mean_rate, "results": results}
+            "rate": rate, "trace_rate": trace.mean_rate, "results": results,
+            "elapsed_s": elapsed}
+
+
+def _rejected_cell(n: int, reasons: dict[str, int]) -> str:
+    """Rejected requests with the commonest reason, for a table cell."""
+    if not n:
+        return "0"
+    top = max(reasons, key=reasons.__getitem__) if reasons else "?"
+    return f"{n:,} ({top})"
+
+
+def _steady_line(r: dict[str, Any], tol: float) -> str:
+    """How the format's answer moved as the trace grew: whether it reached steady state."""
+    steps = " -> ".join(f"{x['max_rate']:.3g} ({x['requests']:,} req)" for x in r["levels"])
+    change = r["last_change"]
+    moved = "" if change is None else f"; last change {change:.1%}"
+    if r["converged"]:
+        verdict = f"steady within {tol:.0%}"
+    elif r["max_rate_per_replica"] == 0:
+        verdict = "no rate in --rate-bracket meets the SLO"
+    else:
+        verdict = f"NOT steady within {tol:.0%} by --max-requests: treat as an upper bound"
+    if r["search_note"]:
+        verdict += f" ({r['search_note']})"
+    line = f"{r['format']}: max req/s by trace length {steps}{moved}: {verdict}"
+    if r.get("note"):
+        line += f"; {r['note']}"
+    return line
+
+
+@contextlib.contextmanager
+def _search_progress(a: argparse.Namespace, fmt: str) -> Iterator[OnProbe]:
+    """A progress bar on stderr over a search's probes (each a full simulation), shown in a
+    terminal unless --no-progress (--progress forces it)."""
+    from tqdm import tqdm
+
+    show = a.progress if a.progress is not None else sys.stderr.isatty()
+    bar = tqdm(desc=f"capacity {fmt}", unit="probe", file=sys.stderr, disable=not show,
+               leave=False)
+
+    def on_probe(p: Probe) -> None:
+        bar.set_postfix_str(f"{p.requests:,} req @ {p.rate:.3g} req/s: "
+                            f"{p.attainment:.0%} {'met' if p.met else 'missed'}")
+        bar.update()
+    try:
+        yield on_probe
+    finally:
+        bar.close()
 
 
 def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
@@ -520,6 +640,12 @@ def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
                        [[r["metric"], r["measured"], r["simulated"],
                          "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"]
                         for r in rows]), file=out)
+    print(_calibration_note(sc), file=out)
+    if a.plot:
+        from simulator.report.plots import plot_timeseries
+
+        title = _header(sc, workload) + f" | {a.format} (simulated)"
+        print(f"plot: {plot_timeseries({a.format: timeseries(res)}, a.plot, title)}", file=out)
     return {"command": "validate", "scenario": sc.describe(), "summary": s, "rows": rows,
             "server_log": a.server_log, "bench_json": a.bench_json}
 
@@ -579,7 +705,9 @@ def cmd_list(a: argparse.Namespace, out: Any) -> dict[str, Any]:
         print(f"  {name:24s} [{fmt}] {desc}", file=out)
     print("length models (--synthetic): " + ", ".join(length_model_names()), file=out)
     print("models: " + ", ".join(BUNDLED_MODELS), file=out)
-    print("GPUs: " + ", ".join(gpu_names()), file=out)
+    measured = measured_gpus()
+    print("GPUs: " + ", ".join(f"{g} ({'measured' if g in measured else 'uncalibrated'})"
+                               for g in gpu_names()), file=out)
     print("KV formats: " + ", ".join(FORMAT_NAMES), file=out)
     return {}
 

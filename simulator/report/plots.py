@@ -74,3 +74,38 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out_dir: str | Path, title: str =
     plt.close(fig)
     out.append(p)
     return out
+
+
+def plot_capacity(results: Sequence[dict[str, Any]], attainment: float, out_dir: str | Path,
+                  title: str = "") -> Path:
+    """The capacity search: each probe's SLO attainment against its rate (one marker per
+    trace length), and each format's answer against the trace length (it levels off once
+    the trace reaches steady state)."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        line = None
+        for n in sorted({p["requests"] for p in r["probes"]}):
+            pts = sorted((p["rate"], p["attainment"]) for p in r["probes"] if p["requests"] == n)
+            line, = a1.plot(*zip(*pts, strict=True), "o-", ms=3, lw=0.8,
+                            color=None if line is None else line.get_color(),
+                            label=f"{r['format']}" if line is None else None)
+        lv = r["levels"]
+        a2.plot([x["requests"] for x in lv], [x["max_rate"] for x in lv], "o-",
+                color=None if line is None else line.get_color(), label=r["format"])
+    a1.axhline(attainment, color="grey", ls="--", lw=0.8, label="SLO attainment")
+    a1.set_xscale("log")
+    a1.set_xlabel("request rate (req/s)")
+    a1.set_ylabel("requests meeting the SLO")
+    a1.legend(fontsize=8)
+    a2.set_xscale("log")
+    a2.set_xlabel("requests in the trace")
+    a2.set_ylabel("max req/s per replica")
+    a2.legend(fontsize=8)
+    fig.suptitle(title or "capacity search")
+    fig.tight_layout()
+    p = Path(out_dir) / "capacity.png"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p

@@ -15,6 +15,7 @@ from simulator.metrics.summary import summarize
 from simulator.serving.server import Deployment, ResolvedServer
 from simulator.serving.settings import ServerSettings
 from simulator.specs.calibration import Calibration
+from simulator.specs.calibration_set import CalibrationSet
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
 from simulator.workload.generate import ClosedLoop
@@ -25,7 +26,8 @@ from simulator.workload.schema import Trace
 class Scenario:
     model: ModelSpec
     gpu: GPUSpec
-    calibration: Calibration
+    # one calibration for every KV format, or a set with one per backend (``--gpu``'s default)
+    calibration: Calibration | CalibrationSet
     settings: ServerSettings
     diffkv_config: DiffKVConfig | None = None
     mix: TierMix | None = None
@@ -37,9 +39,14 @@ class Scenario:
     def kv_format(self, name: str) -> KVFormat:
         return make_format(name, self.model.head_dim, self.diffkv_config, self.mix)
 
+    def calibration_for(self, kv: KVFormat) -> Calibration:
+        c = self.calibration
+        return c.for_key(kv.calibration_key) if isinstance(c, CalibrationSet) else c
+
     def server(self, fmt: str) -> ResolvedServer:
-        return ResolvedServer(Deployment(self.model, self.gpu, self.kv_format(fmt),
-                                         self.settings, self.calibration))
+        kv = self.kv_format(fmt)
+        return ResolvedServer(Deployment(self.model, self.gpu, kv, self.settings,
+                                         self.calibration_for(kv)))
 
     def with_replicas(self, n: int) -> Scenario:
         return replace(self, replicas=n)
@@ -63,6 +70,8 @@ class Scenario:
         return {"model": self.model.name, "gpu": self.gpu.key, "gpu_name": self.gpu.name,
                 "tp": self.settings.tp, "replicas": self.replicas, "router": self.router,
                 "seed": self.seed, "settings": self.settings.to_dict(),
-                "calibration": self.calibration.source_file,
+                "calibration": (self.calibration.describe()
+                                if isinstance(self.calibration, CalibrationSet)
+                                else {"kind": "given", "files": self.calibration.source_file}),
                 "diffkv_config": (self.diffkv_config.to_dict() if self.diffkv_config else None),
                 "mix": self.mix.describe() if self.mix else None}

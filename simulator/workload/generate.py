@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,3 +58,43 @@ class ClosedLoop:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+def resized(trace: Trace, n: int, seed: int) -> Trace:
+    """``n`` requests with the trace's lengths: its first ``n`` in order, or all of them and
+    then draws with replacement (seeded) up to ``n``. A drawn copy keeps its lengths but not
+    its prefix ids, so that copies do not hit the radix cache as repeats of one prompt.
+    Arrival times are left for ``resample_arrivals`` to set."""
+    if n < 1:
+        raise SimulatorInputError(f"n={n} must be >= 1")
+    if n <= len(trace):
+        return trace.head(n)
+    rng = np.random.default_rng(seed)
+    extra = rng.integers(0, len(trace), n - len(trace))
+    last = trace.requests[-1].arrival_s
+    copies = [replace(trace.requests[i], arrival_s=last, prefix_hash_ids=(), session_id=None)
+              for i in extra]
+    return Trace.from_requests((*trace.requests, *copies), name=f"{trace.name}-n{n}",
+                               source=trace.source)
+
+
+def scale_lengths(trace: Trace, input_scale: float = 1.0, output_scale: float = 1.0) -> Trace:
+    """The trace with every prompt ``input_scale`` times and every output (and client
+    max_tokens) ``output_scale`` times as long, rounded, at least 1 token. Prefix ids name
+    blocks of the original prompts, so a scaled prompt keeps none."""
+    for name, v in (("input scale", input_scale), ("output scale", output_scale)):
+        if not (v > 0 and math.isfinite(v)):
+            raise SimulatorInputError(f"{name}={v!r} must be a number > 0")
+    if input_scale == 1.0 and output_scale == 1.0:
+        return trace
+
+    def scaled(n: int, f: float) -> int:
+        return max(1, round(n * f))
+    reqs = [replace(r, input_tokens=scaled(r.input_tokens, input_scale),
+                    output_tokens=scaled(r.output_tokens, output_scale),
+                    max_new_tokens=(None if r.max_new_tokens is None
+                                    else scaled(r.max_new_tokens, output_scale)),
+                    prefix_hash_ids=r.prefix_hash_ids if input_scale == 1.0 else ())
+            for r in trace.requests]
+    return replace(trace, requests=tuple(reqs),
+                   name=f"{trace.name}-in{input_scale:g}x-out{output_scale:g}x")

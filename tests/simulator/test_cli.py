@@ -53,8 +53,16 @@ def test_replay_sweep_capacity_and_export(tmp_path):
     assert (tmp_path / "sw" / "latency_vs_rate.png").is_file()
     rc, text = run("capacity", "--trace", "sharegpt", "-n", "80", "--formats", "fp8",
                    "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100", "--max-replicas", "4",
-                   "--rate-bracket", "1,64")
-    assert rc == 0 and "GPUs" in text and "fp8" in text
+                   "--rate-bracket", "1,64", "--start-requests", "100", "--max-requests",
+                   "200", "--plot", str(tmp_path / "cap"), "--json", str(tmp_path / "k.json"))
+    assert rc == 0 and "GPUs" in text and "TTFT p99 ms" in text
+    assert "fp8: max req/s by trace length" in text and "(200 req)" in text
+    assert (tmp_path / "cap" / "capacity.png").stat().st_size > 1000
+    cap = json.loads((tmp_path / "k.json").read_text())["results"][0]
+    assert [lv["requests"] for lv in cap["levels"]] == [100, 200]
+    # the GPU count is the per-replica maximum's: ceil(rate / max)
+    rate = json.loads((tmp_path / "k.json").read_text())["rate"]
+    assert cap["replicas"] == -(-rate // cap["max_rate_per_replica"])
     out = tmp_path / "t.jsonl"
     rc, _ = run("export", str(out), "--synthetic", "sharegpt", "--rate", "2", "-n", "30")
     assert rc == 0 and len(load_trace(out)) == 30

@@ -17,7 +17,7 @@ from simulator.metrics.slo import SLO
 from simulator.metrics.summary import per_request_arrays, summarize
 from simulator.report import table
 from simulator.serving.cost import StepShape
-from simulator.studies.search import gpus_needed, max_rate
+from simulator.studies.search import max_rate, replicas_for, steady_max_rate
 from simulator.workload.bundled import load_named_trace
 from simulator.workload.generate import ClosedLoop, resample_arrivals, synthetic_trace
 from simulator.workload.lengths import length_model
@@ -184,11 +184,21 @@ def test_capacity_searches_bracket_the_slo():
     assert all(p["met"] for p in probes if p["rate"] <= found["max_rate"])
     failing = [p["rate"] for p in probes if not p["met"]]
     assert failing and min(failing) <= found["max_rate"] * 1.2 + 1e-9
-    heavy = resample_arrivals(trace, 3 * found["max_rate"], seed=0)
-    need = gpus_needed(sc, heavy, "bf16", slo, max_replicas=16)
-    assert need["replicas"] >= 2
-    by_n = {p["replicas"]: p["met"] for p in need["probes"]}
-    assert by_n[need["replicas"]] and not by_n.get(need["replicas"] - 1, False)
+    at = found["at_max"]
+    assert at["rate"] == found["max_rate"] and at["attainment"] >= 0.9
+    assert at["ttft_p99_ms"] > 0 and at["output_throughput"] > 0
+    # a bracket that misses the answer is widened to reach it
+    top = found["max_rate"]
+    low = max_rate(sc, trace, "bf16", slo, lo=top / 4, hi=top / 2, rel_tol=0.2,
+                   ceiling=1024.0)
+    assert low["max_rate"] > top / 2
+
+
+def test_gpus_follow_the_per_replica_maximum():
+    assert replicas_for(400.0, 59.3, 1, 64) == {"replicas": 7, "gpus": 7, "note": ""}
+    assert replicas_for(118.6, 59.3, 2, 64)["gpus"] == 4
+    assert replicas_for(400.0, 59.3, 1, 4)["replicas"] is None
+    assert replicas_for(1.0, 0.0, 1, 64)["replicas"] is None
 
 
 def test_all_rejected_run_reports_zero_rates():
@@ -237,3 +247,16 @@ def test_eager_decode_share_counts_decode_time_above_the_largest_graph():
     assert s["max8"]["eager_decode_share"] == 0.0 and table.eager_note(s["max8"]) is None
     assert s["off"]["eager_decode_share"] == 1.0 and s["off"]["cuda_graph_max_bs"] == 0
     assert "with CUDA graphs off" in table.eager_note(s["off"])
+
+
+def test_steady_search_doubles_the_trace_until_the_answer_settles():
+    sc = scenario()
+    trace = load_named_trace("sharegpt").head(200)
+    slo = SLO(ttft_s=0.3, tpot_s=0.03, attainment=0.9)
+    found = steady_max_rate(sc, trace, "bf16", slo, 1.0, 1024.0, start_requests=100,
+                            tol=0.25, max_requests=800)
+    lengths = [lv["requests"] for lv in found["levels"]]
+    assert lengths == [100 * 2**i for i in range(len(lengths))] and len(lengths) >= 2
+    assert found["max_rate"] == found["levels"][-1]["max_rate"] > 1.0
+    assert found["converged"] == (found["last_change"] <= 0.25)
+    assert {p["requests"] for p in found["probes"]} == set(lengths)

@@ -199,3 +199,21 @@ def test_bundled_traces_load_and_are_small():
     assert (folder / "LICENSE-CC-BY-4.0.txt").is_file()
     with pytest.raises(SimulatorInputError, match="neither a bundled trace"):
         load_named_trace("no-such-trace")
+
+
+def test_resized_and_scaled_traces_keep_the_lengths():
+    from simulator.workload.generate import resized, scale_lengths
+
+    base = load_named_trace("sharegpt").head(50)
+    assert resized(base, 20, seed=0).requests == base.requests[:20]
+    long = resized(base, 130, seed=1)
+    assert len(long) == 130 and long.requests[:50] == base.requests
+    lengths = {(r.input_tokens, r.output_tokens) for r in base.requests}
+    assert {(r.input_tokens, r.output_tokens) for r in long.requests} <= lengths
+    assert all(r.prefix_hash_ids == () for r in long.requests[50:])
+    s = scale_lengths(base, 2.0, 0.5)
+    assert [r.input_tokens for r in s.requests] == [2 * r.input_tokens for r in base.requests]
+    assert [r.output_tokens for r in s.requests] == [
+        max(1, round(r.output_tokens * 0.5)) for r in base.requests]
+    with pytest.raises(SimulatorInputError, match="input scale=0"):
+        scale_lengths(base, 0.0)
