@@ -203,7 +203,7 @@ def test_harness_end_to_end_on_the_fake_server(fake_python, tmp_path, monkeypatc
     assert lad["rate_req_s"] == pytest.approx(0.5 * sg["saturation_req_s"])
     assert lad["trace_file"] == "logs/traces/bf16__ladder@0.5x.jsonl"
     dk = res["runs"][4]["server_log"]
-    # the fake writes step_profile.profile_line: mm = alloc 1.0 + reclaim 0.25 + free 0.25
+    # the fake writes profile_lines.profile_line: mm = alloc 1.0 + reclaim 0.25 + free 0.25
     assert dk["diffkv_profile"]["decode"]["mm_ms"] == pytest.approx(1.5)
     assert dk["diffkv_profile"]["decode"]["step_ms"] == pytest.approx(12.5)
     assert "diffkv_profile" not in res["runs"][0]["server_log"]

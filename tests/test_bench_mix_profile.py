@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from sglang_diffkv.step_profile import (
+from sglang_diffkv.bench.profile_lines import (
     HOST_LINE_RE,
     PROFILE_LINE_RE,
-    StepProfiler,
     parse_profile_line,
     profile_line,
-    profiling_enabled,
 )
+from sglang_diffkv.sglang.step_profile import StepProfiler, profiling_enabled
 
 
 def test_enabled_only_when_asked():
@@ -117,7 +116,7 @@ def test_docs_show_the_regex_the_code_uses():
 
 
 def test_span_times_a_block_and_is_a_no_op_without_a_profiler():
-    from sglang_diffkv.step_profile import span
+    from sglang_diffkv.sglang.step_profile import span
 
     with span(None, "alloc"):  # profiling off: nothing to record, nothing raised
         pass

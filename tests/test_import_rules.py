@@ -1,20 +1,15 @@
 """The layers' import rules (sglang_diffkv/__init__.py): only sglang_diffkv/sglang/ imports
-sglang, the simulator never imports the bench harness, and no layer imports one above it."""
+sglang, the simulator never imports the bench harness, the bench never imports the SGLang
+layer (which imports the bench's trace and profile formats), and no layer imports one above
+it."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "sglang_diffkv"
-
-# TEMPORARY: SGLang-specific tracing still at the package root while the SGLang layer is
-# ported (the layer imports them); they move under sglang_diffkv/sglang/, and then these
-# entries go. Until then they may import sglang.
-SGLANG_OUTSIDE_THE_LAYER = {"sglang_diffkv/loop_trace.py", "sglang_diffkv/step_profile.py"}
 
 # what each layer must not import (module prefixes, matched on whole dotted names)
 FORBIDDEN = {
@@ -80,18 +75,13 @@ def test_only_the_sglang_layer_imports_sglang():
     layer = PKG / "sglang"
     offenders = []
     for p in sources():
-        rel = p.relative_to(ROOT).as_posix()
-        if p.is_relative_to(layer) or rel in SGLANG_OUTSIDE_THE_LAYER:
+        if p.is_relative_to(layer):
             continue
+        rel = p.relative_to(ROOT).as_posix()
         bad = sorted(m for m in imports(p.read_text()) if matches(m, "sglang"))
         if bad:
             offenders.append(f"{rel}: {', '.join(bad)}")
     assert not offenders, "sglang imported outside sglang_diffkv/sglang/:\n" + "\n".join(offenders)
-
-
-@pytest.mark.parametrize("rel", sorted(SGLANG_OUTSIDE_THE_LAYER))
-def test_each_temporary_exception_is_still_where_it_is_listed(rel):
-    assert (ROOT / rel).is_file(), f"{rel} moved: take it out of SGLANG_OUTSIDE_THE_LAYER"
 
 
 def test_no_layer_imports_one_it_must_not():
@@ -105,3 +95,19 @@ def test_no_layer_imports_one_it_must_not():
             if bad:
                 offenders.append(f"{p.relative_to(ROOT)} ({layer}): {m}")
     assert not offenders, "layer rule broken:\n" + "\n".join(offenders)
+
+
+def test_the_bench_never_imports_the_sglang_layer():
+    """The tracing's formats live in the bench (one source of truth), and their writers in the
+    SGLang layer import them from there: never the other way round."""
+    assert "sglang_diffkv.sglang" in FORBIDDEN["bench"]
+    writers = {"loop_trace": "sglang_diffkv.bench.loop_records",
+               "step_profile": "sglang_diffkv.bench.profile_lines"}
+    for name, fmt in writers.items():
+        found = imports((PKG / "sglang" / f"{name}.py").read_text())
+        assert any(matches(m, fmt) for m in found), f"sglang/{name}.py should import {fmt}"
+        assert not (PKG / f"{name}.py").exists(), f"{name}.py is back at the package root"
+    offenders = sorted(
+        f"{p.relative_to(ROOT)}: {m}" for p in sources() if layer_of(p) == "bench"
+        for m in imports(p.read_text()) if matches(m, "sglang_diffkv.sglang"))
+    assert not offenders, "the bench imports the SGLang layer:\n" + "\n".join(offenders)

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import pytest
 
-from sglang_diffkv import loop_trace as lt
+from sglang_diffkv.bench import loop_records as lr
+from sglang_diffkv.sglang import loop_trace as lt
 
 
 class FakeClock:
@@ -186,20 +187,20 @@ def test_records_each_phase_with_the_batch_and_writes_only_when_idle(traced):
     s.inbox.append(_Req("x"))
     s.plan.append(_Batch("extend", ["x"], 7))
     s.loop_once()
-    assert lt.trace_files(d) == []  # busy: nothing written yet
+    assert lr.trace_files(d) == []  # busy: nothing written yet
     s.loop_once()  # processes the prefill's result; no batch and last_batch set: not idle yet
     s.loop_once()  # idle: flush
     assert s.idle_checks == 1
-    (path,) = lt.trace_files(d)
+    (path,) = lr.trace_files(d)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert "wall_minus_perf" in rows[0]
-    phases = [lt.Phase(r["p"]).name for r in rows[1:]]
+    phases = [lr.Phase(r["p"]).name for r in rows[1:]]
     # empty inputs, no batch and a sample with no result are not recorded
     assert phases == ["RECV", "INPUT", "NEXT", "RUN", "SAMPLE", "RECV", "RESULT"]
-    run = next(r for r in rows[1:] if r["p"] == lt.Phase.RUN)
-    assert (run["m"], run["n"], run["tok"], run["rids"]) == (lt.Mode.EXTEND, 1, 7, ["x"])
+    run = next(r for r in rows[1:] if r["p"] == lr.Phase.RUN)
+    assert (run["m"], run["n"], run["tok"], run["rids"]) == (lr.Mode.EXTEND, 1, 7, ["x"])
     assert run["t1"] - run["t0"] == pytest.approx(8e-3)
-    res = next(r for r in rows[1:] if r["p"] == lt.Phase.RESULT)
+    res = next(r for r in rows[1:] if r["p"] == lr.Phase.RESULT)
     assert res["w"] == pytest.approx(2e-3)  # the wait, apart from the 0.5 ms host work
     assert res["t1"] - res["t0"] == pytest.approx(2.5e-3)
 
@@ -208,20 +209,20 @@ def test_idle_spins_are_not_recorded(traced):
     s, clock, d = traced
     for _ in range(50):
         s.loop_once()
-    assert lt.trace_files(d) == []
+    assert lr.trace_files(d) == []
 
 
 def test_summary_splits_segments_and_times_requests(traced):
     s, clock, d = traced
     _serve(s, clock)
     _serve(s, clock)
-    (path,) = lt.trace_files(d)
-    recs = lt.read_loop_trace(path)
-    segs = lt.segments(recs, gap_s=0.3)
+    (path,) = lr.trace_files(d)
+    recs = lr.read_loop_trace(path)
+    segs = lr.segments(recs, gap_s=0.3)
     assert len(segs) == 2
-    summ = lt.summarize(segs[0])
+    summ = lr.summarize(segs[0])
     assert summ.requests == 2
-    ext, dec = summ.modes[lt.Mode.EXTEND], summ.modes[lt.Mode.DECODE]
+    ext, dec = summ.modes[lr.Mode.EXTEND], summ.modes[lr.Mode.DECODE]
     assert (ext.iterations, dec.iterations) == (1, 3)
     ms = {"abs": 1e-3}  # records sit on the wall clock (~1.7e9 s): sub-microsecond rounding
     assert ext.tokens == 300 and ext.mean_ms("run") == pytest.approx(8.0, **ms)
@@ -241,10 +242,10 @@ def test_a_bad_line_is_reported_by_number(tmp_path: Path):
                  + json.dumps({"p": 3, "t0": 1.0, "t1": 2.0, "m": 1, "n": 1, "tok": 3}) + "\n"
                  + json.dumps({"p": 99, "t0": 1.0, "t1": 2.0, "m": 1, "n": 1, "tok": 3}) + "\n")
     with pytest.raises(ValueError, match=r"loop-1.jsonl:3: bad loop-trace line"):
-        lt.read_loop_trace(p)
+        lr.read_loop_trace(p)
     p.write_text(json.dumps({"p": 3, "t0": 1.0, "t1": 2.0, "m": 1, "n": 1, "tok": 3}) + "\n")
     with pytest.raises(ValueError, match=r":1: .*before the header"):
-        lt.read_loop_trace(p)
+        lr.read_loop_trace(p)
 
 
 def test_timed_methods_inside_a_launch_ride_on_its_record(tmp_path: Path):
@@ -273,9 +274,9 @@ def test_timed_methods_inside_a_launch_ride_on_its_record(tmp_path: Path):
     s.plan.extend([_Batch("extend", ["x", "y"], 9), _Batch("decode", ["x"])])
     for _ in range(4):
         s.loop_once()
-    (path,) = lt.trace_files(tmp_path)
-    runs = [r for r in lt.read_loop_trace(path) if r.phase == lt.Phase.RUN]
-    assert [r.mode for r in runs] == [lt.Mode.EXTEND, lt.Mode.DECODE]
+    (path,) = lr.trace_files(tmp_path)
+    runs = [r for r in lr.read_loop_trace(path) if r.phase == lr.Phase.RUN]
+    assert [r.mode for r in runs] == [lr.Mode.EXTEND, lr.Mode.DECODE]
     # the extend stored 2 requests x 4 layers, the decode 1 x 4; each launch starts at zero
     assert runs[0].spans["kv_store"] == pytest.approx(4 * 0.5e-3)
     assert runs[1].spans["kv_store"] == pytest.approx(4 * 0.25e-3)
@@ -306,8 +307,8 @@ def test_each_launch_carries_its_thread_cpu_time_and_garbage_collection(tmp_path
             s.loop_once()
     finally:
         gc.enable()
-    (path,) = lt.trace_files(tmp_path)
-    runs = [r for r in lt.read_loop_trace(path) if r.phase == lt.Phase.RUN]
+    (path,) = lr.trace_files(tmp_path)
+    runs = [r for r in lr.read_loop_trace(path) if r.phase == lr.Phase.RUN]
     assert [r.spans[lt.CPU_SPAN] for r in runs] == pytest.approx([3e-3, 3e-3])
     assert runs[0].spans[lt.GC_SPAN] > 0  # the collector's real run time
     assert lt.GC_SPAN not in runs[1].spans
@@ -318,10 +319,10 @@ def test_a_gzipped_trace_reads_the_same(traced):
 
     s, clock, d = traced
     _serve(s, clock)
-    (path,) = lt.trace_files(d)
-    plain = lt.read_loop_trace(path)
+    (path,) = lr.trace_files(d)
+    plain = lr.read_loop_trace(path)
     packed = d / (path.name + ".gz")
     packed.write_bytes(gzip.compress(path.read_bytes()))
     path.unlink()
-    assert lt.trace_files(d) == [packed]
-    assert lt.read_loop_trace(packed) == plain
+    assert lr.trace_files(d) == [packed]
+    assert lr.read_loop_trace(packed) == plain

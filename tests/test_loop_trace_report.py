@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sglang_diffkv.bench import loop_trace_report as ltr
-from sglang_diffkv.loop_trace import Mode, Phase
+from sglang_diffkv.bench.loop_records import Mode, Phase
 
 EXT, DEC = int(Mode.EXTEND), int(Mode.DECODE)
 
@@ -611,7 +611,7 @@ def test_the_eager_host_line_pools_the_starts_of_a_configuration(
 
 
 def test_a_gc_pause_is_counted_and_its_requests_leave_the_first_token_latency() -> None:
-    from sglang_diffkv.loop_trace import RequestTimes
+    from sglang_diffkv.bench.loop_records import RequestTimes
 
     # (send, received, launched, streamed, client's first token), s; the poll wait 2 ms
     reqs = [(0.0, 0.005, 0.006, 0.030, 0.031),

@@ -3,7 +3,8 @@ tools that measure a serving run.
 
 It launches ``python -m sglang.launch_server`` as a subprocess and talks HTTP to it, so nothing
 here imports sglang (only ``sglang_diffkv.sglang`` may). May import: the core package root,
-``simulator`` (trace schema and loaders, server-log parsing); never ``eval`` or ``sglang``.
+``simulator`` (trace schema and loaders, server-log parsing); never ``eval``, sglang or
+``sglang_diffkv.sglang`` (which imports this layer's trace and profile formats).
 The simulator never imports this layer. Modules:
 
   server     named configurations (bf16, fp8, diffkv variants) -> command line + env; the
@@ -17,6 +18,10 @@ The simulator never imports this layer. Modules:
              GPU machine; see docs/e2e.md)
   errors     the one exception a bad harness input raises
   fakeserver a CPU stand-in server for rehearsing the harness without a GPU
+  loop_records   the scheduler loop trace's file format and reader (written by
+                 ``sglang_diffkv.sglang.loop_trace``)
+  profile_lines  the step profile's log line format: writer and parser (``StepProfiler``,
+                 ``sglang_diffkv.sglang.step_profile``, writes them)
 
 Measurement tools, each ``python -m sglang_diffkv.bench.<name>`` (docs/benchmarks.md):
 

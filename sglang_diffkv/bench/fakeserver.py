@@ -28,6 +28,9 @@ from typing import Any
 
 from aiohttp import web
 
+# the real profile line's format, from the module the server's writer uses
+from sglang_diffkv.bench.profile_lines import profile_line
+
 READY = "The server is fired up and ready to roll!"
 ERROR_HOOK_TOKENS = 99_991  # max_new_tokens that makes /generate stream an error chunk
 
@@ -100,10 +103,6 @@ class FakeState:
                     f"pruned 20.0%; pages in use {used // 10}/1000 (1.0%; a bf16 cache would "
                     f"need {used // 4}), active requests {len(self.running)} holding {used} "
                     "tokens")
-                # the real line's format, from the module that writes it (imports torch,
-                # so only for diffkv)
-                from sglang_diffkv.step_profile import profile_line
-
                 n = self.decode_log_interval
                 window = {"step": 12.5 * n, "alloc": 1.0 * n, "reclaim": 0.25 * n,
                           "free": 0.25 * n, "policy": 2.0 * n}

@@ -11,7 +11,7 @@ this module adds what that parser does not keep:
 - DiffKV's step lines (``DiffKV decode: batch B, tokens high x% / low y% / pruned z%; pages in
   use U/T (...; a bf16 cache would need P), active requests A holding N tokens``);
 - DiffKV's profile lines (``SGLANG_DIFFKV_PROFILE=1``, parsed by
-  ``sglang_diffkv.step_profile.parse_profile_line``): memory-management (mm), policy and step
+  ``sglang_diffkv.bench.profile_lines.parse_profile_line``): memory-management (mm), policy and step
   ms per step for each forward mode, averaged over the slice weighted by each line's steps;
 - any other DiffKV line with millisecond figures, read generically as ``<name> <number> ms`` /
   ``<name>_ms=<number>`` and averaged per name (so a reworded line still gives numbers);
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_diffkv.step_profile import HOST_LINE_RE, parse_profile_line
+from sglang_diffkv.bench.profile_lines import HOST_LINE_RE, parse_profile_line
 from simulator.errors import SimulatorInputError
 from simulator.validation.sglang_log import parse_server_log
 
@@ -45,7 +45,7 @@ _ACTIVE = re.compile(r"active requests (\d+) holding (\d+) tokens")
 _MS_WORDS = re.compile(r"([A-Za-z][A-Za-z _/-]*?)\s*[:=]?\s*(\d+(?:\.\d+)?)\s*ms\b")
 _MS_KEYVAL = re.compile(r"([A-Za-z][\w-]*?)_ms\s*[:=]\s*(\d+(?:\.\d+)?)")
 _ERROR = re.compile(r"Traceback|Error|Exception|leak", re.IGNORECASE)
-# start-up noise listed in .device/README.md section 4
+# harmless start-up noise of a stripped SGLang install (absent optional kernels and packages)
 _HARMLESS = re.compile(r"Ignore import error|openai_harmony|OpenAIServingResponses|RLIMIT|FA3|"
                        r"yes/no token IDs|BaseImageProcessorFast|destroy_process_group")
 RAW_KEEP = 10

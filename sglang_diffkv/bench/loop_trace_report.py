@@ -1,5 +1,5 @@
 """Busy segments of SGLang scheduler loop traces (SGLANG_DIFFKV_LOOP_TRACE, see
-sglang_diffkv/loop_trace.py), one table row per segment, and how each run's one-token
+sglang_diffkv/bench/loop_records.py), one table row per segment, and how each run's one-token
 extends cost the host compared with the first run's. CPU only.
 
     python -m sglang_diffkv.bench.loop_trace_report fp8=/tmp/s24/1/fp8/loop \
@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sglang_diffkv.loop_trace import (
+from sglang_diffkv.bench.loop_records import (
     Mode,
     ModeStats,
     Phase,

@@ -21,7 +21,7 @@ The compute goes through one seam, ``ops.DiffKVOps``: the torch reference
 (``sglang_diffkv.cache.CompressedKVCache``) or the Triton kernels on the same state.
 
 ``SGLANG_DIFFKV_PROFILE=1`` times the memory-management work of each step and the step
-itself (``sglang_diffkv.step_profile``); off, the profiler is None and nothing is recorded.
+itself (``sglang_diffkv.sglang.step_profile``); off, the profiler is None and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang_diffkv.sglang.graphs import DecodeGraphState
 from sglang_diffkv.sglang.ops import DiffKVOps, want_kernels
 from sglang_diffkv.sglang.pool import DiffKVPoolError, DiffKVTokenToKVPool
-from sglang_diffkv.step_profile import span
+from sglang_diffkv.sglang.step_profile import span
 
 logger = logging.getLogger("sglang_diffkv")
 

@@ -6,7 +6,7 @@ scheduler process before it builds its model runner. It uses SGLang's official h
 
 - ``add_attention_backend_choices`` makes ``diffkv`` a valid ``--attention-backend``;
 - ``register_attention_backend`` makes ``create_diffkv_backend`` its factory;
-- ``HookRegistry`` (AROUND hooks, applied by ``load_plugins``) for the three places that have
+- ``HookRegistry`` (hooks applied by ``load_plugins``) for the four places that have
   no dedicated extension point. Each leaves every other backend on SGLang's own code:
 
   ============================================  ============================================
@@ -15,6 +15,7 @@ scheduler process before it builds its model runner. It uses SGLang's official h
   ``ServerArgs.__post_init__``                  refusals and forced settings (``args``)
   ``KVCacheConfigurator.configure``             the DiffKV pools (``runner``)
   ``PrefillAdder.add_one_req``                  exact physical admission (``admission``)
+  ``SamplingParams.verify`` (AFTER)             per-request parameters (``request_check``)
   ============================================  ============================================
 
 SGLang's platform entry point (``sglang.srt.platforms``) can supply KV pool and allocator
@@ -48,6 +49,11 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
      "sglang_diffkv.sglang.admission:add_one_req_hook"),
 )
+# (dotted SGLang target, "module:function" of our AFTER hook)
+AFTER_HOOKS: tuple[tuple[str, str], ...] = (
+    ("sglang.srt.sampling.sampling_params.SamplingParams.verify",
+     "sglang_diffkv.sglang.request_check:verify_hook"),
+)
 
 _registered = False
 
@@ -76,6 +82,8 @@ def register() -> None:
     if not _registered:
         for target, hook in HOOKS:
             HookRegistry.register(target, _resolve(hook), HookType.AROUND)
+        for target, hook in AFTER_HOOKS:
+            HookRegistry.register(target, _resolve(hook), HookType.AFTER)
         _registered = True
         _install_loop_trace()
     HookRegistry.apply_hooks()  # skips targets already patched
@@ -86,7 +94,7 @@ def hooks_applied() -> dict[str, bool]:
     import pkgutil
 
     out = {}
-    for target, hook in HOOKS:
+    for target, hook in HOOKS + AFTER_HOOKS:
         owner, attr = target.rsplit(".", 1)
         fn = getattr(pkgutil.resolve_name(owner), attr)
         out[target] = _wraps(fn, _resolve(hook))
@@ -123,14 +131,14 @@ def create_diffkv_backend(runner: Any) -> Any:
 
 
 def _loop_trace_dir() -> str:
-    from sglang_diffkv.loop_trace import TRACE_ENV
+    from sglang_diffkv.sglang.loop_trace import TRACE_ENV
 
     return os.environ.get(TRACE_ENV, "").strip()
 
 
 def _install_loop_trace() -> None:
     """With SGLANG_DIFFKV_LOOP_TRACE=DIR set, time the scheduler loop's phases into DIR
-    (``sglang_diffkv.loop_trace``); without it nothing is wrapped."""
+    (``sglang_diffkv.sglang.loop_trace``); without it nothing is wrapped."""
     trace_dir = _loop_trace_dir()
     if not trace_dir:
         return
@@ -139,7 +147,7 @@ def _install_loop_trace() -> None:
         SchedulerRequestReceiver,
     )
 
-    from sglang_diffkv.loop_trace import WRAPPED, install
+    from sglang_diffkv.sglang.loop_trace import WRAPPED, install
 
     # the loop receives through its request_receiver (Scheduler.recv_requests before 0.5.17)
     missing = [m for m in WRAPPED if not hasattr(
@@ -167,7 +175,7 @@ def _time_methods(cls: Any, spans: dict[str, str]) -> None:
     (method name -> span name) inside it."""
     if not _loop_trace_dir():
         return
-    from sglang_diffkv.loop_trace import time_method
+    from sglang_diffkv.sglang.loop_trace import time_method
 
     for name, span in spans.items():
         if hasattr(cls, name):

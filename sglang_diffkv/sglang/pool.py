@@ -30,8 +30,6 @@ after the forward that may still read them; the next forward waits on the schedu
 from __future__ import annotations
 
 import logging
-import math
-import os
 from typing import Any
 
 import torch
@@ -40,17 +38,15 @@ from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.capacity import CapacityPlan
-from sglang_diffkv.config import ConfigError
 from sglang_diffkv.layout import fp16_bytes_per_token
 from sglang_diffkv.memory import AllocResult
+from sglang_diffkv.env_settings import log_interval
 from sglang_diffkv.memory.free_bound import FreePagesBound
-from sglang_diffkv.step_profile import StepProfiler, span
+from sglang_diffkv.sglang.request_check import thresholds_or_abort
+from sglang_diffkv.sglang.step_profile import StepProfiler, span
 
 logger = logging.getLogger("sglang_diffkv")
 
-LOG_INTERVAL_ENV = "SGLANG_DIFFKV_LOG_INTERVAL"
-ALPHA_H_PARAM = "diffkv_alpha_h"  # per-request overrides in sampling_params.custom_params
-ALPHA_L_PARAM = "diffkv_alpha_l"
 
 
 # SGLang's ReqToTokenPool never allocates request slot 0 (its CUDA-graph padding row)
@@ -200,18 +196,10 @@ class DiffKVTokenToKVPool(KVCache):
 
     # -- request lifecycle -----------------------------------------------------------------
 
-    def set_request_thresholds(self, req_idx: int, custom_params: dict[str, Any] | None) -> None:
-        c = self.cache.config
-        alpha_h, alpha_l = c.alpha_h, c.alpha_l
-        if custom_params:
-            alpha_h = float(custom_params.get(ALPHA_H_PARAM, alpha_h))
-            alpha_l = float(custom_params.get(ALPHA_L_PARAM, alpha_l))
-            if not (0 <= alpha_l <= alpha_h) or math.isinf(alpha_h):
-                raise ConfigError(
-                    f"custom_params {ALPHA_H_PARAM}={alpha_h}, {ALPHA_L_PARAM}={alpha_l}: "
-                    "need finite 0 <= alpha_l <= alpha_h"
-                )
-        self.req_alpha[req_idx] = (alpha_h, alpha_l)
+    def set_request_thresholds(self, req_idx: int, alpha: tuple[float, float]) -> None:
+        """The thresholds (alpha_h, alpha_l) of the request in slot ``req_idx``, validated
+        by the caller (``request_check``)."""
+        self.req_alpha[req_idx] = alpha
 
     def begin_prefill(self, req_idx: list[int], lengths: list[int]) -> None:
         self.flush_frees()  # a released slot may come back in this very batch
@@ -298,11 +286,14 @@ class DiffKVReqToTokenPool(ReqToTokenPool):
         self.kv_pool = kv_pool
 
     def alloc(self, reqs: list[Any]) -> list[int] | None:
+        # thresholds first: an invalid request is aborted (never raised: the batch and the
+        # scheduler carry on), before any slot is taken
+        config = self.kv_pool.cache.config
+        alphas = [thresholds_or_abort(r, config) for r in reqs]
         out = super().alloc(reqs)
         if out is not None:
-            for r in reqs:
-                params = getattr(getattr(r, "sampling_params", None), "custom_params", None)
-                self.kv_pool.set_request_thresholds(r.req_pool_idx, params)
+            for r, alpha in zip(reqs, alphas, strict=True):
+                self.kv_pool.set_request_thresholds(r.req_pool_idx, alpha)
         return out
 
     def free(self, req: Any) -> None:
@@ -351,8 +342,7 @@ class PoolStats:
         self.finished_count = torch.zeros((), dtype=torch.float64)  # on the cache's device
         self.finished_tokens = torch.zeros(3, dtype=torch.float64)  # high, low, pruned
         self.steps = 0
-        interval = os.environ.get(LOG_INTERVAL_ENV, "").strip()
-        self.log_interval = int(interval) if interval else 50
+        self.log_interval = log_interval()
         self.profiler = StepProfiler.from_env(device)
 
     def record_finished(self, cache: CompressedKVCache, req_idx: int,

@@ -2,7 +2,7 @@
 
 A bench-mode run must report itself as such at start-up, size its logical slots with the
 bench mix, keep the mix in what finished requests hold, and (with profiling on) write
-profile lines that parse with ``step_profile.PROFILE_LINE_RE``.
+profile lines that parse with ``profile_lines.PROFILE_LINE_RE``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import harness as H
 import pytest
 import torch
 
+from sglang_diffkv.bench.profile_lines import parse_profile_line
 from sglang_diffkv.sglang.pool import PoolStats
-from sglang_diffkv.step_profile import parse_profile_line
 
 MIX = (0.3, 0.5, 0.2)
 BENCH = {"preset": "llama-3-8b", "window": 8, "score_queries": 8, "bench_mix": list(MIX)}

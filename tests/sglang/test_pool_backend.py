@@ -345,3 +345,30 @@ def test_a_stale_free_page_bound_never_overstates_the_free_pages(monkeypatch):
     assert sorted(r.rid for r in s.finished) == ["r0", "r1", "r2"]
     assert all(len(r.output_ids) == 80 for r in s.finished)
     assert_back_to_initial_state(s)
+
+
+@pytest.mark.parametrize("bad", [
+    {"diffkv_alpha_h": "abc"}, {"diffkv_alpha_h": None}, {"diffkv_alpha_h": [1.0]},
+    {"diffkv_alpha_h": 10**400}, {"diffkv_alpha_h": 0.1, "diffkv_alpha_l": 0.5},
+    {"diffkv_alpha_hh": 2.0},
+])
+def test_a_bad_request_that_reaches_the_scheduler_fails_alone(monkeypatch, bad):
+    """The tokenizer manager's check (request_check.verify_hook) stops these first; a request
+    that reaches a scheduler anyway is aborted alone: the valid request beside it in the same
+    prefill batch is served, and no slot or page leaks."""
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    shape = H.ModelShape()
+    s = H.MiniScheduler(shape, H.budget_for_pages(shape, 400, 8))
+    s.add_request("good", list(range(1, 41)), 3)
+    bad_req = s.add_request("bad", list(range(1, 41)), 3)
+    bad_req.sampling_params.custom_params = dict(bad)  # past the tokenizer manager's check
+    s.run_until_idle()
+    done = {r.rid: r for r in s.finished}
+    assert set(done) == {"good", "bad"}
+    assert len(done["good"].output_ids) == 3 and done["good"].finished_reason.__class__.__name__ \
+        == "FINISH_LENGTH"
+    reason = done["bad"].finished_reason
+    assert type(reason).__name__ == "FINISH_ABORT"
+    key = next(iter(bad)) if len(bad) == 1 else "diffkv_alpha_l"
+    assert key in reason.message, reason.message
+    assert_back_to_initial_state(s)

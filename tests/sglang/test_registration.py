@@ -97,7 +97,7 @@ def test_loop_trace_wraps_the_scheduler_only_when_asked(tmp_path):
         *["sglang.srt.managers.scheduler"] * 3,
         "sglang.srt.managers.scheduler_components.request_receiver", *["False"] * 4]
     traced = _fresh_python(code, SGLANG_DIFFKV_LOOP_TRACE=str(tmp_path))
-    assert traced.splitlines()[-1].split() == ["sglang_diffkv.loop_trace"] * 4 + ["True"] * 4
+    assert traced.splitlines()[-1].split() == ["sglang_diffkv.sglang.loop_trace"] * 4 + ["True"] * 4
 
 
 def test_loop_trace_times_the_diffkv_backend_when_it_is_built(tmp_path):

@@ -19,7 +19,13 @@ import sys
 
 import numpy as np
 
-from sglang_diffkv.loop_trace import Mode, Phase, read_loop_trace, segments, timed_iterations
+from sglang_diffkv.bench.loop_records import (
+    Mode,
+    Phase,
+    read_loop_trace,
+    segments,
+    timed_iterations,
+)
 
 GRAPH_MAX = 512   # the diffkv backend's cuda_graph_max_bs (the servers' logged args)
 EDGE = 32

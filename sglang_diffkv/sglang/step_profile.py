@@ -2,7 +2,8 @@
 
 Off by default, and then nothing is recorded and nothing synchronises. On: the SGLang
 backend marks spans with CUDA events (host ``perf_counter`` on other devices) and the
-periodic metrics line gets one profile line per forward mode (format: ``PROFILE_LINE_RE``,
+periodic metrics line gets one profile line per forward mode (format:
+``sglang_diffkv.bench.profile_lines``, whose ``profile_line`` this writes and the bench parses;
 documented in docs/backend.md). Events are only read when a line is written (one
 synchronisation per log interval), or every ``MAX_PENDING`` spans when lines are off.
 
@@ -24,6 +25,8 @@ Buckets (milliseconds):
 
 CUDA events time the stream between the two marks, so a span also counts the host work and
 any synchronisation inside it (``begin_decode`` reads its success flag on the host).
+
+SGLang layer (``pool`` and ``backend`` open the spans); imports torch, never sglang.
 """
 
 from __future__ import annotations
@@ -31,36 +34,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-PROFILE_ENV = "SGLANG_DIFFKV_PROFILE"
-MM_BUCKETS = ("alloc", "reclaim", "free")
-BUCKETS = ("step", *MM_BUCKETS, "policy")
-MODES = ("prefill", "decode")
-MAX_PENDING = 65536  # spans kept unread before a forced read (only when lines are off)
+from sglang_diffkv.bench.profile_lines import BUCKETS, MODES, host_line_text, profile_line
 
-_F = r"\d+(?:\.\d+)?"
-# One source of truth for the line: ``profile_line`` writes it, this reads it.
-PROFILE_LINE_RE = re.compile(
-    rf"DiffKV profile (?P<mode>prefill|decode): (?P<steps>\d+) steps: "
-    rf"mm (?P<mm_ms>{_F}) ms/step \((?P<mm_pct>{_F})% of step "
-    rf"(?P<step_ms>{_F}) ms\) = alloc (?P<alloc_ms>{_F}) \+ reclaim "
-    rf"(?P<reclaim_ms>{_F}) \+ free (?P<free_ms>{_F}), "
-    rf"policy (?P<policy_ms>{_F}) ms/step \((?P<policy_pct>{_F})%\)"
-    rf"(?:, host (?P<host_ms>{_F}) ms/step)?; "
-    rf"total (?P<total_steps>\d+) steps: mm (?P<total_mm_ms>{_F}) ms "
-    rf"\((?P<total_mm_pct>{_F})% of (?P<total_step_ms>{_F}) ms\), "
-    rf"policy (?P<total_policy_ms>{_F}) ms \((?P<total_policy_pct>{_F})%\)"
-)
-# the host line (``StepProfiler.host_line`` writes it, this reads it)
-HOST_LINE_RE = re.compile(
-    r"DiffKV host: (?P<device_allocs>\d+) device allocations, "
-    r"(?P<gen2_collections>\d+) gen-2 collections")
+PROFILE_ENV = "SGLANG_DIFFKV_PROFILE"
+MAX_PENDING = 65536  # spans kept unread before a forced read (only when lines are off)
 
 
 def profiling_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -71,47 +54,6 @@ def profiling_enabled(environ: Mapping[str, str] | None = None) -> bool:
     if value in ("1", "true", "on", "yes"):
         return True
     raise ValueError(f"{PROFILE_ENV}={value!r}: use 1 (profile) or 0 (off, the default)")
-
-
-def _pct(part: float, whole: float) -> float:
-    return 100.0 * part / whole if whole > 0 else 0.0
-
-
-def profile_line(mode: str, steps: int, window: Mapping[str, float], total_steps: int,
-                 total: Mapping[str, float], host_ms: float | None = None) -> str:
-    """The profile line of one mode: the last interval per step, then cumulative totals.
-    ``host_ms``: the interval's host time of its steps (the ``host`` field; lines written
-    before it existed have none, hence optional in ``PROFILE_LINE_RE``)."""
-    n = max(steps, 1)
-    host = "" if host_ms is None else f", host {host_ms / n:.3f} ms/step"
-    mm = sum(window[b] for b in MM_BUCKETS)
-    t_mm = sum(total[b] for b in MM_BUCKETS)
-    return (
-        f"DiffKV profile {mode}: {steps} steps: mm {mm / n:.3f} ms/step "
-        f"({_pct(mm, window['step']):.2f}% of step {window['step'] / n:.3f} ms) = "
-        f"alloc {window['alloc'] / n:.3f} + reclaim {window['reclaim'] / n:.3f} + "
-        f"free {window['free'] / n:.3f}, policy {window['policy'] / n:.3f} ms/step "
-        f"({_pct(window['policy'], window['step']):.2f}%){host}; "
-        f"total {total_steps} steps: mm {t_mm:.3f} ms ({_pct(t_mm, total['step']):.2f}% of "
-        f"{total['step']:.3f} ms), policy {total['policy']:.3f} ms "
-        f"({_pct(total['policy'], total['step']):.2f}%)"
-    )
-
-
-def parse_profile_line(line: str) -> dict[str, Any] | None:
-    """The fields of a profile line (floats; ``mode`` a string, step counts ints)."""
-    m = PROFILE_LINE_RE.search(line)
-    if m is None:
-        return None
-    out: dict[str, Any] = {}
-    for key, value in m.groupdict().items():
-        if key == "mode" or value is None:
-            out[key] = value
-        elif key in ("steps", "total_steps"):
-            out[key] = int(value)
-        else:
-            out[key] = float(value)
-    return out
 
 
 class StepProfiler:
@@ -198,7 +140,7 @@ class StepProfiler:
         now = self.host_counts()
         allocs, gcs = (a - b for a, b in zip(now, self._host_counts, strict=True))
         self._host_counts = now
-        return f"DiffKV host: {allocs} device allocations, {gcs} gen-2 collections"
+        return host_line_text(allocs, gcs)
 
     def lines(self) -> list[str]:
         """One line per mode that ran since the last call, then the host line; starts a new
