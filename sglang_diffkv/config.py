@@ -58,30 +58,28 @@ class ConfigError(ValueError):
     """A DiffKV configuration value is out of range or unknown."""
 
 
-def checked_number(what: str, value: object, low: float, high: float,
-                   error: type[ValueError] = ConfigError) -> float:
+def checked_number(what: str, value: object, low: float, high: float) -> float:
     """``value`` as a float in [low, high]: a real number (not a bool or a string), finite.
     ``what`` names the field in the error (e.g. 'alpha_h')."""
     allowed = f"a number in [{low:g}, {high:g}]"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise error(f"{what}={short_repr(value)} is not a number; expected {allowed}")
+        raise ConfigError(f"{what}={short_repr(value)} is not a number; expected {allowed}")
     try:
         x = float(value)
-    except OverflowError:
-        raise error(f"{what}={short_repr(value)} is out of range; expected {allowed}") from None
+    except OverflowError:  # an int past the float range
+        x = math.inf
     if math.isnan(x) or not low <= x <= high:
-        raise error(f"{what}={short_repr(value)} is out of range; expected {allowed}")
+        raise ConfigError(f"{what}={short_repr(value)} is out of range; expected {allowed}")
     return x
 
 
-def checked_int(what: str, value: object, low: int, high: int,
-                error: type[ValueError] = ConfigError) -> int:
+def checked_int(what: str, value: object, low: int, high: int) -> int:
     """``value`` as an int in [low, high] (not a bool, not a float)."""
     allowed = f"an integer in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise error(f"{what}={short_repr(value)} is not an integer; expected {allowed}")
+        raise ConfigError(f"{what}={short_repr(value)} is not an integer; expected {allowed}")
     if not low <= value <= high:
-        raise error(f"{what}={short_repr(value)} is out of range; expected {allowed}")
+        raise ConfigError(f"{what}={short_repr(value)} is out of range; expected {allowed}")
     return value
 
 
