@@ -243,14 +243,13 @@ def _csv_rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict
     reader = csv.reader(line for _, line in _lines(path))
     header: list[str] | None = None
     while True:
+        lineno = reader.line_num + 1  # where the record starts (a quoted field may span lines)
         try:
             row = next(reader)
         except StopIteration:
             return
         except csv.Error as e:  # e.g. a field past csv.field_size_limit()
-            raise SimulatorInputError(f"{path}: line {reader.line_num}: CSV error: {e}"
-                                      ) from None
-        lineno = reader.line_num
+            raise SimulatorInputError(f"{path}: line {lineno}: CSV error: {e}") from None
         if not row or all(not c.strip() for c in row):
             continue
         if header is None:

@@ -44,6 +44,8 @@ def cases(tmp_path: Path) -> list[tuple[Path, str | None, str, str]]:
         (write_bytes(tmp_path, "digits.jsonl", (ROW + '{"input_length": ' + "9" * 5000
                                                  + "}\n").encode()),
          "mooncake", "line 2", "invalid JSON"),
+        (write_bytes(tmp_path, "split.csv", (AZURE + '"2023-11-16\n18:17:00",3,4\n').encode()),
+         "azure", "line 3", "TIMESTAMP='2023-11-16\\n18:17:00' is not"),
         (write_bytes(tmp_path, "nan.csv", (AZURE + "2023-11-16 18:17:nan,3,4\n").encode()),
          "azure", "line 3", "TIMESTAMP='2023-11-16 18:17:nan' has no such time of day"),
         (write_bytes(tmp_path, "late.csv", (AZURE + "2023-11-16 99:99:99,3,4\n").encode()),
