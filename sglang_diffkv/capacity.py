@@ -16,6 +16,8 @@ from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
 PLANNING_MIX_ENV = "SGLANG_DIFFKV_PLANNING_MIX"
 # SGLang's req_to_token rows are context_len + 4 long (model_runner_kv_cache_mixin).
 EXTRA_CONTEXT = 4
+# SGLang's req_to_token holds logical token slot indices as int32.
+MAX_LOGICAL_SLOTS = 2**31 - 1
 
 
 class PoolSize(NamedTuple):
@@ -47,7 +49,7 @@ def planning_mix(
             raise ConfigError(
                 f"{PLANNING_MIX_ENV}={text!r}: expected two fractions 'high,low', e.g. '0.5,0.5'"
             ) from e
-        if hi <= 0 or lo < 0 or hi + lo > 1 + 1e-9:
+        if not (0 < hi <= 1 and 0 <= lo <= 1 and hi + lo <= 1 + 1e-9):  # (NaN fails too)
             raise ConfigError(
                 f"{PLANNING_MIX_ENV}={text!r}: need high > 0, low >= 0 and high + low <= 1"
             )
@@ -129,7 +131,17 @@ class CapacityPlan:
 
     def logical_slots(self, num_pages: int) -> int:
         """SGLang token slots for ``num_pages`` pages: every token of a request takes one
-        slot, so this is logical tokens (kept and pruned) at the planning mix."""
+        slot, so this is logical tokens (kept and pruned) at the planning mix. A mix with
+        almost nothing kept (a high fraction near 0 in bench_mix or
+        SGLANG_DIFFKV_PLANNING_MIX) would ask for more slots than SGLang can index."""
+        slots = num_pages * self.planning_tokens_per_page / self.rows_per_request
+        if not slots <= MAX_LOGICAL_SLOTS:  # (inf / NaN included)
+            hi, lo = self.mix
+            raise ConfigError(
+                f"planning mix high {hi:g} / low {lo:g} (bench_mix or {PLANNING_MIX_ENV}) "
+                f"gives {slots:.3g} logical token slots for {num_pages} pages, more than the "
+                f"{MAX_LOGICAL_SLOTS} SGLang's int32 slot indices address; use a larger "
+                "high fraction")
         return int(num_pages * self.planning_tokens_per_page) // self.rows_per_request
 
 

@@ -1,20 +1,44 @@
 """DiffKVConfig: the two precision tiers, the pruning/demotion thresholds and the windows.
 
-A config is immutable and validated when built; every error names the field, the bad
-value and what is allowed. Configs come from a named preset, a dict, a JSON file, or the
-environment variable ``SGLANG_DIFFKV_CONFIG`` (a preset name, inline JSON, or a JSON path).
+A config is immutable and validated when built, whatever it was built from (a preset, a
+dict, inline JSON, a JSON file or the environment variable ``SGLANG_DIFFKV_CONFIG``): every
+error is a ConfigError of one line naming the field, the bad value and what is allowed.
+The bounds are those the whole path can take, the Triton/CUDA kernels included, so a config
+that builds also starts a server and serves (docs/backend.md, "What is validated").
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ALLOWED_BITS = (1, 2, 4, 8)
+from sglang_diffkv.value_text import short_repr
+
+ALLOWED_BITS = (1, 2, 4, 8)  # what the reference quantiser (quant.py) packs
+KERNEL_BITS = (2, 4, 8)  # what the kernels unpack: a DiffKV cache's tiers use these
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # head dims the page layout and the kernels take
+# Quantisation groups split head_dim into equal power-of-two parts (the kernels index a
+# group with tl.arange, which needs a power of two); at most one per element.
+MAX_GROUPS = max(SUPPORTED_HEAD_DIMS)
+# The kernels hold positions, lengths and token counts as int32: a window beyond it cannot
+# be compared with a token's age.
+MAX_WINDOW = 2**31 - 1
+# The prefill scoring kernels (kernels/prefill.py, _lse_kernel / _colsum_kernel) keep the
+# last score_queries queries, rounded up to a power of two, and a 64-key tile of head_dim
+# bf16 values in shared memory: (QB + 64) * head_dim * 2 bytes, which sm_90 compiles
+# measured as 160 KiB at QB 256 / head_dim 256 and 288 KiB at QB 512 / head_dim 256 (or
+# QB 1024 / head_dim 128), past the 227 KiB an H100 / H200 block can have.
+MAX_SCORE_QUERIES = 256
+# Thresholds live in float32 tensors (CompressedKVCache.alpha, the kernels' alpha arguments):
+# the largest finite float32. (alpha / L is clamped to 1, so any alpha >= the context length
+# already means "every token outside the window is demoted".)
+MAX_ALPHA = 3.4028234663852886e38
 ENV_VAR = "SGLANG_DIFFKV_CONFIG"
 BENCH_MIX_TOLERANCE = 1e-6  # how far from 1 the three bench_mix fractions may sum
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -23,10 +47,54 @@ PRESET_DIR = Path(__file__).parent / "presets"
 # SGLang's GPU-memory default (256 on an 80 GB GPU) would leave its large decode batches
 # eager. Read by the server-args fix-ups and by the simulator.
 DEFAULT_CUDA_GRAPH_MAX_BS = 512
+TIER_FIELDS = ("key_bits", "value_bits", "key_groups", "value_groups")
+CONFIG_FIELDS = ("preset", "name", "high", "low", "alpha_h", "alpha_l", "window",
+                 "score_queries", "bench_mix")
+# 'K8V4' or 'K4V2g24' (groups as two single digits; larger group counts need the dict form)
+_TIER_NAME = re.compile(r"K([0-9]{1,3})V([0-9]{1,3})(?:G([0-9])([0-9]))?", re.ASCII)
 
 
 class ConfigError(ValueError):
     """A DiffKV configuration value is out of range or unknown."""
+
+
+def checked_number(what: str, value: object, low: float, high: float) -> float:
+    """``value`` as a float in [low, high]: a real number (not a bool or a string), finite.
+    ``what`` names the field in the error (e.g. 'alpha_h')."""
+    allowed = f"a number in [{low:g}, {high:g}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{what}={short_repr(value)} is not a number; expected {allowed}")
+    try:
+        x = float(value)
+    except OverflowError:  # an int past the float range
+        x = math.inf
+    if math.isnan(x) or not low <= x <= high:
+        raise ConfigError(f"{what}={short_repr(value)} is out of range; expected {allowed}")
+    return x
+
+
+def checked_int(what: str, value: object, low: int, high: int) -> int:
+    """``value`` as an int in [low, high] (not a bool, not a float)."""
+    allowed = f"an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{what}={short_repr(value)} is not an integer; expected {allowed}")
+    if not low <= value <= high:
+        raise ConfigError(f"{what}={short_repr(value)} is out of range; expected {allowed}")
+    return value
+
+
+def parse_json(text: str, where: str) -> Any:
+    """json.loads with every failure as one ConfigError line: syntax (with line and column),
+    nesting past the recursion limit, integers past Python's digit limit."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: line {e.lineno}: invalid JSON ({e.msg} at column "
+                          f"{e.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer longer than sys.get_int_max_str_digits()
+        raise ConfigError(f"{where}: invalid JSON ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -41,12 +109,14 @@ class TierConfig:
     def __post_init__(self) -> None:
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
-            if not isinstance(bits, int) or bits not in ALLOWED_BITS:
-                raise ConfigError(f"{name}={bits!r} is not allowed; choose one of {ALLOWED_BITS}")
+            if isinstance(bits, bool) or not isinstance(bits, int) or bits not in ALLOWED_BITS:
+                raise ConfigError(f"{name}={short_repr(bits)} is not allowed; choose one of "
+                                  f"{ALLOWED_BITS}")
         for name in ("key_groups", "value_groups"):
-            groups = getattr(self, name)
-            if not isinstance(groups, int) or groups < 1:
-                raise ConfigError(f"{name}={groups!r} must be a positive integer")
+            groups = checked_int(name, getattr(self, name), 1, MAX_GROUPS)
+            if groups & (groups - 1):
+                raise ConfigError(f"{name}={groups} is not a power of two; expected 1, 2, 4, "
+                                  f"... up to {MAX_GROUPS} (a divisor of head_dim)")
 
     @property
     def name(self) -> str:
@@ -73,40 +143,41 @@ class TierConfig:
                 )
 
     @classmethod
-    def parse(cls, value: TierConfig | str | Mapping[str, Any], tier: str) -> TierConfig:
-        """Accepts a TierConfig, a dict of its fields, or a string such as 'K8V4' / 'K4V2g24'."""
+    def parse(cls, value: object, tier: str) -> TierConfig:
+        """Accepts a TierConfig, a dict of its fields, or a string such as 'K8V4' / 'K4V2g24'.
+        Errors name the tier ('high: key_bits=3 ...')."""
         if isinstance(value, TierConfig):
             return value
-        if isinstance(value, Mapping):
-            unknown = set(value) - {"key_bits", "value_bits", "key_groups", "value_groups"}
-            if unknown:
-                raise ConfigError(
-                    f"{tier}: unknown field(s) {sorted(unknown)}; allowed: key_bits, value_bits, "
-                    "key_groups, value_groups"
-                )
-            return cls(**value)
-        if isinstance(value, str):
-            return cls._parse_name(value, tier)
-        raise ConfigError(f"{tier}={value!r} must be a tier name like 'K8V4' or a dict")
+        try:
+            if isinstance(value, Mapping):
+                return cls._from_mapping(value)
+            if isinstance(value, str):
+                return cls._parse_name(value)
+        except ConfigError as e:
+            raise ConfigError(f"{tier}: {e}") from None
+        raise ConfigError(f"{tier}={short_repr(value)} must be a tier name like 'K8V4' or a "
+                          f"dict with fields {', '.join(TIER_FIELDS)}")
 
     @classmethod
-    def _parse_name(cls, text: str, tier: str) -> TierConfig:
-        s = text.strip().upper()
-        groups = (1, 1)
-        if "G" in s:
-            s, g = s.split("G", 1)
-            if len(g) != 2 or not g.isdigit():
-                raise ConfigError(
-                    f"{tier}={text!r}: groups suffix must be two digits, e.g. K4V2g24"
-                )
-            groups = (int(g[0]), int(g[1]))
-        if not (s.startswith("K") and "V" in s):
-            raise ConfigError(
-                f"{tier}={text!r} is not a tier name; expected e.g. 'K8V4' or 'K4V2g24'"
-            )
-        k, v = s[1:].split("V", 1)
-        if not (k.isdigit() and v.isdigit()):
-            raise ConfigError(f"{tier}={text!r} is not a tier name; expected e.g. 'K8V4'")
+    def _from_mapping(cls, value: Mapping[Any, Any]) -> TierConfig:
+        unknown = [k for k in value if k not in TIER_FIELDS]
+        if unknown:
+            raise ConfigError(f"unknown field(s) {short_repr(unknown)}; allowed: "
+                              f"{', '.join(TIER_FIELDS)}")
+        missing = [k for k in ("key_bits", "value_bits") if k not in value]
+        if missing:
+            raise ConfigError(f"missing field(s) {', '.join(missing)}; key_bits and "
+                              "value_bits are required")
+        return cls(**value)
+
+    @classmethod
+    def _parse_name(cls, text: str) -> TierConfig:
+        m = _TIER_NAME.fullmatch(text.strip().upper())
+        if m is None:
+            raise ConfigError(f"{short_repr(text)} is not a tier name; expected e.g. 'K8V4' "
+                              "or 'K4V2g24' (groups as two digits)")
+        k, v, kg, vg = m.groups()
+        groups = (1, 1) if kg is None else (int(kg), int(vg))
         return cls(int(k), int(v), *groups)
 
 
@@ -125,7 +196,10 @@ class DiffKVConfig:
     ``bench_mix`` = (high, low, pruned) fractions turns on benchmark mode (for random-weight
     models, whose attention means nothing): tier decisions follow the mix instead of the
     scores, everything else runs for real (``sglang_diffkv.bench_mix``). Output quality is
-    meaningless in this mode."""
+    meaningless in this mode.
+
+    Fields are normalised when built: thresholds become floats, window and score_queries
+    ints, bench_mix a tuple of three floats."""
 
     high: TierConfig = K8V4_GROUPED
     low: TierConfig = K4V2_GROUPED
@@ -137,21 +211,24 @@ class DiffKVConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
+        def put(fname: str, value: Any) -> None:
+            object.__setattr__(self, fname, value)
+
         for fname in ("alpha_h", "alpha_l"):
-            value = getattr(self, fname)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{fname}={value!r} must be a number >= 0")
-            if not value >= 0 or value == float("inf"):
-                raise ConfigError(f"{fname}={value!r} must be a finite number >= 0")
+            put(fname, checked_number(fname, getattr(self, fname), 0.0, MAX_ALPHA))
         if self.alpha_l > self.alpha_h:
             raise ConfigError(
                 f"alpha_l={self.alpha_l} > alpha_h={self.alpha_h}; the pruning threshold must "
                 "not exceed the demotion threshold (alpha_l <= alpha_h)"
             )
-        for fname in ("window", "score_queries"):
-            value = getattr(self, fname)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{fname}={value!r} must be a positive integer")
+        put("window", checked_int("window", self.window, 1, MAX_WINDOW))
+        put("score_queries",
+            checked_int("score_queries", self.score_queries, 1, MAX_SCORE_QUERIES))
+        for tier in ("high", "low"):
+            t = getattr(self, tier)
+            if not isinstance(t, TierConfig):
+                put(tier, TierConfig.parse(t, tier))
+            self._check_kernel_bits(tier, getattr(self, tier))
         high_bits = (self.high.key_bits, self.high.value_bits)
         low_bits = (self.low.key_bits, self.low.value_bits)
         if low_bits[0] > high_bits[0] or low_bits[1] > high_bits[1]:
@@ -159,8 +236,18 @@ class DiffKVConfig:
                 f"low tier {self.low.name} is more precise than high tier {self.high.name}; "
                 "the low tier must use no more bits than the high tier"
             )
+        if not isinstance(self.name, str) or not self.name.strip() or not self.name.isprintable():
+            raise ConfigError(f"name={short_repr(self.name)} must be a non-empty one-line "
+                              "string")
         if self.bench_mix is not None:
-            object.__setattr__(self, "bench_mix", self._checked_bench_mix(self.bench_mix))
+            put("bench_mix", self._checked_bench_mix(self.bench_mix))
+
+    @staticmethod
+    def _check_kernel_bits(tier: str, t: TierConfig) -> None:
+        for what, bits in (("key_bits", t.key_bits), ("value_bits", t.value_bits)):
+            if bits not in KERNEL_BITS:
+                raise ConfigError(f"{tier}.{what}={bits} is not allowed in a DiffKV cache; its "
+                                  f"kernels unpack {KERNEL_BITS} bits")
 
     def _checked_bench_mix(self, mix: Any) -> tuple[float, float, float]:
         allowed = (
@@ -168,16 +255,12 @@ class DiffKVConfig:
         )
         if not isinstance(mix, (list, tuple)) or len(mix) != 3:
             shown = list(mix) if isinstance(mix, (list, tuple)) else mix
-            raise ConfigError(f"bench_mix={shown!r} is not allowed; expected {allowed}")
-        for value in mix:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"bench_mix={list(mix)!r}: {value!r} is not a number; "
-                                  f"expected {allowed}")
-        high, low, pruned = (float(x) for x in mix)
-        for what, value in (("high", high), ("low", low), ("pruned", pruned)):
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"bench_mix {what}={value} is outside [0, 1]; expected "
-                                  f"{allowed}")
+            raise ConfigError(f"bench_mix={short_repr(shown)} is not allowed; expected "
+                              f"{allowed}")
+        high, low, pruned = (
+            checked_number(f"bench_mix {what}", value, 0.0, 1.0)
+            for what, value in zip(("high", "low", "pruned"), mix, strict=True)
+        )
         if abs(high + low + pruned - 1.0) > BENCH_MIX_TOLERANCE:
             raise ConfigError(
                 f"bench_mix={[high, low, pruned]} sums to {high + low + pruned}; the "
@@ -231,20 +314,21 @@ class DiffKVConfig:
         """Fields override the preset named by ``preset`` (default: 'default')."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a DiffKV config must be a JSON object, got {type(data).__name__}")
-        allowed = {"preset", "name", "high", "low", "alpha_h", "alpha_l", "window",
-                   "score_queries", "bench_mix"}
-        unknown = set(data) - allowed
+        unknown = [k for k in data if k not in CONFIG_FIELDS]
         if unknown:
             raise ConfigError(
-                f"unknown config field(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+                f"unknown config field(s) {short_repr(unknown)}; allowed: "
+                f"{', '.join(CONFIG_FIELDS)}"
             )
-        base = preset(data.get("preset", "default"))
+        name = data.get("preset", "default")
+        if not isinstance(name, str):
+            raise ConfigError(f"preset={short_repr(name)} must be a preset name; available: "
+                              f"{', '.join(PRESETS)}")
+        base = preset(name)
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "preset"}
         for tier in ("high", "low"):
             if tier in kwargs:
                 kwargs[tier] = TierConfig.parse(kwargs[tier], tier)
-        if isinstance(kwargs.get("bench_mix"), list):
-            kwargs["bench_mix"] = tuple(kwargs["bench_mix"])
         if "name" not in kwargs:
             kwargs["name"] = base.name if set(data) <= {"preset"} else f"{base.name}+custom"
         return replace(base, **kwargs)
@@ -253,26 +337,28 @@ class DiffKVConfig:
     def from_json(cls, path: str | os.PathLike[str]) -> DiffKVConfig:
         p = Path(path)
         try:
-            text = p.read_text()
+            raw = p.read_bytes()
         except OSError as e:
             raise ConfigError(f"cannot read DiffKV config file {str(p)!r}: {e.strerror}") from e
+        except ValueError as e:  # e.g. a NUL character in the path
+            raise ConfigError(f"cannot read DiffKV config file {short_repr(str(p))}: {e}") from e
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
-        return cls.from_dict(data)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{p}: line {line}: not UTF-8 text (byte "
+                              f"0x{raw[e.start]:02x} at offset {e.start})") from None
+        return cls.from_dict(parse_json(text, str(p)))
 
     @classmethod
     def from_spec(cls, spec: str) -> DiffKVConfig:
         """A preset name, inline JSON (starts with '{'), or a path to a JSON file."""
+        if not isinstance(spec, str):
+            raise ConfigError(f"a DiffKV config spec must be a string, got "
+                              f"{short_repr(spec)}")
         s = spec.strip()
         if s.startswith("{"):
-            try:
-                return cls.from_dict(json.loads(s))
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"invalid inline JSON DiffKV config: {e.msg} at char {e.pos}"
-                ) from e
+            return cls.from_dict(parse_json(s, "inline JSON DiffKV config"))
         if s.endswith(".json") or os.sep in s:
             return cls.from_json(s)
         return preset(s)
@@ -287,7 +373,7 @@ class DiffKVConfig:
         try:
             return cls.from_spec(spec)
         except ConfigError as e:
-            raise ConfigError(f"{ENV_VAR}={spec!r}: {e}") from e
+            raise ConfigError(f"{ENV_VAR}={short_repr(spec)}: {e}") from e
 
 
 def _preset(name: str, alpha_l: float, alpha_h: float, grouped: bool) -> DiffKVConfig:
@@ -329,7 +415,8 @@ PRESETS: dict[str, DiffKVConfig] = {
 def preset(name: str) -> DiffKVConfig:
     key = name.strip().lower()
     if key not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {short_repr(name)}; available presets: "
+                          f"{', '.join(PRESETS)}")
     return PRESETS[key]
 
 

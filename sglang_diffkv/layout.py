@@ -28,6 +28,7 @@ from sglang_diffkv.config import (
     K4V2_GROUPED,
     K8V4,
     K8V4_GROUPED,
+    SUPPORTED_HEAD_DIMS,
     ConfigError,
     DiffKVConfig,
     TierConfig,
@@ -42,7 +43,6 @@ PAGE_ALIGN = 32
 MIN_HIGH_TOKENS = 32  # kernel tiles want >= 32 tokens of the high tier per page
 MAX_PAGE_SCAN = 2  # scan page sizes up to 2x the smallest candidate
 WASTE_TOLERANCE = 0.02  # accept the first page wasting at most 2% in every tier
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 # The tier formats DiffKV sizes its page for (vllm/config.py hetero_kv_bits).
 DIFFKV_TIER_FAMILY = (K8V4_GROUPED, K8V4, K4V2_GROUPED, K4V2)

@@ -59,10 +59,10 @@ def test_measured_preset_is_the_quality_harness_mix():
         ([0.3, 0.5], "bench_mix=[0.3, 0.5] is not allowed"),
         ("0.3,0.5,0.2", "is not allowed; expected three fractions"),
         ([0.3, 0.5, "x"], "'x' is not a number"),
-        ([1.2, -0.1, -0.1], "bench_mix high=1.2 is outside"),
+        ([1.2, -0.1, -0.1], "bench_mix high=1.2 is out of range"),
         ([0.3, 0.5, 0.3], "sums to 1.1"),
         ([0.0, 0.5, 0.5], "bench_mix high=0.0: must be > 0"),
-        ([0.5, float("nan"), 0.5], "low=nan is outside"),
+        ([0.5, float("nan"), 0.5], "low=nan is out of range"),
     ],
 )
 def test_bench_mix_validation_names_the_bad_value(mix, message):

@@ -49,8 +49,11 @@ def test_validation_names_the_bad_field(kwargs, message):
 
 
 def test_groups_must_divide_head_dim():
-    cfg = DiffKVConfig.from_dict({"low": {"key_bits": 4, "value_bits": 2, "key_groups": 3}})
-    with pytest.raises(ConfigError, match="low.key_groups=3 does not divide head_dim=128"):
+    cfg = DiffKVConfig.from_dict({"low": {"key_bits": 4, "value_bits": 2, "key_groups": 256}})
+    with pytest.raises(ConfigError, match="low.key_groups=256 does not divide head_dim=128"):
+        cfg.check_head_dim(128)
+    cfg = DiffKVConfig.from_dict({"low": {"key_bits": 4, "value_bits": 2, "value_groups": 64}})
+    with pytest.raises(ConfigError, match="low.value_groups=64 gives groups of 2 2-bit"):
         cfg.check_head_dim(128)
     preset("qwq-32b").check_head_dim(128)
     preset("qwq-32b").check_head_dim(64)

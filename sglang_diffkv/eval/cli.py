@@ -102,11 +102,11 @@ def cmd_run(args) -> int:
     from sglang_diffkv.eval import data, pipeline, report
     from sglang_diffkv.eval.model import load_model
 
+    specs = cfgs.parse_list(args.configs)  # bad specs fail here, before the model loads
+    match = "prune:match" in specs
+    parsed = [c for c in specs if isinstance(c, cfgs.EvalConfig)]
     _setup(args)
     lm = load_model(args.model, device=args.device)
-    specs = [s for s in args.configs.split(",") if s.strip()]
-    match = "prune:match" in specs
-    parsed = [cfgs.parse(s) for s in specs if s != "prune:match"]
     results: dict = {"meta": _meta(lm, args)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,9 +158,9 @@ def cmd_calibrate(args) -> int:
     from sglang_diffkv.eval import calibrate as cal
     from sglang_diffkv.eval.model import load_model
 
+    base = DiffKVConfig.from_spec(args.base)  # a bad --base fails before the model loads
     _setup(args)
     lm = load_model(args.model, device=args.device)
-    base = DiffKVConfig.from_spec(args.base)
     points = cal.grid_points(args.alpha_h, args.alpha_l)
     log.info("calibrating %s on %d grid points", base.name, len(points))
     win = _windows(lm, args, "calibration")
@@ -211,9 +211,9 @@ def cmd_memory(args) -> int:
     from sglang_diffkv.layout import PageGeometry, fp16_bytes_per_token
 
     d = args.head_dim
+    configs = [c for c in cfgs.parse_list(args.configs) if isinstance(c, cfgs.EvalConfig)]
     print(f"bf16: {fp16_bytes_per_token(d)} B/token/KV head (head_dim {d})")
-    for spec in args.configs.split(","):
-        c = cfgs.parse(spec)
+    for c in configs:
         if c.kind == "uniform":
             t = uniform_layout(c.tier, d)
             print(f"{c.name}: {t.bytes_per_token:.1f} B/token ({t.tokens_per_page} tokens in "
@@ -284,8 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sglang_diffkv.config import ConfigError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as e:  # a bad --configs / --base / preset: one line, not a traceback
+        print(f"diffkv-eval: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ alphas): one prefill, one model batch, one set of cache calls per step.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
-from sglang_diffkv.config import ConfigError, DiffKVConfig, TierConfig
+from sglang_diffkv.config import ALLOWED_BITS, ConfigError, DiffKVConfig, TierConfig
 from sglang_diffkv.eval.backend import DenseBackend, KVBackend
 from sglang_diffkv.eval.baselines import KIVIBackend, PruningBackend, UniformBackend
 from sglang_diffkv.eval.diffkv_backend import DiffKVBackend
@@ -52,7 +54,37 @@ def _kv_options(parts: list[str], spec: str) -> dict[str, str]:
     return opts
 
 
+SPEC_FORMS = ("bf16, uniform:K4V4, kivi:2[:residual=128:group=32], prune:0.3, prune:bytes=80 "
+              "or diffkv:PRESET|FILE.json[@alpha_h/alpha_l]")
+
+
+def _int_option(spec: str, what: str, text: str, low: int) -> int:
+    if not re.fullmatch(r"[0-9]{1,9}", text.strip(), re.ASCII) or int(text) < low:
+        raise ConfigError(f"{spec!r}: {what}={text!r} must be an integer >= {low}")
+    return int(text)
+
+
+def _float_option(spec: str, what: str, text: str, low: float, high: float) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise ConfigError(f"{spec!r}: {what}={text!r} is not a number") from None
+    if not (low < x <= high and math.isfinite(x)):  # (NaN fails too)
+        bound = f"> {low:g}" if math.isinf(high) else f"in ({low:g}, {high:g}]"
+        raise ConfigError(f"{spec!r}: {what} {text!r} must be a finite number {bound}")
+    return x
+
+
 def parse(spec: str) -> EvalConfig:
+    """One ``--configs`` entry; every bad spec raises ConfigError naming it."""
+    try:
+        return _parse(spec)
+    except ConfigError as e:
+        text = str(e)
+        raise ConfigError(text if text.startswith(repr(spec)) else f"{spec!r}: {text}") from None
+
+
+def _parse(spec: str) -> EvalConfig:
     s = spec.strip()
     kind, _, rest = s.partition(":")
     kind = kind.lower()
@@ -64,13 +96,16 @@ def parse(spec: str) -> EvalConfig:
     if kind == "kivi":
         head, *opts = rest.split(":") if rest else ["2"]
         o = _kv_options(opts, s)
-        bits = int(head or 2)
+        bits = _int_option(spec, "bits", head or "2", 1)
+        if bits not in ALLOWED_BITS:
+            raise ConfigError(f"{spec!r}: KIVI bits={bits} is not one of {ALLOWED_BITS}")
         unknown = set(o) - {"residual", "group"}
         if unknown:
             raise ConfigError(f"{spec!r}: unknown KIVI option(s) {sorted(unknown)}")
         cfg = EvalConfig(
             f"kivi-{bits}bit", "kivi", bits=bits,
-            residual=int(o.get("residual", 128)), group=int(o.get("group", 32)),
+            residual=_int_option(spec, "residual", o.get("residual", "128"), 0),
+            group=_int_option(spec, "group", o.get("group", "32"), 1),
         )
         if (cfg.residual, cfg.group) != (128, 32):
             cfg = EvalConfig(f"kivi-{bits}bit-r{cfg.residual}g{cfg.group}", "kivi", bits=bits,
@@ -78,13 +113,9 @@ def parse(spec: str) -> EvalConfig:
         return cfg
     if kind == "prune":
         if rest.startswith("bytes="):
-            b = float(rest[6:])
-            if b <= 0:
-                raise ConfigError(f"{spec!r}: byte budget must be positive")
+            b = _float_option(spec, "byte budget", rest[6:], 0.0, math.inf)
             return EvalConfig(f"prune-{b:.0f}B", "prune", budget_bytes=b)
-        f = float(rest)
-        if not 0 < f <= 1:
-            raise ConfigError(f"{spec!r}: kept fraction {f} must be in (0, 1]")
+        f = _float_option(spec, "kept fraction", rest, 0.0, 1.0)
         return EvalConfig(f"prune-{f:.2f}", "prune", keep_fraction=f)
     if kind == "diffkv":
         base, _, th = rest.partition("@")
@@ -98,10 +129,16 @@ def parse(spec: str) -> EvalConfig:
             cfg = cfg.with_thresholds(ah, al)
             name = f"{name}@{ah:g}/{al:g}"
         return EvalConfig(f"diffkv-{name}", "diffkv", diffkv=cfg)
-    raise ConfigError(
-        f"unknown config spec {spec!r}; use bf16, uniform:K4V4, kivi:2, prune:0.3, "
-        "prune:bytes=80 or diffkv:PRESET[@alpha_h/alpha_l]"
-    )
+    raise ConfigError(f"unknown config spec {spec!r}; use {SPEC_FORMS}")
+
+
+def parse_list(text: str) -> list[EvalConfig | str]:
+    """A comma list of specs, parsed up front (before any model is loaded); ``prune:match``
+    stays a string (it is resolved after the DiffKV configs ran)."""
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise ConfigError(f"--configs {text!r} names no config; use {SPEC_FORMS}")
+    return [s if s == "prune:match" else parse(s) for s in specs]
 
 
 @dataclass

@@ -13,9 +13,9 @@ import os
 import triton
 import triton.language as tl
 
+from sglang_diffkv.config import KERNEL_BITS  # widths the unpacking in the kernels handles
 from sglang_diffkv.layout import TierLayout
 
-KERNEL_BITS = (2, 4, 8)  # widths the unpacking in the kernels handles
 # Under TRITON_INTERPRET=1 (CPU CI) some kernels take an fp32 path around interpreter gaps.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -1,8 +1,9 @@
 """Loaders for the public trace formats; each returns a Trace in the internal schema.
 
 Every bad row raises SimulatorInputError naming the file, the 1-based line number and what was
-wrong. Files may be gzip-compressed (``.gz``). Arrival times are rebased so the first request
-arrives at t = 0.
+wrong; so does a file that cannot be read to the end (a truncated or corrupt ``.gz``, bytes that
+are not UTF-8, a CSV field past the csv module's limit, JSON nested too deeply). Files may be
+gzip-compressed (``.gz``). Arrival times are rebased so the first request arrives at t = 0.
 
 Formats:
   mooncake   JSONL {"timestamp": ms, "input_length", "output_length", "hash_ids"?, "session_id"?}
@@ -19,13 +20,14 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import gzip
-import io
 import json
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from sglang_diffkv.value_text import short_repr
 from simulator.errors import SimulatorInputError
 from simulator.workload.schema import Trace, TraceRequest
 
@@ -36,40 +38,88 @@ FORMATS = ("mooncake", "azure", "burstgpt", "sglang")
 CHARS_PER_TOKEN = 4.0
 
 
+# Arrival times: a double resolves 1 us up to 2**52 us (about 142 years); later times would
+# lose the step resolution the simulator adds to them (t + 5 ms == t at 1e300 s).
+MAX_TIME_S = 2.0**52 * 1e-6
+
+
 class _RowError(Exception):
     """Raised inside a row parser; the loader adds file and line."""
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def _open_bytes(path: Path) -> IO[bytes]:
     try:
         if path.suffix == ".gz":
-            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-        return open(path, encoding="utf-8")  # noqa: SIM115 - closed by the caller's with
+            return gzip.open(path, "rb")
+        return open(path, "rb")  # noqa: SIM115 - closed by the caller's with
     except OSError as e:
         raise SimulatorInputError(f"cannot read trace file {str(path)!r}: {e.strerror}") from e
 
 
+def _read_error(e: BaseException) -> str:
+    if isinstance(e, EOFError):
+        return "the compressed stream ends early (truncated .gz file?)"
+    if isinstance(e, gzip.BadGzipFile):
+        return "not a gzip file"
+    if isinstance(e, zlib.error):
+        return f"corrupt compressed data ({e})"
+    return f"cannot read ({e})"
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text with its line ending) of every line of a (gzip) UTF-8 file.
+    Lines are decoded one by one, so a bad byte or a broken stream is reported at its line."""
+    with _open_bytes(path) as f:
+        lineno = 0
+        while True:
+            try:
+                raw = f.readline()
+            except (OSError, EOFError, zlib.error) as e:
+                raise SimulatorInputError(f"{path}: line {lineno + 1}: {_read_error(e)}") from None
+            if not raw:
+                return
+            lineno += 1
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise SimulatorInputError(
+                    f"{path}: line {lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                    f"column {e.start + 1})") from None
+            yield lineno, text
+
+
+def _json_object(text: str) -> Any:
+    """json.loads of one line; every failure a _RowError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _RowError(f"invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise _RowError("invalid JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer past Python's digit limit
+        raise _RowError(f"invalid JSON ({e})") from None
+
+
 def detect_format(path: Path) -> str:
     """Guess the format from the first non-empty line."""
-    with _open_text(path) as f:
-        for line in f:
-            s = line.strip()
-            if not s:
-                continue
-            if s.startswith("{"):
-                try:
-                    obj = json.loads(s)
-                except json.JSONDecodeError:
-                    break
-                if "input_length" in obj:
-                    return "mooncake"
-                return "sglang"
-            low = s.lower()
-            if "contexttokens" in low:
-                return "azure"
-            if "request tokens" in low:
-                return "burstgpt"
-            break
+    for _, line in _lines(path):
+        s = line.strip()
+        if not s:
+            continue
+        if s.startswith("{"):
+            try:
+                obj = _json_object(s)
+            except _RowError:
+                break
+            if isinstance(obj, dict) and "input_length" in obj:
+                return "mooncake"
+            return "sglang"
+        low = s.lower()
+        if "contexttokens" in low:
+            return "azure"
+        if "request tokens" in low:
+            return "burstgpt"
+        break
     raise SimulatorInputError(
         f"{path}: cannot tell the trace format from its first line; pass the format "
         f"explicitly (one of {', '.join(FORMATS)})"
@@ -97,6 +147,17 @@ def _float(text: str, what: str) -> float:
     return v
 
 
+def _timestamp_ms(obj: dict[str, Any]) -> float:
+    """A JSON row's optional ``timestamp`` (ms, default 0) in seconds."""
+    ts = obj.get("timestamp", 0)
+    ok = (not isinstance(ts, bool) and isinstance(ts, (int, float))
+          and 0 <= ts <= MAX_TIME_S * 1000.0)
+    if not ok:  # (NaN fails the comparison too)
+        raise _RowError(f"timestamp={short_repr(ts)} must be a number of milliseconds in "
+                        f"[0, {MAX_TIME_S * 1000.0:.4g}]")
+    return float(ts) / 1000.0
+
+
 def _int(text: str, what: str, minimum: int) -> int:
     try:
         v = int(text.strip())
@@ -108,24 +169,21 @@ def _int(text: str, what: str, minimum: int) -> int:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            s = line.strip()
-            if not s:
-                continue
-            try:
-                obj = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise SimulatorInputError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise SimulatorInputError(f"{path}: line {lineno}: expected a JSON object")
-            yield lineno, obj
+    for lineno, line in _lines(path):
+        s = line.strip()
+        if not s:
+            continue
+        try:
+            obj = _json_object(s)
+        except _RowError as e:
+            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from None
+        if not isinstance(obj, dict):
+            raise SimulatorInputError(f"{path}: line {lineno}: expected a JSON object")
+        yield lineno, obj
 
 
 def _mooncake_row(obj: dict[str, Any]) -> TraceRequest:
-    ts = obj.get("timestamp", 0)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise _RowError(f"timestamp={ts!r} must be a number of milliseconds >= 0")
+    arrival = _timestamp_ms(obj)
     hashes = obj.get("hash_ids", [])
     if not isinstance(hashes, list) or not all(
         isinstance(h, int) and not isinstance(h, bool) for h in hashes
@@ -135,8 +193,11 @@ def _mooncake_row(obj: dict[str, Any]) -> TraceRequest:
     if max_new is not None:
         max_new = _int_field(obj, "max_new_tokens", 1)
     session = obj.get("session_id")
+    if session is not None and (isinstance(session, bool)
+                                or not isinstance(session, (str, int))):
+        raise _RowError(f"session_id={short_repr(session)} must be a string or an integer")
     return TraceRequest(
-        arrival_s=float(ts) / 1000.0,
+        arrival_s=arrival,
         input_tokens=_int_field(obj, "input_length", 1),
         output_tokens=_int_field(obj, "output_length", 1),
         max_new_tokens=max_new,
@@ -145,16 +206,14 @@ def _mooncake_row(obj: dict[str, Any]) -> TraceRequest:
     )
 
 
-def _text_tokens(text: Any) -> int:
+def _text_tokens(text: Any, turn: int) -> int:
     if not isinstance(text, str):
-        raise _RowError("conversation content must be a string")
+        raise _RowError(f"conversations[{turn}] content={short_repr(text)} must be a string")
     return max(1, round(len(text) / CHARS_PER_TOKEN))
 
 
 def _sglang_row(obj: dict[str, Any]) -> TraceRequest:
-    ts = obj.get("timestamp", 0)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
-        raise _RowError(f"timestamp={ts!r} must be a number of milliseconds >= 0")
+    arrival = _timestamp_ms(obj)
     if "conversations" in obj:
         turns = obj["conversations"]
         if not isinstance(turns, list) or len(turns) < 2 or not all(
@@ -162,14 +221,12 @@ def _sglang_row(obj: dict[str, Any]) -> TraceRequest:
         ):
             raise _RowError("conversations must be a list of at least 2 turns (prompt, answer)")
         content = [t.get("content", t.get("value")) for t in turns[:2]]
-        return TraceRequest(float(ts) / 1000.0, _text_tokens(content[0]),
-                            _text_tokens(content[1]))
+        return TraceRequest(arrival, _text_tokens(content[0], 0), _text_tokens(content[1], 1))
     in_key = next((k for k in ("input_len", "prompt_len", "input_tokens") if k in obj), None)
     if in_key is None or "output_len" not in obj:
         raise _RowError("expected 'conversations', or 'input_len' (or 'prompt_len') and "
                         "'output_len'")
-    return TraceRequest(float(ts) / 1000.0, _int_field(obj, in_key, 1),
-                        _int_field(obj, "output_len", 1))
+    return TraceRequest(arrival, _int_field(obj, in_key, 1), _int_field(obj, "output_len", 1))
 
 
 def _load_jsonl(path: Path, row: Callable[[dict[str, Any]], TraceRequest]) -> list[TraceRequest]:
@@ -183,26 +240,30 @@ def _load_jsonl(path: Path, row: Callable[[dict[str, Any]], TraceRequest]) -> li
 
 
 def _csv_rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
-    with _open_text(path) as f:
-        reader = csv.reader(f)
-        header: list[str] | None = None
-        for row in reader:
-            lineno = reader.line_num
-            if not row or all(not c.strip() for c in row):
-                continue
-            if header is None:
-                header = [c.strip() for c in row]
-                missing = [c for c in required if c not in header]
-                if missing:
-                    raise SimulatorInputError(
-                        f"{path}: line {lineno}: header {header} lacks column(s) {missing}"
-                    )
-                continue
-            if len(row) != len(header):
-                raise SimulatorInputError(
-                    f"{path}: line {lineno}: expected {len(header)} columns, got {len(row)}"
-                )
-            yield lineno, dict(zip(header, row, strict=True))
+    reader = csv.reader(line for _, line in _lines(path))
+    header: list[str] | None = None
+    while True:
+        lineno = reader.line_num + 1  # where the record starts (a quoted field may span lines)
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:  # e.g. a field past csv.field_size_limit()
+            raise SimulatorInputError(f"{path}: line {lineno}: CSV error: {e}") from None
+        if not row or all(not c.strip() for c in row):
+            continue
+        if header is None:
+            header = [c.strip() for c in row]
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise SimulatorInputError(f"{path}: line {lineno}: header "
+                                          f"{short_repr(header)} lacks column(s) {missing}")
+            continue
+        if len(row) != len(header):
+            raise SimulatorInputError(
+                f"{path}: line {lineno}: expected {len(header)} columns, got {len(row)}"
+            )
+        yield lineno, dict(zip(header, row, strict=True))
 
 
 def _azure_day_seconds(text: str) -> tuple[int, float]:
@@ -212,9 +273,16 @@ def _azure_day_seconds(text: str) -> tuple[int, float]:
     try:
         day, clock = s.split(" ")
         h, m, sec = clock.split(":")
-        return dt.date.fromisoformat(day).toordinal(), int(h) * 3600 + int(m) * 60 + float(sec)
+        hours, minutes, seconds = int(h), int(m), float(sec)
+        ordinal = dt.date.fromisoformat(day).toordinal()
     except ValueError as e:
-        raise _RowError(f"TIMESTAMP={text!r} is not 'YYYY-MM-DD HH:MM:SS.fffffff'") from e
+        raise _RowError(f"TIMESTAMP={short_repr(text)} is not 'YYYY-MM-DD HH:MM:SS.fffffff'"
+                        ) from e
+    # hours 0-23, minutes 0-59, seconds in [0, 61) (a leap second); NaN fails too
+    if not (0 <= hours < 24 and 0 <= minutes < 60 and 0 <= seconds < 61):
+        raise _RowError(f"TIMESTAMP={short_repr(text)} has no such time of day; expected "
+                        "HH 00-23, MM 00-59, SS.fffffff in [0, 61)")
+    return ordinal, hours * 3600 + minutes * 60 + seconds
 
 
 def _azure_time(text: str, ref_day: int = 0) -> float:
@@ -230,7 +298,11 @@ def _load_azure(path: Path) -> list[TraceRequest]:
         try:
             if ref_day is None:
                 ref_day = _azure_day_seconds(row["TIMESTAMP"])[0]
-            times.append(_azure_time(row["TIMESTAMP"], ref_day))
+            t = _azure_time(row["TIMESTAMP"], ref_day)
+            if abs(t) > MAX_TIME_S:
+                raise _RowError(f"TIMESTAMP={short_repr(row['TIMESTAMP'])} is more than "
+                                f"{MAX_TIME_S:.4g} s from the first row's day")
+            times.append(t)
             inp = _int(row["ContextTokens"], "ContextTokens", 1)
             outp = _int(row["GeneratedTokens"], "GeneratedTokens", 1)
         except _RowError as e:
@@ -248,8 +320,8 @@ def _load_burstgpt(path: Path) -> tuple[list[TraceRequest], int]:
     for lineno, row in _csv_rows(path, cols):
         try:
             t = _float(row["Timestamp"], "Timestamp")
-            if t < 0:
-                raise _RowError(f"Timestamp={t} must be >= 0")
+            if not 0 <= t <= MAX_TIME_S:
+                raise _RowError(f"Timestamp={t} must be seconds in [0, {MAX_TIME_S:.4g}]")
             inp = _int(row["Request tokens"], "Request tokens", 0)
             outp = _int(row["Response tokens"], "Response tokens", 0)
         except _RowError as e:

@@ -25,6 +25,40 @@ def test_config_specs_parse_and_reject_clearly():
         cfgs.parse("diffkv:default@0.1/2")
 
 
+@pytest.mark.parametrize("spec, what", [
+    ("kivi:x", "'kivi:x': bits='x' must be an integer >= 1"),
+    ("kivi:3", "KIVI bits=3 is not one of (1, 2, 4, 8)"),
+    ("kivi:2:group=0", "group='0' must be an integer >= 1"),
+    ("kivi:2:residual=-1", "residual='-1' must be an integer >= 0"),
+    ("kivi:2:size=4", "unknown KIVI option"),
+    ("kivi:2:group", "option 'group' must be key=value"),
+    ("prune:nan", "kept fraction 'nan' must be a finite number in (0, 1]"),
+    ("prune:1.5", "kept fraction '1.5'"),
+    ("prune:bytes=inf", "byte budget 'inf' must be a finite number > 0"),
+    ("prune:bytes=-3", "byte budget '-3'"),
+    ("uniform:K3V3", "'uniform:K3V3': uniform: key_bits=3"),
+    ("diffkv:nope", "'diffkv:nope': unknown preset 'nope'"),
+    ("diffkv:default@1/x", "thresholds must be '@alpha_h/alpha_l'"),
+    ("diffkv:default@1e300/0", "alpha_h=1e+300 is out of range"),
+    ("bf16,,", None),
+])
+def test_bad_eval_configs_are_one_line_before_the_model_loads(spec, what, capsys):
+    """diffkv-eval run parses --configs first: a bad spec costs no model load and prints
+    one line (exit 2); the model argument here could not even be loaded."""
+    from sglang_diffkv.eval.cli import main
+
+    if what is None:  # a good list: parse_list accepts it
+        assert [c.name for c in cfgs.parse_list(spec)] == ["bf16"]
+        return
+    with pytest.raises(ConfigError) as e:
+        cfgs.parse_list(spec)
+    assert what in str(e.value), str(e.value)
+    assert main(["run", "--model", "/nonexistent", "--configs", spec]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"diffkv-eval: error: {e.value}"
+    assert main(["memory", "--configs", spec]) == 2
+
+
 def test_diffkv_configs_differing_in_thresholds_share_one_backend():
     from tiny import tiny
 
