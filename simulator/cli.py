@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "per prefill step, request and prompt token) and the decode "
                           "attention factor, with kernel times from the calibration's measured "
                           "grids (e.g. scripts/calibrate_gpu.py's file given as --calibration): "
-                          "the joint fit scripts/validate_simulator.py runs; 'decode' = "
+                          "the joint fit simulator/validation/runs.py runs; 'decode' = "
                           "also the weight and decode-attention efficiencies; 'auto' = fixed "
                           "when --calibration has measured grids (default: %(default)s)")
     _format_options(cal, many=False)

@@ -12,6 +12,14 @@ decode step every ``FAKE_STEP_S`` seconds (default 0.01) adds a token to every r
 (at most ``FAKE_MAX_RUNNING``); every ``--decode-log-interval`` steps it logs a ``Decode
 batch`` line (and for ``--attention-backend diffkv`` a DiffKV step line and a profile line).
 ``FAKE_EXIT_EARLY=1`` exits with code 3 before the ready line.
+
+For the served fuzz run (``sglang_diffkv.bench.fuzz_serve``): with ``--attention-backend
+diffkv`` a request whose ``custom_params`` ``sglang_diffkv.request_params`` refuses gets what
+SGLang 0.5.17 streams for a ValueError of its tokenizer manager (HTTP 200, ``data: {"error":
+{"message": ...}}``, ``data: [DONE]``); ``/abort_request {"rid": ...}`` ends that request with
+``finish_reason {"type": "abort"}``; ``GET /health`` answers 200. ``FakeState.faults`` breaks
+it on purpose for the tests: ``accept_invalid`` skips the custom_params check, ``short``
+streams one token less than asked.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from aiohttp import web
 
 # the real profile line's format, from the module the server's writer uses
 from sglang_diffkv.bench.profile_lines import profile_line
+from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.request_params import RequestParamError, thresholds_for_request
 
 READY = "The server is fired up and ready to roll!"
 ERROR_HOOK_TOKENS = 99_991  # max_new_tokens that makes /generate stream an error chunk
@@ -62,6 +72,9 @@ class FakeState:
     disconnects: int = 0
     gc_freezes: int = 0
     tokens_used: int = 0
+    diffkv_config: DiffKVConfig | None = None  # set: custom_params are checked (diffkv)
+    faults: frozenset[str] = frozenset()  # "accept_invalid", "short" (see the docstring)
+    by_rid: dict[str, FakeReq] = field(default_factory=dict)
 
     def finish(self, r: FakeReq, reason: str) -> None:
         meta = {"completion_tokens": r.done, "finish_reason": {"type": reason}}
@@ -119,6 +132,18 @@ def make_app(state: FakeState) -> web.Application:
             return web.json_response({"error": {"message": "need input_ids and stream"}},
                                      status=400)
         want = int(sp.get("max_new_tokens", 16))
+        if state.diffkv_config is not None and "accept_invalid" not in state.faults:
+            try:
+                thresholds_for_request(sp.get("custom_params"), state.diffkv_config)
+            except RequestParamError as e:  # SGLang: ValueError in the tokenizer manager
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                err = {"message": str(e), "type": "invalid_request_error", "code": 400}
+                await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+        if "short" in state.faults and want > 1:
+            want -= 1
         if want == ERROR_HOOK_TOKENS:  # for the tests: the server reports an error mid-stream
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -127,17 +152,28 @@ def make_app(state: FakeState) -> web.Application:
             return resp
         r = FakeReq(want)
         state.waiting.append(r)
+        rid = body.get("rid")
+        if isinstance(rid, str):
+            state.by_rid[rid] = r
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
             while (item := await r.queue.get()) is not None:
                 await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            # SGLang aborts a disconnected stream (create_abort_task); so does the fake
+        except ConnectionResetError:
+            # SGLang aborts a disconnected stream (create_abort_task); so does the fake, and
+            # like SGLang it logs no traceback for it
+            state.disconnects += 1
+            r.aborted = True
+            return resp
+        except asyncio.CancelledError:
             state.disconnects += 1
             r.aborted = True
             raise
+        finally:
+            if isinstance(rid, str):
+                state.by_rid.pop(rid, None)
         return resp
 
     async def abort(request: web.Request) -> web.Response:
@@ -147,6 +183,13 @@ def make_app(state: FakeState) -> web.Application:
                 r.aborted = True
                 state.finish(r, "abort")
             state.running, state.waiting = [], []
+        elif isinstance(rid := body.get("rid"), str) and (r := state.by_rid.get(rid)) \
+                and not r.aborted:
+            r.aborted = True
+            state.finish(r, "abort")
+        return web.Response(status=200)
+
+    async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     async def get_load(request: web.Request) -> web.Response:
@@ -176,6 +219,7 @@ def make_app(state: FakeState) -> web.Application:
     app.router.add_post("/abort_request", abort)
     app.router.add_get("/get_load", get_load)
     app.router.add_post("/freeze_gc", freeze_gc)
+    app.router.add_get("/health", health)
     app.cleanup_ctx.append(ticker)
     return app
 
@@ -193,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                       decode_log_interval=a.decode_log_interval,
                       max_running=int(os.environ.get("FAKE_MAX_RUNNING", "64")),
                       diffkv=a.attention_backend == "diffkv")
+    if state.diffkv:
+        state.diffkv_config = DiffKVConfig.from_env()
     log(f"server_args: {' '.join(sys.argv[1:])}")
     if os.environ.get("FAKE_EXIT_EARLY") == "1":
         log("Traceback (most recent call last): fake start-up failure")

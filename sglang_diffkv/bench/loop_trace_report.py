@@ -8,7 +8,7 @@ extends cost the host compared with the first run's. CPU only.
 With --graph-max-bs N (the server's cuda_graph_max_bs), each row also gives the median wall
 time of the decode iterations at batch N/1.25 to N (CUDA graphs) and N+1 to 1.25 N (eager):
 where the eager steps are host-bound, the latter is the host's iteration around an eager
-decode step, the simulator's eager_decode_host_s (scripts/validate_simulator.py
+decode step, the simulator's eager_decode_host_s (simulator/validation/runs.py
 --eager-decode-host-ms). The iteration grows with the batch (per-request metadata and
 results), so the row also fits a line through the eager iterations' mean walls in bands of
 N/4 requests: its intercept and slope are --eager-decode-host-ms and
@@ -42,7 +42,7 @@ this, not pre + post, is what it adds to every TTFT.
 
 A last table pools the one-prompt extends (run_batch of a prefill of one prompt, any length)
 of every result folder's ladder runs by server configuration: n, mean and spread. The mean is
-the simulator's eager prefill launch (scripts/validate_simulator.py --eager-prefill-launch-ms),
+the simulator's eager prefill launch (simulator/validation/runs.py --eager-prefill-launch-ms),
 and the ladders' first-token latency, averaged over their requests, its
 --first-token-latency-ms, and the median turnaround, the host's time from an extend's
 launches to the next step's launch, its --eager-prefill-turnaround-ms. Give it several starts
@@ -685,7 +685,7 @@ def format_launches(rows: list[dict]) -> list[str]:
     lines.append(
         "one-prompt extends (run_batch of a prefill of one prompt, any length) in the ladder "
         "runs of every result folder given, pooled by server configuration; the mean is "
-        "scripts/validate_simulator.py's --eager-prefill-launch-ms. first-token: the ladder "
+        "simulator/validation/runs.py's --eager-prefill-launch-ms. first-token: the ladder "
         "runs' pre less the poll wait, plus post, over their joined requests "
         "(--first-token-latency-ms). turnaround: median host ms from an extend's launches to "
         "the next step's launch, over every extend followed by one "

@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no GPU: the simulator's TTFT beside a probe run's (its --out folder)")
     ap.add_argument("--calibration", action="append", default=[], metavar="BACKEND=PATH",
                     help="with --compare: the calibration for triton (bf16, fp8) or diffkv "
-                         "servers, e.g. validate_simulator.py's calibration-fitted-triton.json")
+                         "servers, e.g. simulator/calibration/h200-triton.json")
     ap.add_argument("--gpu", default="h200", help="with --compare: the GPU (default h200)")
     ap.add_argument("--url", help="probe this running server instead of starting any")
     ap.add_argument("--model", help="model path for the servers this starts")

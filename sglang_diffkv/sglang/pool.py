@@ -38,9 +38,9 @@ from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.capacity import CapacityPlan
+from sglang_diffkv.env_settings import log_interval
 from sglang_diffkv.layout import fp16_bytes_per_token
 from sglang_diffkv.memory import AllocResult
-from sglang_diffkv.env_settings import log_interval
 from sglang_diffkv.memory.free_bound import FreePagesBound
 from sglang_diffkv.sglang.request_check import thresholds_or_abort
 from sglang_diffkv.sglang.step_profile import StepProfiler, span

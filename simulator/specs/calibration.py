@@ -135,7 +135,7 @@ LAUNCH_HOLDS_LOOP_FIELD = "eager_launch_holds_loop"
 # optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step long after the
 # last one. Compute-bound work runs the GPU at its power limit, below its boost clock, within
 # one step: the kernel grids (timed in loops) and a burst's back-to-back chunks run there, a
-# prefill step between decode steps runs faster; scripts/probe_sustained_prefill.py measures
+# prefill step between decode steps runs faster; simulator/calibration/sustained_prefill.py measures
 # the ratio (alone / back to back)
 ISOLATED_PREFILL_FIELD = "isolated_prefill_scale"
 ISOLATED_PREFILL_MIN = 0.5

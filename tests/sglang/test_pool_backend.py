@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import types
 
 import harness as H
 import pytest
@@ -357,6 +358,9 @@ def test_a_bad_request_that_reaches_the_scheduler_fails_alone(monkeypatch, bad):
     that reaches a scheduler anyway is aborted alone: the valid request beside it in the same
     prefill batch is served, and no slot or page leaks."""
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    # Req.set_finish_with_abort logs on TP rank 0: one rank, no process group on the CPU
+    import sglang.srt.managers.schedule_batch as sb
+    monkeypatch.setattr(sb, "get_parallel", lambda: types.SimpleNamespace(tp_rank=0))
     shape = H.ModelShape()
     s = H.MiniScheduler(shape, H.budget_for_pages(shape, 400, 8))
     s.add_request("good", list(range(1, 41)), 3)

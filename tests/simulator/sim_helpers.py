@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -30,14 +29,6 @@ def h100_calibration_with(folder: Path, extra: dict) -> Calibration:
     f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | extra}}))
     return load_calibration("h100", str(f))
 H100_DATA = ROOT / "docs" / "data" / "h100-2026-11-22"  # the measured runs of 2026-11-22
-
-
-def load_script(name: str) -> ModuleType:
-    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def validator_options(vs: ModuleType, **given: Any) -> SimpleNamespace:

@@ -5,11 +5,12 @@ and validate_simulator's option."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import replace
 
 import pytest
-from sim_helpers import load_script, scenario
+from sim_helpers import scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
@@ -123,7 +124,7 @@ def test_the_interval_fit_leaves_host_bound_eager_intervals_out(tmp_path):
 
 
 def test_validate_simulator_reads_the_option_per_backend_or_format(tmp_path, capsys):
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     rc = vs.main([str(tmp_path), "--eager-decode-host-ms", "diffkv=slow",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
@@ -134,7 +135,7 @@ def test_validate_simulator_reads_the_option_per_backend_or_format(tmp_path, cap
 
 
 def test_the_option_sets_the_backends_value_and_a_formats_own():
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     cal = load_calibration("h100")
     given = {"diffkv": 38.1, "fp8": 20.0}
     dk = vs.with_given_ms(cal, "diffkv", given, "eager_decode_host_s", "eager_decode_hosts")
@@ -170,7 +171,7 @@ def test_the_host_iteration_grows_with_the_eager_batch():
 
 
 def test_validate_simulator_reads_the_per_request_option_in_microseconds(tmp_path, capsys):
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     rc = vs.main([str(tmp_path), "--eager-decode-host-per-req-us", "diffkv=-3",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2

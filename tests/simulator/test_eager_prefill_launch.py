@@ -4,11 +4,12 @@ model, validate_simulator's option, and the probe's fit that estimates it."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import replace
 
 import pytest
-from sim_helpers import load_script, scenario
+from sim_helpers import scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
@@ -111,7 +112,7 @@ def test_the_per_prompt_token_cost_runs_under_the_launches_with_the_kernels():
 
 
 def test_validate_simulator_reads_the_option_per_backend(tmp_path, capsys):
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     assert vs.eager_launch_arg(["triton=8.9", "diffkv=13.8"]) == {"triton": 8.9,
                                                                   "diffkv": 13.8}
     assert vs.eager_launch_arg(["triton=15", "fp8=17.4"]) == {"triton": 15.0, "fp8": 17.4}

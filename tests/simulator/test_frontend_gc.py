@@ -5,10 +5,11 @@ requests a server took before a run, and validate_simulator's --frontend-gc."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 
 import pytest
-from sim_helpers import h100_calibration_with, load_script, scenario
+from sim_helpers import h100_calibration_with, scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.frontend import FrontEnd
@@ -119,7 +120,7 @@ def test_the_harness_counts_bench_e2es_warmup_requests():
 
 
 def test_validate_simulator_reads_frontend_gc_and_names_a_bad_value():
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     cal = vs.with_frontend_gc(load_calibration("h100"), "910,1590,450")
     assert (cal.frontend_gc_first_reqs, cal.frontend_gc_every_reqs) == (910, 1590)
     assert cal.frontend_gc_pause_s == pytest.approx(0.45)

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 
 import pytest
-from sim_helpers import H100_DATA, h100_calibration_with, load_script, validator_options
+from sim_helpers import H100_DATA, h100_calibration_with, validator_options
 
 from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import load_calibration
@@ -71,7 +72,7 @@ def test_the_mean_over_hosts_averages_numbers_and_keeps_the_median_hosts_series(
 
 
 def test_validate_simulator_reads_the_launches_per_key():
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     got = vs.host_launches_arg(["diffkv=27.6,35.5", "bf16=18", "bf16=22"])
     assert got == {"diffkv": (27.6, 35.5), "bf16": (18.0, 22.0)}
     for bad in ("flashinfer=3", "diffkv", "diffkv=", "diffkv=30,,31", "diffkv=0",
@@ -81,7 +82,7 @@ def test_validate_simulator_reads_the_launches_per_key():
 
 
 def test_the_factors_are_each_start_over_its_keys_pooled_launch():
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     cal = replace(load_calibration("h100"), eager_prefill_launch_s=0.02,
                   eager_prefill_launches={"fp8": 0.025})
     launches = {"bf16": (18.0, 24.0), "fp8": (20.0,), "diffkv": (30.0,)}
@@ -95,7 +96,7 @@ def test_the_factors_are_each_start_over_its_keys_pooled_launch():
 
 
 def test_the_given_launches_reach_the_backends_calibration():
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     a = validator_options(vs, eager_prefill_launch_ms={"diffkv": 30.0, "triton": 20.0},
                           host_launches_ms=vs.host_launches_arg(["diffkv=27,36", "bf16=22"]))
     cal = load_calibration("h100")
@@ -105,7 +106,7 @@ def test_the_given_launches_reach_the_backends_calibration():
 
 
 def test_validation_predicts_the_mean_of_its_runs_on_each_host(tmp_path):
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     h = load_harness(H100_DATA / "e2e-fit-fp8-lowrate", tmp_path / "logs")
     cal = replace(load_calibration("h100"), eager_prefill_launch_s=0.02,
                   eager_prefill_turnaround_s=0.002)

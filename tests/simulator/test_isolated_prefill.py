@@ -6,12 +6,13 @@ validate_simulator's option."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from dataclasses import replace
 
 import pytest
-from sim_helpers import load_script, scenario
+from sim_helpers import scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
@@ -113,7 +114,7 @@ def test_the_engine_gives_each_prefill_step_its_gap():
 
 
 def test_validate_simulator_rejects_a_scale_above_one(tmp_path, capsys):
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     rc = vs.main([str(tmp_path), "--isolated-prefill-scale", "1.09",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2

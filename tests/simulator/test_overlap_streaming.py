@@ -5,6 +5,7 @@ the current one, and streams a step's tokens only after it has launched the next
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -122,8 +123,8 @@ def test_the_calibration_field_round_trips_and_names_a_bad_value(tmp_path):
 
 @pytest.mark.parametrize("backend", ["triton", "diffkv"])
 def test_validate_simulator_turns_it_on_per_backend(monkeypatch, capsys, tmp_path, backend):
-    from sim_helpers import load_script, validator_options
-    vs = load_script("validate_simulator")
+    from sim_helpers import validator_options
+    vs = importlib.import_module("simulator.validation.runs")
     seen = {}
 
     def fake_fit(h, keys, model, gpu, base, *a, **k):

@@ -1,14 +1,17 @@
-"""The CPU parts of the sustained-prefill probe (scripts/probe_sustained_prefill.py): the model
-column, nvidia-smi parsing and argument errors; and the cost model's extend time of a burst's
+"""The CPU parts of the sustained-prefill probe (simulator/calibration/sustained_prefill.py):
+the model column,
+nvidia-smi parsing and argument errors; and the cost model's extend time of a burst's
 multi-sequence chunk against its H200 measurement (session 20's extend-mix probe,
 scripts/probe_extend_mix.py in commit 8dc2c27). Their GPU timings live in benchmarks.md."""
 
 from __future__ import annotations
 
-import pytest
-from sim_helpers import ROOT, load_script
+import importlib
 
-sustained = load_script("probe_sustained_prefill")
+import pytest
+from sim_helpers import ROOT
+
+sustained = importlib.import_module("simulator.calibration.sustained_prefill")
 H200_CALIBRATION = ROOT / "docs" / "data" / "h200-2026-11-24" / "calibration" / "calibration.json"
 
 

@@ -6,10 +6,11 @@ option."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 
 import pytest
-from sim_helpers import h100_calibration_with, load_script, scenario, validator_options
+from sim_helpers import h100_calibration_with, scenario, validator_options
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
@@ -107,7 +108,7 @@ def test_a_simulated_prefill_delays_the_next_step_by_the_turnaround():
 
 def test_validate_simulator_reads_the_option_and_names_a_turnaround_without_launches(
         tmp_path, capsys):
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     base = scenario().calibration
     ns = validator_options(
         vs, eager_prefill_launch_ms=vs.eager_launch_arg(["diffkv=29.9"]),

@@ -5,12 +5,13 @@ checked against a real server's log."""
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from sim_helpers import H100_DATA, load_script, req, token_scheduler
+from sim_helpers import H100_DATA, req, token_scheduler
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.prefix_cache import PrefixCache
@@ -135,7 +136,7 @@ def test_the_rebuilt_cache_matches_a_real_servers_hits(tmp_path):
     """2026-11-22's bf16 server ran longgen, ShareGPT, then ladders of the ShareGPT trace's
     lengths: its log's #cached-token says 12% / 53% / 67% of the ladders' prompt tokens came
     from the radix cache. The replay's rebuilt cache gives the same within 2 points."""
-    vs = load_script("validate_simulator")
+    vs = importlib.import_module("simulator.validation.runs")
     h = load_harness(H100_DATA / "e2e-bf16", tmp_path / "x")
     for run in h.runs:
         if run.workload != "ladder":

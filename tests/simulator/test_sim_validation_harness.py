@@ -1,4 +1,4 @@
-"""scripts/validate_simulator.py on a synthetic harness-shaped results folder: the "real" runs
+"""simulator/validation/runs.py on a synthetic harness-shaped results folder: the "real" runs
 are simulated with a hidden per-step cost, written as the harness writes them (results.json,
 server logs with server_args / pool / Prefill / Decode lines, Mooncake traces), then
 validated: the fit on the fitting run recovers the hidden cost, the validated rows PASS, a
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gzip
+import importlib
 import json
 import math
 from dataclasses import replace
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sim_helpers import load_script, scenario
+from sim_helpers import scenario
 
 from simulator.errors import SimulatorInputError
 from simulator.serving.settings import ServerSettings
@@ -30,7 +31,7 @@ T0 = dt.datetime(2026, 11, 22, 9, 0, 0)
 
 
 def _script():
-    return load_script("validate_simulator")
+    return importlib.import_module("simulator.validation.runs")
 
 
 def _log_lines(res, offset_s: float, window: float) -> list[str]:

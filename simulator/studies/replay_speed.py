@@ -5,7 +5,8 @@ Llama-3-8B / H100 and prints wall time and simulated requests per second. The ta
 <= 10 s per 10,000-request replay on a 2-core CI machine. Results go to
 results/bench_simulator.json (git-ignored).
 
-    python scripts/bench_simulator.py [--requests 10000] [--rate 40] [--formats bf16,fp8,diffkv]
+    python -m simulator.studies.replay_speed [--requests 10000] [--rate 40] \
+        [--formats bf16,fp8,diffkv]
 """
 
 from __future__ import annotations
@@ -14,24 +15,20 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from simulator.engine.cluster import simulate  # noqa: E402
-from simulator.kv.formats import make_format  # noqa: E402
-from simulator.metrics.summary import summarize  # noqa: E402
-from simulator.report.table import render  # noqa: E402
-from simulator.serving.server import Deployment, ResolvedServer  # noqa: E402
-from simulator.serving.settings import ServerSettings  # noqa: E402
-from simulator.specs.calibration import load_calibration  # noqa: E402
-from simulator.specs.gpu import load_gpu  # noqa: E402
-from simulator.specs.model import load_model  # noqa: E402
-from simulator.workload.generate import synthetic_trace  # noqa: E402
-from simulator.workload.lengths import length_model  # noqa: E402
+from simulator.engine.cluster import simulate
+from simulator.kv.formats import make_format
+from simulator.metrics.summary import summarize
+from simulator.report.table import render
+from simulator.serving.server import Deployment, ResolvedServer
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import load_calibration
+from simulator.specs.gpu import load_gpu
+from simulator.specs.model import load_model
+from simulator.workload.generate import synthetic_trace
+from simulator.workload.lengths import length_model
 
 
 def main() -> int:
@@ -43,7 +40,8 @@ def main() -> int:
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "results" / "bench_simulator.json"))
+    p.add_argument("--out", default=str(Path("results") / "bench_simulator.json"),
+                   help="where the JSON result goes (default: results/ under the current folder)")
     a = p.parse_args()
 
     t0 = time.perf_counter()

@@ -25,7 +25,7 @@ and back to back, the decode steps' median, the clock and the power: how much pr
 before a prefill step runs at the back-to-back clocks. Writes ``OUT/sustained_prefill.json``
 (every step, every clock sample).
 
-    python scripts/probe_sustained_prefill.py --out /tmp/probe --gpu h200 \
+    python python -m simulator.calibration.sustained_prefill --out /tmp/probe --gpu h200 \
         --calibration docs/data/h200-2026-11-24/calibration/calibration.json
 """
 
@@ -44,17 +44,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 # the server and its cost model, not the simpy engine: the GPU machine has no simpy
-from simulator.kv.formats import make_format  # noqa: E402
-from simulator.serving.cost import StepShape  # noqa: E402
-from simulator.serving.server import Deployment, ResolvedServer  # noqa: E402
-from simulator.serving.settings import ServerSettings  # noqa: E402
-from simulator.specs.calibration import load_calibration  # noqa: E402
-from simulator.specs.gpu import load_gpu  # noqa: E402
-from simulator.specs.model import ModelSpec, load_model  # noqa: E402
+from simulator.kv.formats import make_format
+from simulator.serving.cost import StepShape
+from simulator.serving.server import Deployment, ResolvedServer
+from simulator.serving.settings import ServerSettings
+from simulator.specs.calibration import load_calibration
+from simulator.specs.gpu import load_gpu
+from simulator.specs.model import ModelSpec, load_model
 
 DEV = "cuda"
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
