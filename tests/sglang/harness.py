@@ -16,15 +16,12 @@ take their torch paths here, exactly as SGLang does for its torch_native backend
 
 from __future__ import annotations
 
-import os
-import sys
 from array import array
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
-import sglang_cpu_env  # noqa: E402
+import sglang_cpu_env  # beside this file (pytest's pythonpath); installs before any sglang import
 
 sglang_cpu_env.install()
 

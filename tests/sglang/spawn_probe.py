@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def probe() -> dict:

@@ -19,6 +19,8 @@ def _fresh_python(code: str, **env: str) -> str:
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("SGLANG_DIFFKV_DISABLE", "SGLANG_PLUGINS")}
     full_env.update(env)
+    # harness.py beside this file, as pytest's pythonpath setting gives the test process
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, full_env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120,
         cwd="/",
@@ -82,7 +84,7 @@ def test_register_is_idempotent_in_process():
 
 
 def test_loop_trace_wraps_the_scheduler_only_when_asked(tmp_path):
-    code = (f"import sys; sys.path.insert(0, {HERE!r}); import harness; "
+    code = ("import harness; "
             "from sglang.srt.managers.scheduler import Scheduler; "
             "from sglang.srt.managers.scheduler_components.request_receiver import "
             "SchedulerRequestReceiver as Rx; "
@@ -101,7 +103,7 @@ def test_loop_trace_wraps_the_scheduler_only_when_asked(tmp_path):
 
 
 def test_loop_trace_times_the_diffkv_backend_when_it_is_built(tmp_path):
-    code = (f"import sys; sys.path.insert(0, {HERE!r}); import harness as H; "
+    code = ("import harness as H; "
             "from sglang_diffkv.sglang.backend import DiffKVAttnBackend as B; "
             "from sglang_diffkv.sglang.ops import DiffKVOps as O; "
             "import pytest; H.cpu_sglang_helpers(pytest.MonkeyPatch()); shape = H.ModelShape(); "
