@@ -54,21 +54,20 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 import triton
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from sglang_diffkv.config import K4V2, K8V4  # noqa: E402
-from sglang_diffkv.kernels import DecodeAttentionPlan  # noqa: E402
-from sglang_diffkv.kernels.bench import bench, bench_graph, copy_bandwidth  # noqa: E402
-from sglang_diffkv.kernels.testing import random_decode_case  # noqa: E402
-from sglang_diffkv.layout import PageGeometry  # noqa: E402
-from simulator.calibration.build import (  # noqa: E402
+from sglang_diffkv.config import K4V2, K8V4
+from sglang_diffkv.kernels import DecodeAttentionPlan
+from sglang_diffkv.kernels.bench import bench, bench_graph, copy_bandwidth
+from sglang_diffkv.kernels.testing import random_decode_case
+from sglang_diffkv.layout import PageGeometry
+from simulator.calibration.build import (
     _cost_models,
     build_calibration,
     gemm_ops,
 )
-from simulator.specs.calibration import load_calibration  # noqa: E402
+from simulator.specs.calibration import load_calibration
 
+# the repository root (run from a checkout with the package installed, scripts/device_install.sh)
+ROOT = Path(__file__).resolve().parents[1]
 DEV = "cuda"
 HQ, HKV, D = 32, 8, 128
 L2_BYTES = 50 << 20          # H100 L2; copies are cycled until a graph touches 4x this

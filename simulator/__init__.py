@@ -11,6 +11,10 @@ Layers (a folder each):
   report/    tables, JSON and plots
   validation/  SGLang server logs and bench_serving results: measured vs simulated, fitting
 The model never imports the engine; the engine drives the model through a narrow interface.
+
+May import: the core of ``sglang_diffkv`` (config, layout, capacity: one source of every byte
+size), torch, simpy; never ``sglang_diffkv.bench``, ``.eval`` or ``.sglang``, nor sglang
+(tests/test_import_rules.py).
 """
 
 __version__ = "0.1.0"
