@@ -149,12 +149,17 @@ def _wait_ready(srv: subprocess.Popen, port: int) -> None:
             time.sleep(0.1)
 
 
+def _fake_server(port: int, step_s: str, config: str) -> subprocess.Popen:
+    """The fake SGLang server as its own process, serving diffkv with ``config``."""
+    env = {**os.environ, "FAKE_STEP_S": step_s, "SGLANG_DIFFKV_CONFIG": config}
+    return subprocess.Popen([sys.executable, "-m", "sglang_diffkv.bench.fakeserver",
+                             "--attention-backend", "diffkv", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def test_the_cli_against_the_fake_server_process(tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "FAKE_STEP_S": "0.002", "SGLANG_DIFFKV_CONFIG": "qwen2.5-7b"}
-    srv = subprocess.Popen([sys.executable, "-m", "sglang_diffkv.bench.fakeserver",
-                            "--attention-backend", "diffkv", "--port", str(port)],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = _fake_server(port, "0.002", "qwen2.5-7b")
     try:
         _wait_ready(srv, port)
         out = tmp_path / "fuzz"
@@ -176,10 +181,7 @@ def test_the_cli_against_the_fake_server_process(tmp_path: Path) -> None:
 
 def test_a_server_killed_mid_run_fails_without_hanging(tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "FAKE_STEP_S": "0.01", "SGLANG_DIFFKV_CONFIG": "default"}
-    srv = subprocess.Popen([sys.executable, "-m", "sglang_diffkv.bench.fakeserver",
-                            "--attention-backend", "diffkv", "--port", str(port)],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = _fake_server(port, "0.01", "default")
     try:
         _wait_ready(srv, port)
         client = subprocess.Popen(

@@ -30,10 +30,16 @@ def plot_timeseries(series: dict[str, dict[str, list[float]]], out_dir: str | Pa
     ax1.legend()
     ax1.set_title(title or "batch size and KV usage over time")
     fig.tight_layout()
-    path = Path(out_dir) / "timeseries.png"
+    path = _save(fig, out_dir, "timeseries.png")
+    return path
+
+
+def _save(fig: Any, out_dir: str | Path, name: str) -> Path:
+    """Write ``fig`` as ``out_dir/name`` (the folder made if missing) and close it."""
+    path = Path(out_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
@@ -51,10 +57,7 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out_dir: str | Path, title: str =
     ax.set_title(title or "throughput vs rate")
     ax.legend()
     fig.tight_layout()
-    p = Path(out_dir) / "throughput_vs_rate.png"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out_dir, "throughput_vs_rate.png")
     out.append(p)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for f in formats:
@@ -69,9 +72,7 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out_dir: str | Path, title: str =
     a1.legend()
     fig.suptitle(title or "latency vs rate")
     fig.tight_layout()
-    p = Path(out_dir) / "latency_vs_rate.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out_dir, "latency_vs_rate.png")
     out.append(p)
     return out
 
@@ -104,8 +105,5 @@ def plot_capacity(results: Sequence[dict[str, Any]], attainment: float, out_dir:
     a2.legend(fontsize=8)
     fig.suptitle(title or "capacity search")
     fig.tight_layout()
-    p = Path(out_dir) / "capacity.png"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out_dir, "capacity.png")
     return p
