@@ -1,7 +1,6 @@
 """The CPU parts of the sustained-prefill probe (simulator/calibration/sustained_prefill.py):
-the model column,
-nvidia-smi parsing and argument errors; and the cost model's extend time of a burst's
-multi-sequence chunk against its H200 measurement (session 20's extend-mix probe,
+the model column, nvidia-smi parsing and argument errors; and the cost model's extend time of a
+burst's multi-sequence chunk against its H200 measurement (the extend-mix probe,
 scripts/probe_extend_mix.py in commit 8dc2c27). Their GPU timings live in benchmarks.md."""
 
 from __future__ import annotations
