@@ -2,10 +2,11 @@
 
 ``ServerArgs.__post_init__`` runs in the process that parses the command line; scheduler
 children receive the pickled, already fixed-up object. ``post_init_hook`` (an AROUND hook,
-``plugin.HOOKS``) applies the stage-1 settings before SGLang's own ``__post_init__`` (so its
-derived defaults see them) and again after it (so nothing it does undoes them), logging each
-forced setting once, with the reason. SGLang folds the per-phase CUDA-graph flags into
-``cuda_graph_config`` inside ``__post_init__``; the resolved phases are forced there too.
+``plugin.HOOKS``) applies the stage-1 settings before SGLang's own ``__post_init__`` resolves
+the arguments (so its derived defaults see them), logging each forced setting once, with the
+reason. After it the arguments are read-only (SGLang 0.5.17), so ``check_forced_settings`` only
+verifies that every forced setting survived resolution, including the per-phase CUDA-graph
+backends SGLang folds into ``cuda_graph_config``, and stops start-up with one line if not.
 """
 
 from __future__ import annotations
