@@ -130,6 +130,9 @@ class FakeModelConfig:
     def get_num_kv_heads(self, tp_size: int) -> int:
         return self.num_kv // tp_size
 
+    def get_num_attention_heads(self, tp_size: int) -> int:
+        return self.num_attention_heads // tp_size
+
 
 @dataclass(kw_only=True)
 class FixedBudgetConfigurator(KVCacheConfigurator):
@@ -162,6 +165,7 @@ class FakeRunner:
         self.use_mla_backend = use_mla_backend
         self.is_hybrid_swa = hybrid_swa
         self.is_draft_worker = False
+        self.ps = ps or ParallelState.trivial()
         self.kv_cache_dtype = torch.bfloat16
         self.spec_algorithm = SpeculativeAlgorithm.NONE
         self.ngram_embedding_manager = SimpleNamespace(enabled=False)
@@ -169,7 +173,7 @@ class FakeRunner:
         self.layer_info = ModelLayerInfo(start_layer=0, end_layer=shape.num_layers,
                                          num_effective_layers=shape.num_layers)
         self.kv_cache_configurator = FixedBudgetConfigurator(
-            device=self.device, gpu_id=self.gpu_id, ps=ps or ParallelState.trivial(),
+            device=self.device, gpu_id=self.gpu_id, ps=self.ps,
             pp_group=None, model=None, model_config=self.model_config, server_args=server_args,
             kv_cache_dtype=self.kv_cache_dtype, model_dtype=shape.dtype, page_size=1,
             sliding_window_size=None, spec_algorithm=self.spec_algorithm,

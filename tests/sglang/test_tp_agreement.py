@@ -8,6 +8,9 @@ bookkeeping in process (how often it all-reduces, and that TP 1 never does).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import json
 import multiprocessing as mp
 import socket
 from typing import Any
@@ -141,3 +144,36 @@ def test_tp1_has_no_agreement_and_the_hook_passes_through(monkeypatch):
 
     assert scheduler_step_hook(original, s) == "prefill" and calls == [s]
     assert s.kv_pool.free_pages() == s.kv_pool.local_free_pages()
+
+
+def test_a_tp2_rank_plans_graph_decode_for_its_own_query_heads(monkeypatch):
+    """A rank holds its share of the query heads as of the KV heads: the CUDA-graph decode
+    plans (kernel path, emulated replays) are built for it, and replays never build another."""
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from sglang_diffkv.sglang import runner
+
+    # what the backend reads on SGLang's own ModelRunner / ModelConfig
+    assert "self.ps = ps" in inspect.getsource(ModelRunner.__init__)
+    assert callable(ModelConfig.get_num_attention_heads)
+    H.cpu_sglang_helpers(monkeypatch)
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(tp_ranks.CONFIG))
+    monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "1")
+    monkeypatch.setattr(runner, "tp_cpu_group", lambda ps: None)  # (one rank, no group)
+    monkeypatch.setattr(H, "fake_qkv", tp_ranks.rank_heads(H.fake_qkv, 1, 2))
+    shape = H.ModelShape(num_layers=1, num_q_heads=8, num_kv_heads=4, dtype=torch.bfloat16)
+    rank_shape = dataclasses.replace(shape, num_q_heads=4, num_kv_heads=2)
+    ps = ParallelState.trivial(tp_rank=1, tp_size=2, attn_tp_rank=1, attn_tp_size=2)
+    s = H.MiniScheduler(shape, H.budget_for_pages(rank_shape, 200, 8), graph_bs=(1, 2), ps=ps)
+    backend = s.runner.attn_backend
+    assert backend.num_q_heads == 4 and s.kv_pool.cache.spec.num_kv_heads == 2
+    s.add_request("a", list(range(1, 30)), 4)
+    s.add_request("b", list(range(3, 20)), 3)
+    s.run_until_idle()
+    assert sorted((r.rid, len(r.output_ids)) for r in s.finished) == [("a", 4), ("b", 3)]
+    assert s.graph_replays == 3  # two steps of both, one of "a" alone
+    assert {bs: sorted(st.plans) for bs, st in backend.graphs.steps.items()} == {
+        1: [4], 2: [4]}

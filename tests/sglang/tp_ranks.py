@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -28,12 +29,30 @@ CONFIG = {"preset": "llama-3-8b", "alpha_h": 1.5, "alpha_l": 0.4, "window": 8,
           "score_queries": 8}
 PAGES = 30
 MAX_STEPS = 2000
-K_SCALE = (3.0, 0.3)  # per rank: how sharply its heads attend
+# per rank: how sharply its heads attend. Rank 0's heads attend sharply (compression prunes
+# most tokens), rank 1's broadly (it keeps most): the head-to-head spread that per-head
+# budgets exist for
+K_SCALE = (3.0, 0.3)
 
 
 def requests() -> list[tuple[str, list[int], int]]:
     return [(f"r{i}", [(i * 13 + j * 7) % 900 + 1 for j in range(40 + 25 * i)], 50 + 5 * i)
             for i in range(4)]
+
+
+def rank_heads(full_qkv: Callable[..., tuple], rank: int, world: int, k_scale: float = 1.0
+               ) -> Callable[..., tuple]:
+    """The stand-in transformer as rank ``rank`` of ``world`` sees it: its share of the
+    query and KV heads (column-parallel projections), its keys scaled by ``k_scale`` (how
+    sharply its heads attend)."""
+
+    def qkv(ids: Any, pos: Any, layer: int, shape: Any) -> tuple:
+        q, k, v = full_qkv(ids, pos, layer, shape)
+        cq, ck = q.shape[1] // world, k.shape[1] // world
+        return (q[:, rank * cq:(rank + 1) * cq], k_scale * k[:, rank * ck:(rank + 1) * ck],
+                v[:, rank * ck:(rank + 1) * ck])
+
+    return qkv
 
 
 def run_rank(rank: int, world: int, port: int, out: Any) -> None:
@@ -63,19 +82,7 @@ def _run(rank: int, world: int, port: int) -> dict[str, Any]:
     H.cpu_sglang_helpers(mp)
     shape = H.ModelShape(num_layers=1, num_q_heads=8, num_kv_heads=4)
     rank_shape = dataclasses.replace(shape, num_q_heads=4, num_kv_heads=2)
-    full_qkv = H.fake_qkv
-
-    def rank_qkv(ids: Any, pos: Any, layer: int, shape: H.ModelShape) -> tuple:
-        """This rank's heads of the model's q/k/v (column-parallel projections). Rank 0's
-        heads attend sharply (compression prunes most tokens), rank 1's broadly (it keeps
-        most): the head-to-head spread that per-head budgets exist for."""
-        q, k, v = full_qkv(ids, pos, layer, shape)
-        cq, ck = q.shape[1] // world, k.shape[1] // world
-        sharpness = K_SCALE[rank]
-        return (q[:, rank * cq:(rank + 1) * cq], sharpness * k[:, rank * ck:(rank + 1) * ck],
-                v[:, rank * ck:(rank + 1) * ck])
-
-    mp.setattr(H, "fake_qkv", rank_qkv)
+    mp.setattr(H, "fake_qkv", rank_heads(H.fake_qkv, rank, world, K_SCALE[rank]))
     ps = ParallelState.trivial(tp_rank=rank, tp_size=world, attn_tp_rank=rank,
                                attn_tp_size=world)
     result: dict[str, Any] = {}
