@@ -1,16 +1,17 @@
 """One tensor-parallel rank's scheduler on the CPU, for test_tp_agreement.py.
 
-``run_rank`` runs in a spawned process per rank, joined by a gloo process group (the TP CPU
-group SGLang's schedulers share). Each rank drives the harness's ``MiniScheduler`` (SGLang's
-own PrefillAdder, ScheduleBatch.check_decode_mem / retract_decode, ChunkCache, our pools and
-backend) through our ``Scheduler.get_next_batch_to_run`` hook, on the same requests. Each rank
-holds its own half of the KV heads and sees its own heads' K/V (the stand-in transformer's
-rows for those heads), so compression keeps different tokens and the ranks' pools consume
-different numbers of pages.
+``run_rank`` runs in a spawned process per rank, joined by SGLang's own TP process groups
+(``init_distributed_environment`` / ``initialize_model_parallel`` on gloo); the pool takes
+the TP CPU group its schedulers share, as in a server (``tp_agreement.tp_cpu_group``). Each
+rank drives the harness's ``MiniScheduler`` (SGLang's own PrefillAdder,
+ScheduleBatch.check_decode_mem / retract_decode, ChunkCache, our pools and backend) through
+our ``Scheduler.get_next_batch_to_run`` hook, on the same requests. Each rank holds its own
+half of the KV heads and sees its own heads' K/V, so compression keeps different tokens and
+the ranks' pools consume different numbers of pages.
 
 Two runs per process, on fresh pools: ``agreed`` (the TP > 1 wiring: ``runner.init_pools``
-joins the pool to the group) and ``local`` (the same ranks, each deciding on its own pages:
-the control that shows the scenario would make ranks disagree).
+joins the pool to the TP CPU group) and ``local`` (the same ranks, each deciding on its own
+pages: the control that shows the scenario would make ranks disagree).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 # a pool tight enough that admission waits on pages and decode retracts (the 8B preset's
@@ -63,17 +63,20 @@ def run_rank(rank: int, world: int, port: int, out: Any) -> None:
 
 
 def _run(rank: int, world: int, port: int) -> dict[str, Any]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      SGLANG_DIFFKV_CONFIG=json.dumps(CONFIG))
+    os.environ["SGLANG_DIFFKV_CONFIG"] = json.dumps(CONFIG)
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks share the CI machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
     import harness as H
     import pytest
+    from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+    # SGLang's own process groups, as a TP-2 scheduler process builds them (gloo: CPU only)
+    parallel_state.init_distributed_environment(
+        world_size=world, rank=rank, local_rank=rank, backend="gloo", timeout=60,
+        distributed_init_method=f"tcp://127.0.0.1:{port}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, backend="gloo")
 
     from sglang_diffkv.sglang import runner
     from sglang_diffkv.sglang.tp_agreement import RanksDisagreeError, scheduler_step_hook
@@ -87,8 +90,8 @@ def _run(rank: int, world: int, port: int) -> dict[str, Any]:
                                attn_tp_size=world)
     result: dict[str, Any] = {}
     for mode in ("agreed", "local"):
-        group = dist.group.WORLD if mode == "agreed" else None
-        mp.setattr(runner, "tp_cpu_group", lambda ps, group=group: group)
+        if mode == "local":  # (the agreed run takes the TP CPU group as a server does)
+            mp.setattr(runner, "tp_cpu_group", lambda ps: None)
         s = H.MiniScheduler(shape, H.budget_for_pages(rank_shape, PAGES, 8), ps=ps)
         s.new_token_ratio = 0.05  # a decayed ratio: SGLang admits optimistically
         for rid, prompt, n in requests():
@@ -121,5 +124,6 @@ def _run(rank: int, world: int, port: int) -> dict[str, Any]:
             except RanksDisagreeError as e:
                 result["mismatch_refused"] = str(e)
     mp.undo()
-    dist.destroy_process_group()
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
     return result
