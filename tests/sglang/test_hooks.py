@@ -70,7 +70,7 @@ def test_post_init_hook_target():
     forced = {name for name, _, _ in FORCED_SETTINGS + REFERENCE_FORCED_SETTINGS}
     read = {"attention_backend", "prefill_attention_backend", "decode_attention_backend",
             "speculative_algorithm", "enable_dp_attention", "enable_hierarchical_cache",
-            "disaggregation_mode", "enable_mixed_chunk", "tp_size", "pp_size",
+            "disaggregation_mode", "enable_mixed_chunk", "pp_size",
             "kv_cache_dtype", "cuda_graph_config", "cuda_graph_max_bs_decode",
             "cuda_graph_bs_decode", "model_path"}
     assert sorted((forced | read) - set(fields)) == []
