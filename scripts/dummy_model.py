@@ -9,7 +9,11 @@ No weights: SGLang fills every parameter with random values when started with
 Shapes follow Llama-3-8B (hidden 4096, 32 layers, 32 heads, 8 KV heads,
 head_dim 128, intermediate 14336, vocab 128256, rope_theta 500000,
 max_position_embeddings 8192, bf16). `--layers N` writes a shallower variant
-(e.g. 2 layers) for fast smoke tests; everything else stays the same.
+(e.g. 2 layers) for fast smoke tests; everything else stays the same. `--shape` picks
+another published shape for the tensor-parallel runs (its layer count unless --layers is
+given): qwen2.5-32b (Qwen2, hidden 5120, 64 layers, 40 heads, 8 KV heads, head_dim 128,
+intermediate 27648, vocab 152064, qkv bias) or llama-3-70b (hidden 8192, 80 layers, 64 heads,
+8 KV heads, intermediate 28672); the synthetic tokenizer's ids fit both vocabularies.
 
 Tokenizer: nothing can be downloaded on the device, and no installed package
 ships a Llama-3 tokenizer, so a synthetic word-level tokenizer is generated
@@ -24,7 +28,7 @@ added automatically. The token ids, not the text, are what matters for
 performance work.
 
 Usage:
-    python3 dummy_model.py OUT_DIR [--layers N]
+    python3 dummy_model.py OUT_DIR [--layers N] [--shape llama-3-8b|qwen2.5-32b|llama-3-70b]
 """
 import argparse
 import json
@@ -69,6 +73,30 @@ def llama3_8b_config(num_layers: int = 32) -> dict:
         "vocab_size": VOCAB,
         "transformers_version": "5.3.0",  # >= 5 silences a spurious "mistral regex" warning
     }
+
+
+# published shapes (config.json fields that differ from Llama-3-8B's)
+SHAPES: dict[str, dict] = {
+    "llama-3-8b": {},
+    "llama-3-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                    "num_attention_heads": 64, "num_key_value_heads": 8},
+    "qwen2.5-32b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                    "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+                    "num_attention_heads": 40, "num_key_value_heads": 8,
+                    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 152064,
+                    "max_position_embeddings": 32768, "attention_bias": True},
+}
+
+
+def model_config(shape: str, num_layers: int | None) -> dict:
+    """config.json for ``shape`` (SHAPES), with ``num_layers`` layers when given."""
+    if shape not in SHAPES:
+        raise SystemExit(f"--shape {shape!r}: use one of {', '.join(SHAPES)}")
+    cfg = llama3_8b_config()
+    cfg.update(SHAPES[shape])
+    if num_layers is not None:
+        cfg["num_hidden_layers"] = num_layers
+    return cfg
 
 
 def special_token_name(i: int) -> str:
@@ -154,8 +182,10 @@ def write_sharegpt(path: str, n: int = 64, seed: int = 0) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--layers", type=int, default=32,
-                    help="num_hidden_layers (32 = Llama-3-8B; e.g. 2 for smoke tests)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="num_hidden_layers (default: the shape's, 32 for Llama-3-8B; e.g. 2 "
+                         "for smoke tests)")
+    ap.add_argument("--shape", default="llama-3-8b", help=", ".join(SHAPES))
     ap.add_argument("--sharegpt-n", type=int, default=1024,
                     help="conversations in sharegpt_synthetic.json "
                          "(caps --num-prompts of the benches)")
@@ -164,14 +194,16 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-        json.dump(llama3_8b_config(args.layers), f, indent=2)
+        cfg = model_config(args.shape, args.layers)
+        json.dump(cfg, f, indent=2)
     with open(os.path.join(args.out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 128000, "eos_token_id": [128001, 128009],
                    "do_sample": False}, f, indent=2)
     if not args.no_tokenizer:
         write_tokenizer(args.out_dir)
         write_sharegpt(os.path.join(args.out_dir, "sharegpt_synthetic.json"), n=args.sharegpt_n)
-    print(f"wrote {args.out_dir} (layers={args.layers}, tokenizer={not args.no_tokenizer})")
+    print(f"wrote {args.out_dir} ({args.shape}, layers={cfg['num_hidden_layers']}, "
+          f"tokenizer={not args.no_tokenizer})")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_e2e_run.sh [bench_e2e.py options ...]
 #   e.g. bash scripts/gpu_e2e_run.sh --configs bf16 --workloads longgen,sharegpt,ladder
+#   DUMMY_SHAPE=qwen2.5-32b bash scripts/gpu_e2e_run.sh --server-args "--tp-size 2" ...
+#   (DUMMY_SHAPE: a scripts/dummy_model.py --shape; default llama-3-8b)
 #
 # Installs SGLang and this package (scripts/device_install.sh: editable, so SGLang's
 # load_plugins finds the diffkv entry point), writes the dummy Llama-3-8B model, then runs
@@ -27,7 +29,9 @@ trap finish EXIT
 
 source scripts/device_install.sh "$LOGS/install.log" || { echo "install failed"; exit 1; }
 python3 -c "import aiohttp, numpy" || { echo "aiohttp/numpy missing"; exit 1; }
-python3 scripts/dummy_model.py /tmp/dummy-llama3-8b > /dev/null || exit 1
+SHAPE=${DUMMY_SHAPE:-llama-3-8b}
+MODEL=/tmp/dummy-llama3-8b; [ "$SHAPE" = llama-3-8b ] || MODEL=/tmp/dummy-$SHAPE
+python3 scripts/dummy_model.py "$MODEL" --shape "$SHAPE" > /dev/null || exit 1
 LEFT=$(( BUDGET_S - ($(date +%s) - T0) ))
 echo "install done in $(( $(date +%s) - T0 )) s; bench budget ${LEFT} s"
-python3 scripts/bench_e2e.py --model /tmp/dummy-llama3-8b --out "$RES" --budget-s "$LEFT" "$@"
+python3 scripts/bench_e2e.py --model "$MODEL" --out "$RES" --budget-s "$LEFT" "$@"

@@ -10,6 +10,7 @@ has a clear top. It stands in for the real SmolLM2-135M, whose only offline copy
 GGUF) exceeds what the GPU machine can receive.
 
     python3 scripts/sglang_backend_random_model.py OUT_DIR   # needs the dummy_model folder
+    RANDOM_HEADS=8,4 python3 scripts/sglang_backend_random_model.py OUT_DIR   # for TP 2
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from safetensors.torch import save_file
 SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
          "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 30,
          "max_position_embeddings": 8192, "tie_word_embeddings": False}
+# RANDOM_HEADS=Q,KV: other head counts (e.g. 8,4 for tensor parallelism at TP 2, which needs
+# both divisible by the TP size; SmolLM2's 9 / 3 are not); head_dim and hidden stay
+if os.environ.get("RANDOM_HEADS"):
+    _q, _kv = (int(x) for x in os.environ["RANDOM_HEADS"].split(","))
+    if _q % _kv:
+        raise SystemExit(f"RANDOM_HEADS={_q},{_kv}: query heads must be a multiple of KV heads")
+    SHAPE |= {"num_attention_heads": _q, "num_key_value_heads": _kv}
 # q/k projection scale: 0.12 gives attention logits of std ~8 (near one-hot, chaotic across
 # 30 layers); 0.04 gives std ~1 (peaked but stable)
 QK_SIGMA = float(os.environ.get("RANDOM_QK_SIGMA", "0.12"))

@@ -102,8 +102,6 @@ def unsupported_reasons(args: Any) -> list[str]:
          "P/D disaggregation (--disaggregation-mode) is not supported"),
         (getattr(args, "enable_mixed_chunk", False),
          "--enable-mixed-chunk is not supported (prefill and decode run as separate steps)"),
-        (getattr(args, "tp_size", 1) > 1,
-         "tensor parallelism (--tp-size > 1) is not supported in stage 1"),
         (getattr(args, "pp_size", 1) > 1,
          "pipeline parallelism (--pp-size > 1) is not supported in stage 1"),
         (getattr(args, "cuda_graph_backend_decode", None) not in (None, *DECODE_GRAPH_BACKENDS),

@@ -85,7 +85,10 @@ class DiffKVAttnBackend(AttentionBackend):
         self.forward_metadata: DiffKVForwardMetadata | None = None
         self.ops = DiffKVOps(self.cache, want_kernels(torch.device(self.device)))
         self.prof = pool.stats.profiler
-        self.num_q_heads = model_runner.model_config.num_attention_heads
+        # this rank's query heads (its attention-TP share, as its KV heads in the pool):
+        # sizes the CUDA-graph decode plans and the split-K choice
+        self.num_q_heads = model_runner.model_config.get_num_attention_heads(
+            model_runner.ps.attn_tp_size)
         self.graphs: DecodeGraphState | None = None
         # a replayed decode step whose end (profile, log line) the next metadata step takes
         self._graph_step_open: DiffKVForwardMetadata | None = None

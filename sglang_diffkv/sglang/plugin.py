@@ -6,7 +6,7 @@ scheduler process before it builds its model runner. It uses SGLang's official h
 
 - ``add_attention_backend_choices`` makes ``diffkv`` a valid ``--attention-backend``;
 - ``register_attention_backend`` makes ``create_diffkv_backend`` its factory;
-- ``HookRegistry`` (hooks applied by ``load_plugins``) for the four places that have
+- ``HookRegistry`` (hooks applied by ``load_plugins``) for the five places that have
   no dedicated extension point. Each leaves every other backend on SGLang's own code:
 
   ============================================  ============================================
@@ -15,6 +15,8 @@ scheduler process before it builds its model runner. It uses SGLang's official h
   ``ServerArgs.__post_init__``                  refusals and forced settings (``args``)
   ``KVCacheConfigurator.configure``             the DiffKV pools (``runner``)
   ``PrefillAdder.add_one_req``                  exact physical admission (``admission``)
+  ``Scheduler.get_next_batch_to_run``           TP > 1: one agreed page count per step
+                                                (``tp_agreement``)
   ``SamplingParams.verify`` (AFTER)             per-request parameters (``request_check``)
   ============================================  ============================================
 
@@ -48,6 +50,8 @@ HOOKS: tuple[tuple[str, str], ...] = (
      "sglang_diffkv.sglang.runner:configure_hook"),
     ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
      "sglang_diffkv.sglang.admission:add_one_req_hook"),
+    ("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+     "sglang_diffkv.sglang.tp_agreement:scheduler_step_hook"),
 )
 # (dotted SGLang target, "module:function" of our AFTER hook)
 AFTER_HOOKS: tuple[tuple[str, str], ...] = (

@@ -44,6 +44,7 @@ from sglang_diffkv.memory import AllocResult
 from sglang_diffkv.memory.free_bound import FreePagesBound
 from sglang_diffkv.sglang.request_check import thresholds_or_abort
 from sglang_diffkv.sglang.step_profile import StepProfiler, span
+from sglang_diffkv.sglang.tp_agreement import FreePagesAgreement
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -99,6 +100,9 @@ class DiffKVTokenToKVPool(KVCache):
         # the last decode allocation's success flag, read one step later (no sync)
         self._decode_ok: tuple[torch.Tensor, torch.cuda.Event | None, AllocResult,
                                int] | None = None
+        # TP > 1: the free-page count every rank's scheduler agrees on (tp_agreement);
+        # None at TP 1, where free_pages() is this rank's own count
+        self.agreement: FreePagesAgreement | None = None
         self._finalize_allocation_log(size)
 
     @property
@@ -126,9 +130,25 @@ class DiffKVTokenToKVPool(KVCache):
 
     # -- physical accounting (host) --------------------------------------------------------
 
+    def agree_across_ranks(self, group: Any) -> None:
+        """TP > 1: from now on ``free_pages`` is the count every rank in ``group`` (the TP
+        CPU group) agrees on (``tp_agreement``). Called once, while the pool is idle."""
+        self.agreement = FreePagesAgreement(group, self.local_free_pages)
+        self.agreement.check_same_pool(self.num_pages, self.size)
+
     def free_pages(self) -> int:
-        """A lower bound, exact when idle or near full (``FreePagesBound``): reading the
-        exact count on the GPU would wait for the forward in flight every scheduler step."""
+        """The free pages SGLang's scheduler decides with. Invariant: the same on every TP
+        rank within a scheduler step, and at most this rank's own free pages. At TP 1 (and
+        whenever no request holds pages, when every rank's pages are all free) it is
+        ``local_free_pages``; otherwise the MIN over ranks (``tp_agreement``)."""
+        if self.agreement is None or not self.active:
+            return self.local_free_pages()
+        return self.agreement.read()
+
+    def local_free_pages(self) -> int:
+        """This rank's free pages: a lower bound, exact when idle or near full
+        (``FreePagesBound``): reading the exact count on the GPU would wait for the forward
+        in flight every scheduler step."""
         self.flush_frees()
         self.after_forward()
         # idle: exact (one sync costs nothing then, and SGLang's idle leak check compares it
@@ -228,6 +248,8 @@ class DiffKVTokenToKVPool(KVCache):
         self.after_forward()  # its counters as the last forward left them
         self.stats.record_finished(self.cache, req_idx, self.seq_lens_dev[req_idx])
         self.active.discard(req_idx)
+        if self.agreement is not None:
+            self.agreement.released()
         # SGLang frees finished requests one by one; one batched free_requests per step
         # costs the same ~10 launches for any count (sharegpt: 1.7-3.5 ms/step of single
         # frees on the H100). Pending pages go back before anything reads or takes pages.
@@ -391,7 +413,7 @@ def step_summary(pool: DiffKVTokenToKVPool, req_idx: torch.Tensor, seq_lens: tor
                  mode: str) -> str:
     """Fractions of the batch's tokens kept high / low / pruned and pages in use."""
     frac = batch_tier_fractions(pool.cache, req_idx, seq_lens)
-    used = pool.num_pages - pool.free_pages()
+    used = pool.num_pages - pool.local_free_pages()  # this rank's own pages
     # what the active requests' tokens would take in a bf16 cache, in pages of this pool
     g = pool.plan.geometry
     held = torch.as_tensor(sorted(pool.active), dtype=torch.int64, device=pool.cache.device)

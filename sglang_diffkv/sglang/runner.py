@@ -26,6 +26,7 @@ from sglang_diffkv.sglang.pool import (
     DiffKVTokenToKVPool,
     DiffKVTokenToKVPoolAllocator,
 )
+from sglang_diffkv.sglang.tp_agreement import tp_cpu_group
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -145,6 +146,9 @@ def init_pools(kvc: Any, plan: CapacityPlan, tokens: int, max_reqs: int, start_l
     kv = DiffKVTokenToKVPool(
         cache, plan, slots, num_layers, kvc.device, start_layer, start_layer + num_layers - 1
     )
+    tp_group = tp_cpu_group(kvc.ps)
+    if tp_group is not None:  # TP > 1: one free-page count for every rank's scheduler
+        kv.agree_across_ranks(tp_group)
     req_pool = DiffKVReqToTokenPool(
         kv,
         size=max_reqs,

@@ -130,6 +130,9 @@ class FakeModelConfig:
     def get_num_kv_heads(self, tp_size: int) -> int:
         return self.num_kv // tp_size
 
+    def get_num_attention_heads(self, tp_size: int) -> int:
+        return self.num_attention_heads // tp_size
+
 
 @dataclass(kw_only=True)
 class FixedBudgetConfigurator(KVCacheConfigurator):
@@ -149,7 +152,7 @@ class FakeRunner:
 
     def __init__(self, server_args: ServerArgs, shape: ModelShape, kv_budget_bytes: int,
                  max_running_requests: int, *, use_mla_backend: bool = False,
-                 hybrid_swa: bool = False) -> None:
+                 hybrid_swa: bool = False, ps: ParallelState | None = None) -> None:
         # the scheduler process publishes its ServerArgs before building the model runner;
         # the configurator reads --max-running-requests & co. from it
         server_args.max_running_requests = max_running_requests
@@ -162,6 +165,7 @@ class FakeRunner:
         self.use_mla_backend = use_mla_backend
         self.is_hybrid_swa = hybrid_swa
         self.is_draft_worker = False
+        self.ps = ps or ParallelState.trivial()
         self.kv_cache_dtype = torch.bfloat16
         self.spec_algorithm = SpeculativeAlgorithm.NONE
         self.ngram_embedding_manager = SimpleNamespace(enabled=False)
@@ -169,8 +173,8 @@ class FakeRunner:
         self.layer_info = ModelLayerInfo(start_layer=0, end_layer=shape.num_layers,
                                          num_effective_layers=shape.num_layers)
         self.kv_cache_configurator = FixedBudgetConfigurator(
-            device=self.device, gpu_id=self.gpu_id, ps=ParallelState.trivial(), pp_group=None,
-            model=None, model_config=self.model_config, server_args=server_args,
+            device=self.device, gpu_id=self.gpu_id, ps=self.ps,
+            pp_group=None, model=None, model_config=self.model_config, server_args=server_args,
             kv_cache_dtype=self.kv_cache_dtype, model_dtype=shape.dtype, page_size=1,
             sliding_window_size=None, spec_algorithm=self.spec_algorithm,
             is_draft_worker=False, post_capture_kv_active=False, spec_aux_config=None,
@@ -245,11 +249,13 @@ class MiniScheduler:
     # recorded, on the runner's static input buffers.
     graph_bs: tuple[int, ...] = ()
     graph_replays: int = 0
+    # this rank's parallel state (None: TP 1); its KV heads are shape.num_kv_heads / TP
+    ps: ParallelState | None = None
 
     def __post_init__(self) -> None:
         self.server_args = ServerArgs(model_path="dummy", attention_backend="diffkv")
         self.runner = FakeRunner(self.server_args, self.shape, self.kv_budget_bytes,
-                                 self.max_running_requests)
+                                 self.max_running_requests, ps=self.ps)
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.token_to_kv_pool_allocator = self.runner.token_to_kv_pool_allocator
         self.kv_pool = self.runner.token_to_kv_pool
@@ -265,9 +271,10 @@ class MiniScheduler:
         self.future_map = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.NONE,
                                     self.req_to_token_pool)
         self._init_invariant_checker()
+        tp = self.ps.attn_tp_size if self.ps is not None else 1  # this rank's heads
         self.layers = [
-            RadixAttention(self.shape.num_q_heads, self.shape.head_dim, self.shape.scaling,
-                           self.shape.num_kv_heads, layer_id=i)
+            RadixAttention(self.shape.num_q_heads // tp, self.shape.head_dim,
+                           self.shape.scaling, self.shape.num_kv_heads // tp, layer_id=i)
             for i in range(self.shape.num_layers)
         ]
         if self.graph_bs:

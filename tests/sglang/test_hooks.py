@@ -1,4 +1,4 @@
-"""The SGLang functions our three AROUND hooks wrap (``plugin.HOOKS``), as we rely on them.
+"""The SGLang functions our four AROUND hooks wrap (``plugin.HOOKS``), as we rely on them.
 
 SGLang's ``HookRegistry.apply_hooks`` logs and skips a target it cannot resolve, so a renamed
 function would silently leave diffkv on SGLang's own code. Each test here fails instead when
@@ -9,6 +9,7 @@ cites one test per hook:
 - ``ServerArgs.__post_init__``          test_post_init_hook_target
 - ``KVCacheConfigurator.configure``     test_configure_hook_target
 - ``PrefillAdder.add_one_req``          test_add_one_req_hook_target
+- ``Scheduler.get_next_batch_to_run``   test_get_next_batch_to_run_hook_target
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def _params(fn) -> list[tuple[str, str]]:
     return [(p.name, p.kind.name) for p in inspect.signature(fn).parameters.values()]
 
 
-def test_hooks_are_the_three_documented_targets():
+def test_hooks_are_the_four_documented_targets():
     assert list(TARGETS) == [
         "sglang.srt.server_args.ServerArgs.__post_init__",
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
         "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
     ]
     assert all(plugin.hooks_applied().values())
 
@@ -68,7 +70,7 @@ def test_post_init_hook_target():
     forced = {name for name, _, _ in FORCED_SETTINGS + REFERENCE_FORCED_SETTINGS}
     read = {"attention_backend", "prefill_attention_backend", "decode_attention_backend",
             "speculative_algorithm", "enable_dp_attention", "enable_hierarchical_cache",
-            "disaggregation_mode", "enable_mixed_chunk", "tp_size", "pp_size",
+            "disaggregation_mode", "enable_mixed_chunk", "pp_size",
             "kv_cache_dtype", "cuda_graph_config", "cuda_graph_max_bs_decode",
             "cuda_graph_bs_decode", "model_path"}
     assert sorted((forced | read) - set(fields)) == []
@@ -148,6 +150,31 @@ def test_add_one_req_hook_target():
     assert extend_len(req) == 30
 
 
+def test_get_next_batch_to_run_hook_target():
+    """``Scheduler.get_next_batch_to_run(self, running_batch, last_batch)``: called once per
+    iteration by both event loops on every TP rank, after the requests are broadcast; every
+    admission (``get_new_batch_prefill``, the PrefillAdder) and retraction
+    (``update_running_batch``: check_decode_mem / retract_decode) decision runs inside it.
+    The hook reads the scheduler's ``token_to_kv_pool_allocator``."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    target = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
+    fn, original = _target(target)
+    assert plugin.hooks_applied()[target]
+    assert original.__qualname__ == "Scheduler.get_next_batch_to_run"
+    assert [p for p, _ in _params(original)] == ["self", "running_batch", "last_batch"]
+    src = inspect.getsource(original)
+    assert "self.get_new_batch_prefill(" in src and "self.update_running_batch(" in src
+    assert "check_decode_mem()" in inspect.getsource(Scheduler.update_running_batch)
+    assert "retract_decode(" in inspect.getsource(Scheduler.update_running_batch)
+    assert "add_one_req(" in inspect.getsource(Scheduler._get_new_batch_prefill_raw)
+    for loop in (Scheduler.event_loop_normal, Scheduler.event_loop_overlap):
+        loop_src = inspect.getsource(loop)
+        assert "recv_requests()" in loop_src
+        assert loop_src.count("self.get_next_batch_to_run(") == 1, loop.__name__
+    assert "self.token_to_kv_pool_allocator" in inspect.getsource(Scheduler)
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_register_wraps_each_target_once(target):
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -158,4 +185,10 @@ def test_register_wraps_each_target_once(target):
             if h is plugin._resolve(TARGETS[target])]
     assert len(ours) == 1
     fn, original = _target(target)
-    assert fn.__wrapped__ is original  # one layer: ours
+    layers = []  # the wrappers down to SGLang's function (its own decorators, e.g. nvtx)
+    while hasattr(fn, "__wrapped__"):
+        layers.append(fn)
+        fn = fn.__wrapped__
+    assert fn is original
+    hook = plugin._resolve(TARGETS[target])
+    assert [plugin._wraps(f, hook) for f in layers].count(True) == 1  # ours, once

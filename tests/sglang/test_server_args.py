@@ -99,6 +99,13 @@ def test_other_backends_are_untouched():
     assert a.cuda_graph_backend_prefill is None and a.cuda_graph_max_bs_decode is None
 
 
+def test_tensor_parallelism_is_accepted():
+    """Each TP rank holds its KV heads' pages; the ranks' schedulers agree on one free-page
+    count (tp_agreement, test_tp_agreement.py)."""
+    a = _args("--tp-size", "2")
+    assert a.tp_size == 2 and a.page_size == 1 and a.disable_radix_cache
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -107,7 +114,7 @@ def test_other_backends_are_untouched():
         (["--enable-hierarchical-cache"], "hierarchical cache"),
         (["--disaggregation-mode", "prefill"], "P/D disaggregation"),
         (["--enable-mixed-chunk"], "--enable-mixed-chunk is not supported"),
-        (["--tp-size", "2"], "tensor parallelism"),
+        (["--pp-size", "2"], "pipeline parallelism"),
         (["--kv-cache-dtype", "fp8_e4m3"], "leave --kv-cache-dtype at auto"),
         (["--decode-attention-backend", "triton"], "diffkv must run both prefill and decode"),
         (["--cuda-graph-backend-decode", "breakable"], "the DiffKV decode supports full or"),

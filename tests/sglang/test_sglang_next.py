@@ -59,7 +59,7 @@ SERVER_ARGS_0_5_23 = (
     "takes decisions through declare_resolution / resolving_view. So the user's or SGLang's "
     "values stay (page_size None, or 16 when given; disable_radix_cache False; "
     "chunked_prefill_size None, or 4096 when given; cuda_graph_backend_prefill None) and "
-    "--tp-size 2 is accepted. Porting: hook resolve_once or a run_hook pipeline step "
+    "--pp-size 2 is accepted. Porting: hook resolve_once or a run_hook pipeline step "
     "(arg_groups.resolution_hooks) and declare the forced values there"
 )
 POOL_0_5_23 = (
@@ -123,7 +123,7 @@ def test_server_args_fix_ups(child):
     got = _ok(child["server_args"])
     assert got["built"] == got["forced"], "ServerArgs(attention_backend='diffkv')"
     assert got["parsed"] == got["forced"], "--page-size 16 --chunked-prefill-size 4096"
-    assert got["refused"], "--tp-size 2 is not refused"
+    assert got["refused"], "--pp-size 2 is not refused"
 
 
 @known_failure({"0.5.23": POOL_0_5_23})
@@ -179,7 +179,7 @@ def _check_server_args(out: dict[str, Any]) -> None:
     parsed = prepare_server_args(["--model-path", "dummy", "--attention-backend", "diffkv",
                                   "--page-size", "16", "--chunked-prefill-size", "4096"])
     try:
-        ServerArgs(model_path="dummy", attention_backend="diffkv", tp_size=2)
+        ServerArgs(model_path="dummy", attention_backend="diffkv", pp_size=2)
         refused = False
     except DiffKVUnsupportedError:
         refused = True
