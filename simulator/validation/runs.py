@@ -1,8 +1,14 @@
 """Validate diffkv-sim against the end-to-end harness's real SGLang runs. CPU only.
 
-    python -m simulator.validation.runs RESULTS_DIR [RESULTS_DIR ...] \
+    diffkv-sim validate-runs --recipe h200          # a shipped report's recipe
+    diffkv-sim validate-runs RESULTS_DIR [RESULTS_DIR ...] \
         --calibration results/calibration/calibration.json \
         [--fit-run bf16/longgen --fit-run diffkv-mix/longgen] [--doc docs/simulator-validation.md]
+
+(``python -m simulator.validation.runs`` takes the same arguments.) ``--recipe`` reads the
+result folders, fitting runs and options from a JSON file (``simulator/validation/recipe.py``;
+the shipped reports' recipes are in ``simulator/validation/recipes/``); options given after it
+add to its lists and replace its single values.
 
 Each RESULTS_DIR is one ``scripts/bench_e2e.py --out`` (results.json, bench_serving.jsonl,
 logs/ or logs.tar.gz; layout in simulator/validation/harness.py); several folders (one per GPU
@@ -84,6 +90,7 @@ from simulator.validation.harness import (
     server_settings,
     windowed_summary,
 )
+from simulator.validation.recipe import expand_recipe
 from simulator.validation.refine import (
     DEFAULT_MAX_EVALS,
     UNITS,
@@ -101,6 +108,7 @@ from simulator.validation.step_fit import (
 
 # the repository root: git provenance, relative paths in the report, default output folders
 ROOT = Path(__file__).resolve().parents[2]
+PROG = "diffkv-sim validate-runs"  # the command, in messages and in the report
 
 
 def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
@@ -440,7 +448,7 @@ def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: C
         fitted = replace(fitted,
                          first_token_latency_s=first_token_latency_guess(evaluate(fitted)))
     refined, how = refine_costs(fitted, names, evaluate, max_evals)
-    print(f"validate_simulator: {be}: {how.note()}", file=sys.stderr)
+    print(f"{PROG}: {be}: {how.note()}", file=sys.stderr)
     path = Path(info["file"])
     data = json.loads(path.read_text())
     entry = next(iter(data["gpus"].values()))
@@ -886,8 +894,7 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                             else ""))
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.relative_to(doc.parent)})" for p in plot_paths]
-    lines += ["", "## Command", "", "```", "python -m simulator.validation.runs "
-              + " ".join(argv), "```", ""]
+    lines += ["", "## Command", "", "```", f"{PROG} " + " ".join(argv), "```", ""]
     return "\n".join(lines)
 
 
@@ -936,8 +943,13 @@ def results_arg(arg: str) -> tuple[str, str | None, dict[str, str]]:
     return d, tag or None, rename
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``diffkv-sim validate-runs`` (a recipe's keys are their names)."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", metavar="NAME|FILE",
+                    help="read the result folders and options from a JSON recipe: a file, or "
+                         "a shipped one (h100, h200: their validation reports); options given "
+                         "after it add to its lists and replace its single values")
     ap.add_argument("results", nargs="+",
                     help="scripts/bench_e2e.py --out directories (several are merged); "
                          "DIR#TAG appends #TAG to the labels of DIR's runs, so a workload run "
@@ -1095,8 +1107,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for the plots and the fitted calibration files (default: "
                          "beside --doc, named after it: DOC.md -> DOC/)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
     args_used = list(argv if argv is not None else sys.argv[1:])
+    try:
+        argv = expand_recipe(args_used, PROG)
+    except SimulatorInputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    ap = build_parser()
+    # intermixed: a recipe's folders come first, the caller's may follow its options
+    a = ap.parse_intermixed_args(argv)
     try:
         if a.isolated_prefill_scale is not None and not (
                 ISOLATED_PREFILL_MIN <= a.isolated_prefill_scale <= 1.0):
@@ -1176,7 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
             calib = calibs["base"]
         rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
     except SimulatorInputError as e:
-        print(f"validate_simulator: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(table(rows))
     paths = plots(sims, h, plot_dir)
