@@ -55,15 +55,10 @@ HOST_TERMS: dict[str, Callable[[Calibration], Calibration]] = {
         c, isolated_prefill_scale=1.0),
 }
 ALL_TERMS = "all terms (as shipped)"
-# diffkv-sim replays one host at the files' pooled times, so the shipped baseline runs without
-# the probe hosts' spread; this line scores the calibration with it (a mean over the hosts)
-HOST_SPEEDS = "host speed factors (this line: with them; the first line is without)"
 
 
 def is_used(term: str, calibs: dict[str, Calibration]) -> bool:
     """Whether removing ``term`` changes any of the calibrations (a term at zero is not)."""
-    if term == HOST_SPEEDS:
-        return any(c.host_speed_factors for c in calibs.values())
     return any(HOST_TERMS[term](c) != c for c in calibs.values())
 
 
@@ -73,11 +68,8 @@ _STATE: dict[str, Any] = {}
 
 def _score(term: str) -> tuple[str, list[dict], list[dict]]:
     from simulator.validation.runs import validate
-    shipped: dict[str, Calibration] = _STATE["calibs"]
-    calibs = {k: c.on_host(1.0) for k, c in shipped.items()}
-    if term == HOST_SPEEDS:
-        calibs = shipped
-    elif term != ALL_TERMS:
+    calibs: dict[str, Calibration] = _STATE["calibs"]
+    if term != ALL_TERMS:
         calibs = {k: HOST_TERMS[term](c) for k, c in calibs.items()}
     rows, _ = validate(_STATE["h"], calibs, _STATE["model"], _STATE["gpu"],
                        _STATE["fitting"])
@@ -106,10 +98,9 @@ def _largest_change(base: list[dict], other: list[dict]) -> dict[str, Any] | Non
 def ablate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu: str,
            fitting: set[str], jobs: int = 1, terms: list[str] | None = None
            ) -> list[dict[str, Any]]:
-    """One result per term (the shipped calibration ``calibs`` on one host first, as
-    diffkv-sim runs it): held-out PASS / scored rows, the same against the mean of repeats,
-    and the row whose error moves most."""
-    todo = [ALL_TERMS] + [t for t in (terms or [*HOST_TERMS, HOST_SPEEDS]) if is_used(t, calibs)]
+    """One result per term (the shipped calibration ``calibs`` first): held-out PASS /
+    scored rows, the same against the mean of repeats, and the row whose error moves most."""
+    todo = [ALL_TERMS] + [t for t in (terms or list(HOST_TERMS)) if is_used(t, calibs)]
     _STATE.update(h=h, calibs=calibs, model=model, gpu=gpu, fitting=fitting)
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -155,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                          "its result folders, fitting runs (held out of the score), GPU")
     ap.add_argument("--jobs", type=int, default=1,
                     help="terms scored at once, one process each (default: %(default)s)")
-    ap.add_argument("--term", action="append", default=None,
-                    choices=[*HOST_TERMS, HOST_SPEEDS],
+    ap.add_argument("--term", action="append", default=None, choices=list(HOST_TERMS),
                     help="score only these terms (repeatable; default: every one in use)")
     ap.add_argument("--json", default=None, help="write the results as JSON")
     a = ap.parse_args(argv)

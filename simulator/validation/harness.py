@@ -38,7 +38,6 @@ import math
 import re
 import shlex
 import tarfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -520,33 +519,6 @@ def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
         "series_t": (t_end[t_end <= end] - t0).tolist(),
         "series_batch": lg["batch"][t_end <= end].tolist(),
     }
-
-
-def mean_over_hosts(summaries: Sequence[dict[str, Any]], hosts: Sequence[float]
-                    ) -> dict[str, Any]:
-    """Summaries of one run replayed on each of ``hosts`` (``Calibration.host_speeds``, in
-    the same order) as one: what the mean over repeated server starts measures. Numbers
-    average (None where a host has none), nested summaries alike; anything else (a time
-    series) is the median host's."""
-    if not summaries or len(summaries) != len(hosts):
-        raise ValueError(f"{len(summaries)} summaries for {len(hosts)} hosts")
-    if len(summaries) == 1:
-        return dict(summaries[0])
-    order = sorted(range(len(hosts)), key=lambda i: hosts[i])
-    return _mean_of(summaries, order[(len(order) - 1) // 2])
-
-
-def _mean_of(summaries: Sequence[dict[str, Any]], middle: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in summaries[middle].items():
-        vs = [s.get(k) for s in summaries]
-        if isinstance(v, dict):
-            out[k] = _mean_of(vs, middle)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = None if any(x is None for x in vs) else float(np.mean(vs))
-        else:
-            out[k] = v
-    return out
 
 
 def measured_series(log_slice: str) -> tuple[list[float], list[int]]:

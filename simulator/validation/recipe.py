@@ -9,7 +9,7 @@ checks the values, and a recipe and a command line can never mean different thin
     "gpu": "h200"                                             --gpu h200
     "fit_run": ["bf16/sharegpt#t", ...]                       --fit-run, repeated
     "eager_prefill_launch_ms": {"triton": 18.6, "fp8": 21.1}  --eager-prefill-launch-ms K=V
-    "host_launches_ms": {"bf16": [18.49, 13.39]}              --host-launches-ms bf16=18.49,13.39
+    "refine_hold": ["diffkv:seq_overhead_s"]                  --refine-hold diffkv:seq_overhead_s
     "shipped": true                                           --shipped
     "_about": "..."                                           a key starting with _: a note
 

@@ -61,7 +61,6 @@ from simulator.errors import SimulatorInputError
 from simulator.kv.mix import TierMix
 from simulator.metrics.summary import summarize
 from simulator.specs.calibration import (
-    HOST_SPEED_MAX,
     ISOLATED_PREFILL_MIN,
     PREFILL_CLOCK_RECOVERY_MAX_S,
     Calibration,
@@ -83,7 +82,6 @@ from simulator.validation.harness import (
     HarnessRun,
     diffkv_mix,
     load_harness,
-    mean_over_hosts,
     measured_series,
     merge_harness,
     row,
@@ -232,49 +230,6 @@ def eager_launch_arg(items: list[str]) -> dict[str, float]:
     return key_ms_arg("--eager-prefill-launch-ms", items, LAUNCH_KEYS)
 
 
-def host_launches_arg(items: list[str]) -> dict[str, tuple[float, ...]]:
-    """``--host-launches-ms KEY=MS,MS,...`` items as {key: launches in ms}, KEY as in
-    ``--eager-prefill-launch-ms``, each MS in (0, 1000)."""
-    out: dict[str, tuple[float, ...]] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        try:
-            values = tuple(float(v) for v in text.split(","))
-        except ValueError:
-            values = ()
-        if not sep or key not in LAUNCH_KEYS or not values \
-                or not all(0 < v < 1e3 for v in values):
-            raise SimulatorInputError(
-                f"--host-launches-ms {item!r}: want KEY=MS,MS,..., KEY one of "
-                f"{', '.join(LAUNCH_KEYS)}, each MS a probe start's mean one-prompt launch in "
-                "milliseconds, in (0, 1000)")
-        out[key] = out.get(key, ()) + values
-    return out
-
-
-def host_speeds(base: Calibration, be: str, launches: dict[str, tuple[float, ...]]
-                ) -> tuple[float, ...]:
-    """Backend ``be``'s host speed factors from ``--host-launches-ms``: each start's launch over
-    the launch ``base`` takes for its key (the backend's, or a KV format's own)."""
-    factors: list[float] = []
-    for key in sorted(k for k in launches if backend(k) == be):
-        pooled = base.prefill_launch_s(key)
-        if pooled <= 0.0:
-            raise SimulatorInputError(
-                f"--host-launches-ms {key}=...: {key} has no eager prefill launch time "
-                "(--eager-prefill-launch-ms, or the calibration's) to take the starts' "
-                "launches relative to")
-        for ms in launches[key]:
-            f = ms / 1e3 / pooled
-            if not 0 < f <= HOST_SPEED_MAX:
-                raise SimulatorInputError(
-                    f"--host-launches-ms {key}: {ms:g} ms is {f:.2f}x the pooled "
-                    f"{1e3 * pooled:.1f} ms; a host speed factor must be in "
-                    f"(0, {HOST_SPEED_MAX:g}]")
-            factors.append(f)
-    return tuple(factors)
-
-
 def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: str,
                   by_format: str, per_second: float = 1e3) -> Calibration:
     """``base`` with a ``KEY=MS`` option's values for backend ``be``: KEY ``be`` sets field
@@ -328,9 +283,6 @@ def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibratio
                          "eager_decode_hosts")
     base = with_given_ms(base, be, a.eager_decode_host_per_req_us,
                          "eager_decode_host_per_req_s", "eager_decode_hosts_per_req", 1e6)
-    factors = host_speeds(base, be, a.host_launches_ms)
-    if factors:
-        base = replace(base, host_speed_factors=factors)
     if be in a.launch_holds_loop:
         base = replace(base, eager_launch_holds_loop=True)
     first_token = a.first_token_latency_ms.get(be)
@@ -368,8 +320,6 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
         info["eager_turnarounds_s"] = dict(base.eager_prefill_turnarounds)
     if base.eager_launch_holds_loop:
         info["launch_holds_loop"] = True
-    if base.host_speed_factors:
-        info["host_speeds"] = list(base.host_speed_factors)
     if base.eager_decode_host_s:
         info["eager_decode_host_s"] = base.eager_decode_host_s
     if base.eager_decode_hosts:
@@ -436,11 +386,8 @@ def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: C
     sub = replace(h, runs=runs)
 
     def evaluate(c: Calibration) -> list[dict]:
-        # no run counts as fitting here, so the rows carry the targets they would have; one
-        # host (the pooled one): the fitting runs sit at low load, where the mean over hosts
-        # is within 1-2% of it, and each host costs the refinement a full pass
-        return validate(sub, {"base": base, be: replace(c, host_speed_factors=())}, model, gpu,
-                        set())[0]
+        # no run counts as fitting here, so the rows carry the targets they would have
+        return validate(sub, {"base": base, be: c}, model, gpu, set())[0]
 
     names = [n for n in info["fitted"] if n in UNITS and n not in hold]
     if "first_token_latency_s" not in hold:
@@ -515,20 +462,16 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         settings, fmt = server_settings(h.configs[run.config], log)
         calib = calibs.get(backend(fmt), base)
         trace, warm = run.replay_inputs(radix_cache=not settings.disable_radix_cache)
-        window, full = [], []
-        for host in calib.host_speeds:
-            sc = scenario(model, gpu, calib.on_host(host), settings, h, run.config)
-            res = sc.run(trace, fmt, warm_cache=warm, requests_before=run.requests_before)
-            window.append(windowed_summary(res, run.simulated_window_s))
-            full.append(summarize(res))
-        s = mean_over_hosts(window, calib.host_speeds)
+        sc = scenario(model, gpu, calib, settings, h, run.config)
+        res = sc.run(trace, fmt, warm_cache=warm, requests_before=run.requests_before)
+        s = windowed_summary(res, run.simulated_window_s)
         # with a radix cache, what ran before decides which prompts are cached
         after = "" if settings.disable_radix_cache else ", ".join(
             f"{r.workload}@{r.rate_req_s:.2f}rps" if r.rate_req_s else r.workload
             for r in run.earlier)
         group = repeat_key(run.config, run.workload, run.rate_req_s, trace, after)
         sims[run.key] = {"summary": s, "format": fmt, "run": run, "in_sample": in_sample,
-                         "full": mean_over_hosts(full, calib.host_speeds), "group": group}
+                         "full": summarize(res), "group": group}
         c = run.client
 
         def tg(name: str, in_sample: bool = in_sample) -> float | None:
@@ -881,11 +824,7 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         "(--launch-holds-loop)" if fi.get("launch_holds_loop") else "")
                      + (f"; the client's first-token latency given: "
                         f"{1e3 * fi['first_token_s']:.1f} ms (--first-token-latency-ms)"
-                        if "first_token_s" in fi else "")
-                     + (f"; every run replayed on {len(fi['host_speeds'])} hosts, its host "
-                        "times x" + " / ".join(f"{f:.2f}" for f in fi["host_speeds"])
-                        + ", the predictions averaged (--host-launches-ms)"
-                        if fi.get("host_speeds") else ""))
+                        if "first_token_s" in fi else ""))
         if fi.get("refinement"):
             lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:
@@ -1074,17 +1013,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "attention across batch and context, while the fitting runs' metrics "
                          "barely move with it below the batches a burst runs; TERM one of "
                          f"{', '.join(HOLDABLE)}; repeatable")
-    ap.add_argument("--host-launches-ms", action="append", default=[],
-                    metavar="KEY=MS,MS,...",
-                    help="the mean one-prompt launch of each probe start whose pooled launch "
-                         "--eager-prefill-launch-ms gives KEY (as there: triton, diffkv, bf16, "
-                         "fp8), e.g. scripts/loop_trace_report.py's per-start launch: every "
-                         "run is replayed once per start, its host times (launches, "
-                         "turnaround, eager decode iteration) scaled by that start's launch "
-                         "over the pooled one, and the predictions averaged, as the mean of "
-                         "repeated starts averages hosts (calibration field "
-                         "host_speed_factors); repeatable; default: the calibration's (one "
-                         "host)")
     ap.add_argument("--first-token-latency-ms", action="append", default=[],
                     metavar="BACKEND=MS",
                     help="the client's first-token latency beyond the scheduler (HTTP, "
@@ -1129,7 +1057,6 @@ def main(argv: list[str] | None = None) -> int:
         a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
         a.eager_prefill_turnaround_ms = key_ms_arg(
             "--eager-prefill-turnaround-ms", a.eager_prefill_turnaround_ms, LAUNCH_KEYS)
-        a.host_launches_ms = host_launches_arg(a.host_launches_ms)
         a.refine_hold = refine_hold_arg(a.refine_hold)
         a.eager_decode_host_ms = key_ms_arg("--eager-decode-host-ms", a.eager_decode_host_ms,
                                             LAUNCH_KEYS)
@@ -1193,9 +1120,7 @@ def main(argv: list[str] | None = None) -> int:
             calibs[be] = with_given(calib, be, a)   # no fitting runs: the file's costs
         if a.shipped:
             shipped = load_calibration_set(load_gpu(a.gpu).key)
-            # one host, the times as given: diffkv-sim runs one replay, not a mean over hosts
-            calibs = {"base": shipped.for_key("bf16").on_host(1.0),
-                      **{be: c.on_host(1.0) for be, c in shipped.by_backend.items()}}
+            calibs = {"base": shipped.for_key("bf16"), **shipped.by_backend}
             calib = calibs["base"]
         rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
     except SimulatorInputError as e:
