@@ -148,9 +148,6 @@ def _server_options(p: argparse.ArgumentParser) -> None:
                         "add_one_req_ignore_eos (replays every request to max_new_tokens)")
     g.add_argument("--no-ignore-eos", action="store_true",
                    help="clients do not send ignore_eos (bench_serving --disable-ignore-eos)")
-    g.add_argument("--freeze-gc", action="store_true",
-                   help="the server's GC was frozen after warm-up (POST /freeze_gc): no "
-                        "tokenizer-manager GC pauses (the calibration's frontend_gc_*)")
 
 
 def _workload_options(p: argparse.ArgumentParser, default_trace: str) -> None:
@@ -387,8 +384,7 @@ def _scenario(a: argparse.Namespace) -> Scenario:
         schedule_conservativeness=a.schedule_conservativeness,
         mem_fraction_static=a.mem_fraction_static, max_total_tokens=a.max_total_tokens,
         max_running_requests=a.max_running_requests, context_len=a.context_len,
-        disable_radix_cache=a.disable_radix_cache, ignore_eos=not a.no_ignore_eos,
-        freeze_gc=a.freeze_gc)
+        disable_radix_cache=a.disable_radix_cache, ignore_eos=not a.no_ignore_eos)
     try:
         dcfg = DiffKVConfig.from_spec(a.diffkv_config)
     except ConfigError as e:

@@ -76,26 +76,21 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # server the iteration grows from 33-38 ms at 513-640 requests to 58-75 ms at 1,409-1,536,
 # session 35), so the floor is ``eager_decode_host_s`` + this x batch; loop_trace_report.py
 # --graph-max-bs fits both over the eager iterations; 0 (the default): a flat floor
-# ``frontend_gc_pause_s`` is how long the tokenizer manager (the HTTP server's Python
-# process, which takes requests in and hands tokens out) stops for a full garbage collection,
-# at the ``frontend_gc_first_reqs``-th request since the server started and every
-# ``frontend_gc_every_reqs`` after it (``FrontEnd``): requests arriving then reach the
-# scheduler, and tokens streamed then reach the client, when it ends. H200, session 38:
-# SGLang's GC warning logged 0.39-0.53 s collections; clients saw 0.37-0.49 s stalls at the
-# 834th-1,060th request of each server start and the next 1,588 requests later. Not
-# ``first_token_latency_s``, which is the same for every request; 0 (the default): no pauses
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s", "release_overhead_s",
                            "first_token_latency_s", "eager_prefill_launch_s",
                            "eager_prefill_turnaround_s", "eager_decode_host_s",
-                           "eager_decode_host_per_req_s", "frontend_gc_pause_s")
-FRONTEND_GC_FIRST_FIELD = "frontend_gc_first_reqs"
-FRONTEND_GC_EVERY_FIELD = "frontend_gc_every_reqs"
-# removed: a list of probe hosts' speeds that a validation prediction averaged over; held out,
-# the mean over hosts scored no better than one host at the pooled times (docs/simulator.md,
-# "Host-side terms, measured"), and diffkv-sim always ran one host
+                           "eager_decode_host_per_req_s")
+# removed terms, each refused in one line: held out, they scored no better without
+# (docs/simulator.md, "Host-side terms, measured"): a list of probe hosts' speeds that a
+# validation prediction averaged over (diffkv-sim always ran one host), and the tokenizer
+# manager's garbage-collection pauses
+_GC_REMOVED = ("the front-end GC pauses were removed (no held-out row scored better with "
+               "them)")
 REMOVED_FIELDS = {"host_speed_factors": "the mean over probe hosts was removed (it scored no "
-                                        "better than one host at the pooled times)"}
+                                        "better than one host at the pooled times)",
+                  "frontend_gc_pause_s": _GC_REMOVED, "frontend_gc_first_reqs": _GC_REMOVED,
+                  "frontend_gc_every_reqs": _GC_REMOVED}
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -414,9 +409,6 @@ class Calibration:
     eager_decode_hosts: dict[str, float] = field(default_factory=dict)
     eager_decode_host_per_req_s: float = 0.0
     eager_decode_hosts_per_req: dict[str, float] = field(default_factory=dict)
-    frontend_gc_pause_s: float = 0.0
-    frontend_gc_first_reqs: int = 0
-    frontend_gc_every_reqs: int = 0
     eager_launch_holds_loop: bool = False
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
@@ -514,9 +506,6 @@ class Calibration:
                                  where)
         _check_turnarounds(optional["eager_prefill_turnaround_s"], turnarounds,
                            optional["eager_prefill_launch_s"], launches, where)
-        gc_first, gc_every = _frontend_gc_counts(d.get(FRONTEND_GC_FIRST_FIELD, 0),
-                                                 d.get(FRONTEND_GC_EVERY_FIELD, 0),
-                                                 optional["frontend_gc_pause_s"], where)
         hosts = _by_format(d, DECODE_HOST_FIELD, _optional_seconds, "seconds", where)
         per_req = _by_format(d, DECODE_HOST_PER_REQ_FIELD, _optional_seconds, "seconds", where)
         isolated = d.get(ISOLATED_PREFILL_FIELD, 1.0)
@@ -546,7 +535,6 @@ class Calibration:
                    eager_decode_hosts=hosts,
                    eager_decode_hosts_per_req=per_req,
                    eager_launch_holds_loop=holds_loop,
-                   frontend_gc_first_reqs=gc_first, frontend_gc_every_reqs=gc_every,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
                    prefill_clock_recovery_s=float(recovery),
@@ -574,10 +562,6 @@ class Calibration:
             d[DECODE_HOST_PER_REQ_FIELD] = dict(self.eager_decode_hosts_per_req)
         if self.eager_launch_holds_loop:
             d[LAUNCH_HOLDS_LOOP_FIELD] = True
-        if self.frontend_gc_first_reqs:
-            d[FRONTEND_GC_FIRST_FIELD] = self.frontend_gc_first_reqs
-        if self.frontend_gc_every_reqs:
-            d[FRONTEND_GC_EVERY_FIELD] = self.frontend_gc_every_reqs
         if self.isolated_prefill_scale != 1.0:
             d[ISOLATED_PREFILL_FIELD] = self.isolated_prefill_scale
         if self.prefill_clock_recovery_s != PREFILL_CLOCK_RECOVERY_S:
@@ -594,21 +578,6 @@ class Calibration:
                 raw[kind] = merged
             d["measured"] = raw
         return d
-
-
-def _frontend_gc_counts(first: Any, every: Any, pause_s: float, where: str) -> tuple[int, int]:
-    """``frontend_gc_first_reqs`` and ``frontend_gc_every_reqs`` as read, checked against the
-    pause: a pause needs its first request count, and counts need a pause."""
-    for name, v in ((FRONTEND_GC_FIRST_FIELD, first), (FRONTEND_GC_EVERY_FIELD, every)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SimulatorInputError(f"{where}.{name}={v!r} must be a whole number of "
-                                      "requests >= 0 (0: none)")
-    if bool(first) != bool(pause_s) or (every and not first):
-        raise SimulatorInputError(
-            f"{where}: {FRONTEND_GC_FIRST_FIELD}={first!r}, {FRONTEND_GC_EVERY_FIELD}={every!r}, "
-            f"frontend_gc_pause_s={pause_s!r}: a pause needs the request that starts the first "
-            "one, and request counts need a pause")
-    return first, every
 
 
 def load_calibration(gpu: str, path: str | Path | None = None) -> Calibration:

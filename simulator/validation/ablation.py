@@ -36,25 +36,26 @@ def _no_prefill_launch(c: Calibration) -> Calibration:
                    eager_launch_holds_loop=False)
 
 
-# each host-side term of the calibration, and the calibration without it
+# each host-side term of the calibration, by its field name (its JSON key; a term's
+# per-format values go with it; eager_decode_host_s takes its per-request term along, and
+# eager_prefill_launch_s its turnaround and loop hold, which count from the launches), and
+# the calibration without it; isolated_prefill_scale is the GPU's, for comparison
 HOST_TERMS: dict[str, Callable[[Calibration], Calibration]] = {
-    "eager prefill launch (with its turnaround and loop hold)": _no_prefill_launch,
-    "eager prefill turnaround": lambda c: replace(
+    "eager_prefill_launch_s": _no_prefill_launch,
+    "eager_prefill_turnaround_s": lambda c: replace(
         c, eager_prefill_turnaround_s=0.0, eager_prefill_turnarounds={}),
-    "eager launch holds the loop": lambda c: replace(c, eager_launch_holds_loop=False),
-    "eager decode host iteration (base and per request)": lambda c: replace(
+    "eager_launch_holds_loop": lambda c: replace(c, eager_launch_holds_loop=False),
+    "eager_decode_host_s": lambda c: replace(
         c, eager_decode_host_s=0.0, eager_decode_hosts={}, eager_decode_host_per_req_s=0.0,
         eager_decode_hosts_per_req={}),
-    "eager decode host per-request term": lambda c: replace(
+    "eager_decode_host_per_req_s": lambda c: replace(
         c, eager_decode_host_per_req_s=0.0, eager_decode_hosts_per_req={}),
-    "first-token latency": lambda c: replace(c, first_token_latency_s=0.0),
-    "front-end GC pauses": lambda c: replace(
-        c, frontend_gc_pause_s=0.0, frontend_gc_first_reqs=0, frontend_gc_every_reqs=0),
-    "released-request cost": lambda c: replace(c, release_overhead_s=0.0),
-    "isolated-prefill clock scale (GPU side, for comparison)": lambda c: replace(
+    "first_token_latency_s": lambda c: replace(c, first_token_latency_s=0.0),
+    "release_overhead_s": lambda c: replace(c, release_overhead_s=0.0),
+    "isolated_prefill_scale": lambda c: replace(
         c, isolated_prefill_scale=1.0),
 }
-ALL_TERMS = "all terms (as shipped)"
+ALL_TERMS = "none (as shipped)"
 
 
 def is_used(term: str, calibs: dict[str, Calibration]) -> bool:

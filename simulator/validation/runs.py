@@ -243,26 +243,6 @@ def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: 
     return base
 
 
-def with_frontend_gc(calib: Calibration, text: str) -> Calibration:
-    """``calib`` with ``--frontend-gc FIRST,EVERY,MS``: the option always sets a pause, so it
-    asks FIRST >= 1 and MS > 0 (the calibration loader's ``_frontend_gc_counts`` also accepts
-    none at all)."""
-    parts = text.split(",")
-    try:
-        if len(parts) != 3:
-            raise ValueError
-        first, every, ms = int(parts[0]), int(parts[1]), float(parts[2])
-        if first < 1 or every < 0 or not 0 < ms < 1e5:
-            raise ValueError
-    except ValueError:
-        raise SimulatorInputError(
-            f"--frontend-gc {text!r}: expected FIRST,EVERY,MS: the request count (>= 1) of "
-            "the first pause, the requests between later ones (0: none) and the pause in ms "
-            "(> 0), e.g. 910,1590,450") from None
-    return replace(calib, frontend_gc_first_reqs=first, frontend_gc_every_reqs=every,
-                   frontend_gc_pause_s=ms / 1e3)
-
-
 def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibration:
     """Backend ``be``'s calibration with the measured inputs the options give it (launches,
     host iterations, the loop hold, the first-token latency), fitted or not."""
@@ -463,7 +443,7 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         calib = calibs.get(backend(fmt), base)
         trace, warm = run.replay_inputs(radix_cache=not settings.disable_radix_cache)
         sc = scenario(model, gpu, calib, settings, h, run.config)
-        res = sc.run(trace, fmt, warm_cache=warm, requests_before=run.requests_before)
+        res = sc.run(trace, fmt, warm_cache=warm)
         s = windowed_summary(res, run.simulated_window_s)
         # with a radix cache, what ran before decides which prompts are cached
         after = "" if settings.disable_radix_cache else ", ".join(
@@ -769,13 +749,6 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
         f"{', '.join(f'{k}' for k in calib.measured.to_dict() if calib.measured.to_dict()[k])}"
         if calib.measured else f"- file: `{calib.source_file}` (no kernel grids)",
         f"- provenance: {json.dumps(calib.provenance.get('kernels', calib.provenance['source']))}",
-        "- the tokenizer manager's full GC pauses (`FrontEnd`, --frontend-gc): "
-        + (f"{1e3 * calib.frontend_gc_pause_s:.0f} ms at its {calib.frontend_gc_first_reqs}th "
-           "request since the server started"
-           + (f", then every {calib.frontend_gc_every_reqs}" if calib.frontend_gc_every_reqs
-              else "")
-           + "; none on a server whose GC was frozen after warm-up"
-           if calib.frontend_gc_first_reqs else "not modelled"),
         "- a prefill step long after the last one: kernels "
         f"x{calib.isolated_prefill_scale:.3g}"
         + (" (below the power limit the grids and back-to-back steps run at), back to back "
@@ -963,12 +936,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "intercept, as scripts/loop_trace_report.py --graph-max-bs's line "
                          "over a fitting run's eager iterations; repeatable; default: the "
                          "calibration's (0: a flat floor)")
-    ap.add_argument("--frontend-gc", default=None, metavar="FIRST,EVERY,MS",
-                    help="the tokenizer manager's full garbage collections: a pause of MS ms "
-                         "at the FIRST-th request since the server started (warm-up "
-                         "included), then every EVERY requests (0: one only); measured by "
-                         "scripts/loop_trace_report.py (its GC pauses) and SGLang's "
-                         "--gc-warning-threshold-secs; default: the calibration's (none)")
     ap.add_argument("--launch-holds-loop", action="append", default=[], choices=BACKENDS,
                     metavar="BACKEND",
                     help="BACKEND's eager prefill launches (--eager-prefill-launch-ms) also "
@@ -1085,8 +1052,6 @@ def main(argv: list[str] | None = None) -> int:
             calib = replace(calib, isolated_prefill_scale=a.isolated_prefill_scale)
         if recovery_ms is not None:
             calib = replace(calib, prefill_clock_recovery_s=recovery_ms / 1e3)
-        if a.frontend_gc is not None:
-            calib = with_frontend_gc(calib, a.frontend_gc)
         doc = Path(a.doc)
         plot_dir = plot_dir_of(a)
         plot_dir.mkdir(parents=True, exist_ok=True)
