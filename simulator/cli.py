@@ -4,7 +4,9 @@ Subcommands: compare (the default comparison), replay (one format, full metrics)
 (request rates x KV formats), capacity (max QPS and GPUs needed under an SLO), validate
 (simulate a measured SGLang run and compare), calibrate (fit eta from an SGLang log), export
 (write a trace as Mooncake JSONL for sglang.bench_serving), list (bundled traces, length
-models, models and GPUs).
+models, models and GPUs); validate-runs (fit and validate on the harness's real runs, from a
+recipe) and ablate-host-terms (score a shipped calibration without each host-side term) hand
+their arguments to their modules (TOOLS).
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ from simulator.workload.lengths import length_model, length_model_names
 from simulator.workload.loaders import FORMATS as TRACE_FORMATS
 from simulator.workload.schema import Trace
 from simulator.workload.writer import write_mooncake_jsonl
+
+# commands whose arguments their own module parses (`diffkv-sim NAME --help` shows them): the
+# module and a one-line help; each module has main(argv) -> exit status
+TOOLS: dict[str, tuple[str, str]] = {
+    "validate-runs": ("simulator.validation.runs",
+                      "fit step and host costs and validate on the harness's real SGLang runs "
+                      "(--recipe h200: the H200 report)"),
+    "ablate-host-terms": ("simulator.validation.ablation",
+                          "held-out error of a shipped calibration without each host-side "
+                          "term (--recipe h200)"),
+}
 
 
 # ---- option groups ------------------------------------------------------------------------
@@ -135,9 +148,6 @@ def _server_options(p: argparse.ArgumentParser) -> None:
                         "add_one_req_ignore_eos (replays every request to max_new_tokens)")
     g.add_argument("--no-ignore-eos", action="store_true",
                    help="clients do not send ignore_eos (bench_serving --disable-ignore-eos)")
-    g.add_argument("--freeze-gc", action="store_true",
-                   help="the server's GC was frozen after warm-up (POST /freeze_gc): no "
-                        "tokenizer-manager GC pauses (the calibration's frontend_gc_*)")
 
 
 def _workload_options(p: argparse.ArgumentParser, default_trace: str) -> None:
@@ -310,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
 
     sub.add_parser("list", help="list bundled traces, length models, models and GPUs")
+    for name, (_, help_text) in TOOLS.items():
+        # listed for --help only: main() hands these commands' arguments to their module
+        sub.add_parser(name, help=help_text, add_help=False)
     return p
 
 
@@ -371,8 +384,7 @@ def _scenario(a: argparse.Namespace) -> Scenario:
         schedule_conservativeness=a.schedule_conservativeness,
         mem_fraction_static=a.mem_fraction_static, max_total_tokens=a.max_total_tokens,
         max_running_requests=a.max_running_requests, context_len=a.context_len,
-        disable_radix_cache=a.disable_radix_cache, ignore_eos=not a.no_ignore_eos,
-        freeze_gc=a.freeze_gc)
+        disable_radix_cache=a.disable_radix_cache, ignore_eos=not a.no_ignore_eos)
     try:
         dcfg = DiffKVConfig.from_spec(a.diffkv_config)
     except ConfigError as e:
@@ -719,6 +731,11 @@ COMMANDS = {"compare": cmd_compare, "replay": cmd_replay, "sweep": cmd_sweep,
 
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
     out = out or sys.stdout
+    words = list(argv if argv is not None else sys.argv[1:])
+    if words and words[0] in TOOLS:
+        import importlib
+
+        return int(importlib.import_module(TOOLS[words[0]][0]).main(words[1:]))
     args = build_parser().parse_args(argv)
     if args.command is None:
         args = build_parser().parse_args(["compare", *(argv or [])])

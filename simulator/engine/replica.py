@@ -46,7 +46,7 @@ class Replica:
     def __init__(self, env: simpy.Environment, index: int, server: ResolvedServer, seed: int,
                  on_finish: Callable[[SimRequest], None],
                  prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                 warm_cache: Sequence[Sequence[int]] = (), requests_before: int = 0):
+                 warm_cache: Sequence[Sequence[int]] = ()):
         self.env = env
         self.index = index
         self.scheduler = server.new_scheduler(seed, prefix_block_tokens)
@@ -56,7 +56,6 @@ class Replica:
         self.log = StepLog()
         self.itl: list[np.ndarray] = []
         self.outstanding = 0
-        self.frontend = server.frontend(requests_before)
         self.overlap = not server.deployment.settings.disable_overlap_schedule
         # whether an eager prefill's launches hold the overlap loop (batch formation and
         # streaming); otherwise the next batch is formed at a step's start, tokens stream at
@@ -67,17 +66,9 @@ class Replica:
         env.process(self._loop())
 
     def submit(self, r: SimRequest) -> bool:
-        """Take ``r`` in through the front end; False: rejected at once. A request the front
-        end holds in a pause is counted outstanding; if the scheduler then rejects it, it
-        goes to ``on_finish`` from there."""
+        """Hand ``r`` to the scheduler; False: rejected at once."""
         r.replica = self.index
-        at = self.frontend.admit(self.env.now)
-        if at <= self.env.now:
-            return self._enter(r)
-        self.outstanding += 1
-        self.env.timeout(at - self.env.now).callbacks.append(lambda _e: self._enter_held(r))
-        return True
-
+        return self._enter(r)
     def _enter(self, r: SimRequest) -> bool:
         r.queued_at = self.env.now
         if not self.scheduler.submit(r):
@@ -86,11 +77,6 @@ class Replica:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
         return True
-
-    def _enter_held(self, r: SimRequest) -> None:
-        self.outstanding -= 1
-        if not self._enter(r):
-            self.on_finish(r)
 
     def _loop(self):  # simpy process generator
         env, sched, log = self.env, self.scheduler, self.log
@@ -160,7 +146,6 @@ class Replica:
         """Stream the tokens of the step just run ``delay`` after its end (now), then hand
         its finished requests to ``on_finish``; both lists are emptied."""
         _stream_after(streamed, self.env.now, delay)
-        self.frontend.hold_tokens(streamed, self.env.now)
         for r in finished:
             self.outstanding -= 1
             self.on_finish(r)

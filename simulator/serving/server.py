@@ -11,7 +11,6 @@ import numpy as np
 from simulator.kv.formats import KVFormat
 from simulator.kv.pool import KVPool
 from simulator.serving.cost import CostModel
-from simulator.serving.frontend import FrontEnd
 from simulator.serving.memory import (
     MemoryBudget,
     cuda_graph_batch_sizes,
@@ -93,15 +92,6 @@ class ResolvedServer:
         return (not self.deployment.settings.disable_radix_cache and self.pool.unit == "tokens"
                 and getattr(self.pool, "page_size", 1) == 1)
 
-    def frontend(self, requests_before: int = 0) -> FrontEnd:
-        """The tokenizer manager of one replica that has received ``requests_before``
-        requests since it started: the calibration's GC pauses, none after /freeze_gc."""
-        c = self.deployment.calibration
-        if self.deployment.settings.freeze_gc:
-            return FrontEnd(received=requests_before)
-        return FrontEnd(c.frontend_gc_first_reqs, c.frontend_gc_every_reqs,
-                        c.frontend_gc_pause_s, requests_before)
-
     def new_scheduler(self, seed: int, prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
                       ) -> Scheduler:
         """A scheduler for one replica; its radix-cache model keys on prefix ids that name
@@ -124,6 +114,5 @@ class ResolvedServer:
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "context_len": self.context_len,
             "prefix_cache": self.prefix_cache_enabled,
-            "frontend_gc": self.frontend().describe(),
             "calibration": d.calibration.source_file,
         }

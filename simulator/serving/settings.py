@@ -40,7 +40,6 @@ class ServerSettings:
     context_len: int | None = None              # None: the model's max_position_embeddings
     disable_radix_cache: bool = False
     ignore_eos: bool = True                     # clients send ignore_eos (bench_serving)
-    freeze_gc: bool = False                     # POST /freeze_gc after warm-up: no GC pauses
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = True, allow_neg1: bool = False) -> None:

@@ -27,7 +27,7 @@ import bisect
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -76,32 +76,21 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # server the iteration grows from 33-38 ms at 513-640 requests to 58-75 ms at 1,409-1,536,
 # session 35), so the floor is ``eager_decode_host_s`` + this x batch; loop_trace_report.py
 # --graph-max-bs fits both over the eager iterations; 0 (the default): a flat floor
-# ``frontend_gc_pause_s`` is how long the tokenizer manager (the HTTP server's Python
-# process, which takes requests in and hands tokens out) stops for a full garbage collection,
-# at the ``frontend_gc_first_reqs``-th request since the server started and every
-# ``frontend_gc_every_reqs`` after it (``FrontEnd``): requests arriving then reach the
-# scheduler, and tokens streamed then reach the client, when it ends. H200, session 38:
-# SGLang's GC warning logged 0.39-0.53 s collections; clients saw 0.37-0.49 s stalls at the
-# 834th-1,060th request of each server start and the next 1,588 requests later. Not
-# ``first_token_latency_s``, which is the same for every request; 0 (the default): no pauses
 OPTIONAL_SECONDS_FIELDS = ("prefill_step_overhead_s", "prefill_seq_overhead_s",
                            "prefill_token_overhead_s", "release_overhead_s",
                            "first_token_latency_s", "eager_prefill_launch_s",
                            "eager_prefill_turnaround_s", "eager_decode_host_s",
-                           "eager_decode_host_per_req_s", "frontend_gc_pause_s")
-FRONTEND_GC_FIRST_FIELD = "frontend_gc_first_reqs"
-FRONTEND_GC_EVERY_FIELD = "frontend_gc_every_reqs"
-# optional (none when absent): the host speeds of the server starts the host times above were
-# pooled over, as factors on those times (``eager_prefill_launch_s``, its turnaround and the
-# eager decode host iteration, with their per-format values): each start's one-prompt launch
-# over the pooled launch. A start's host is its own (H200, sessions 31-36: one-prompt DiffKV
-# launches 23-38 ms per start), and where host time bounds the steps the model's output is
-# convex in it: at 23.03 req/s the DiffKV ladder's TPOT reads 21.1 / 23.7 / 32.6 ms at 0.9x /
-# 1x / 1.2x. A prediction for the mean of repeated starts is then the mean over these hosts,
-# one run each (``Calibration.on_host``), not one run at the pooled mean (Jensen's
-# inequality); none: one host, the times as given
-HOST_SPEEDS_FIELD = "host_speed_factors"
-HOST_SPEED_MAX = 4.0
+                           "eager_decode_host_per_req_s")
+# removed terms, each refused in one line: held out, they scored no better without
+# (docs/simulator.md, "Host-side terms, measured"): a list of probe hosts' speeds that a
+# validation prediction averaged over (diffkv-sim always ran one host), and the tokenizer
+# manager's garbage-collection pauses
+_GC_REMOVED = ("the front-end GC pauses were removed (no held-out row scored better with "
+               "them)")
+REMOVED_FIELDS = {"host_speed_factors": "the mean over probe hosts was removed (it scored no "
+                                        "better than one host at the pooled times)",
+                  "frontend_gc_pause_s": _GC_REMOVED, "frontend_gc_first_reqs": _GC_REMOVED,
+                  "frontend_gc_every_reqs": _GC_REMOVED}
 # optional: the per-layer cost of a decode step that no CUDA graph runs (a batch above the
 # largest captured size), when it differs from a prefill step's (``eager_layer_overhead_s``):
 # a backend's eager decode path launches other kernels, and more host work, than its extend
@@ -420,11 +409,7 @@ class Calibration:
     eager_decode_hosts: dict[str, float] = field(default_factory=dict)
     eager_decode_host_per_req_s: float = 0.0
     eager_decode_hosts_per_req: dict[str, float] = field(default_factory=dict)
-    frontend_gc_pause_s: float = 0.0
-    frontend_gc_first_reqs: int = 0
-    frontend_gc_every_reqs: int = 0
     eager_launch_holds_loop: bool = False
-    host_speed_factors: tuple[float, ...] = ()
     decode_attention_scale: float = 1.0
     decode_attention_scales: dict[str, float] = field(default_factory=dict)
     isolated_prefill_scale: float = 1.0
@@ -476,31 +461,6 @@ class Calibration:
         where the file gives one, else ``eager_decode_host_per_req_s``; 0: a flat floor)."""
         return self.eager_decode_hosts_per_req.get(key, self.eager_decode_host_per_req_s)
 
-    @property
-    def host_speeds(self) -> tuple[float, ...]:
-        """The hosts a prediction averages over, as factors on the host times (1: as given)."""
-        return self.host_speed_factors or (1.0,)
-
-    def on_host(self, factor: float) -> Calibration:
-        """This calibration on a host ``factor`` times as slow: its host times (eager prefill
-        launches and turnaround, the eager decode host iteration, per format too) scaled, the
-        GPU's costs and the client's latency as they are; one host, no spread."""
-        if not (isinstance(factor, (int, float)) and 0 < factor <= HOST_SPEED_MAX):
-            raise SimulatorInputError(f"host speed factor={factor!r} must be in "
-                                      f"(0, {HOST_SPEED_MAX:g}]")
-
-        def scaled(d: dict[str, float]) -> dict[str, float]:
-            return {k: v * factor for k, v in d.items()}
-        return replace(self, host_speed_factors=(),
-                       eager_prefill_launch_s=self.eager_prefill_launch_s * factor,
-                       eager_prefill_launches=scaled(self.eager_prefill_launches),
-                       eager_prefill_turnaround_s=self.eager_prefill_turnaround_s * factor,
-                       eager_prefill_turnarounds=scaled(self.eager_prefill_turnarounds),
-                       eager_decode_host_s=self.eager_decode_host_s * factor,
-                       eager_decode_hosts=scaled(self.eager_decode_hosts),
-                       eager_decode_host_per_req_s=self.eager_decode_host_per_req_s * factor,
-                       eager_decode_hosts_per_req=scaled(self.eager_decode_hosts_per_req))
-
     def attention_eta(self, key: str) -> float:
         if key not in self.eta_mem_decode_attention:
             raise SimulatorInputError(
@@ -516,6 +476,9 @@ class Calibration:
                                "eta_mem_decode_attention", "provenance") if f not in d]
         if missing:
             raise SimulatorInputError(f"{where} lacks field(s) {missing}")
+        for f, why in REMOVED_FIELDS.items():
+            if f in d:
+                raise SimulatorInputError(f"{where}.{f}: {why}; delete the key")
         for f in ETA_FIELDS:
             v = d[f]
             if not isinstance(v, (int, float)) or not 0 < v <= 1:
@@ -543,9 +506,6 @@ class Calibration:
                                  where)
         _check_turnarounds(optional["eager_prefill_turnaround_s"], turnarounds,
                            optional["eager_prefill_launch_s"], launches, where)
-        gc_first, gc_every = _frontend_gc_counts(d.get(FRONTEND_GC_FIRST_FIELD, 0),
-                                                 d.get(FRONTEND_GC_EVERY_FIELD, 0),
-                                                 optional["frontend_gc_pause_s"], where)
         hosts = _by_format(d, DECODE_HOST_FIELD, _optional_seconds, "seconds", where)
         per_req = _by_format(d, DECODE_HOST_PER_REQ_FIELD, _optional_seconds, "seconds", where)
         isolated = d.get(ISOLATED_PREFILL_FIELD, 1.0)
@@ -562,7 +522,6 @@ class Calibration:
         if not isinstance(holds_loop, bool):
             raise SimulatorInputError(f"{where}.{LAUNCH_HOLDS_LOOP_FIELD}={holds_loop!r} must "
                                       "be true or false")
-        host_speeds = _host_speeds(d.get(HOST_SPEEDS_FIELD, []), f"{where}.{HOST_SPEEDS_FIELD}")
         eager_decode = d.get(EAGER_DECODE_FIELD)
         if eager_decode is not None:
             eager_decode = _optional_seconds(eager_decode, f"{where}.{EAGER_DECODE_FIELD}")
@@ -575,8 +534,7 @@ class Calibration:
                    eager_prefill_launches=launches, eager_prefill_turnarounds=turnarounds,
                    eager_decode_hosts=hosts,
                    eager_decode_hosts_per_req=per_req,
-                   eager_launch_holds_loop=holds_loop, host_speed_factors=host_speeds,
-                   frontend_gc_first_reqs=gc_first, frontend_gc_every_reqs=gc_every,
+                   eager_launch_holds_loop=holds_loop,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
                    prefill_clock_recovery_s=float(recovery),
@@ -604,12 +562,6 @@ class Calibration:
             d[DECODE_HOST_PER_REQ_FIELD] = dict(self.eager_decode_hosts_per_req)
         if self.eager_launch_holds_loop:
             d[LAUNCH_HOLDS_LOOP_FIELD] = True
-        if self.host_speed_factors:
-            d[HOST_SPEEDS_FIELD] = list(self.host_speed_factors)
-        if self.frontend_gc_first_reqs:
-            d[FRONTEND_GC_FIRST_FIELD] = self.frontend_gc_first_reqs
-        if self.frontend_gc_every_reqs:
-            d[FRONTEND_GC_EVERY_FIELD] = self.frontend_gc_every_reqs
         if self.isolated_prefill_scale != 1.0:
             d[ISOLATED_PREFILL_FIELD] = self.isolated_prefill_scale
         if self.prefill_clock_recovery_s != PREFILL_CLOCK_RECOVERY_S:
@@ -626,33 +578,6 @@ class Calibration:
                 raw[kind] = merged
             d["measured"] = raw
         return d
-
-
-def _host_speeds(v: Any, where: str) -> tuple[float, ...]:
-    """``host_speed_factors`` as read: a list of numbers in (0, HOST_SPEED_MAX]."""
-    ok = isinstance(v, list) and all(
-        not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x <= HOST_SPEED_MAX
-        for x in v)
-    if not ok:
-        raise SimulatorInputError(f"{where}={v!r} must be a list of host speed factors in "
-                                  f"(0, {HOST_SPEED_MAX:g}] (one per server start; [] or "
-                                  "absent: one host)")
-    return tuple(float(x) for x in v)
-
-
-def _frontend_gc_counts(first: Any, every: Any, pause_s: float, where: str) -> tuple[int, int]:
-    """``frontend_gc_first_reqs`` and ``frontend_gc_every_reqs`` as read, checked against the
-    pause: a pause needs its first request count, and counts need a pause."""
-    for name, v in ((FRONTEND_GC_FIRST_FIELD, first), (FRONTEND_GC_EVERY_FIELD, every)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SimulatorInputError(f"{where}.{name}={v!r} must be a whole number of "
-                                      "requests >= 0 (0: none)")
-    if bool(first) != bool(pause_s) or (every and not first):
-        raise SimulatorInputError(
-            f"{where}: {FRONTEND_GC_FIRST_FIELD}={first!r}, {FRONTEND_GC_EVERY_FIELD}={every!r}, "
-            f"frontend_gc_pause_s={pause_s!r}: a pause needs the request that starts the first "
-            "one, and request counts need a pause")
-    return first, every
 
 
 def load_calibration(gpu: str, path: str | Path | None = None) -> Calibration:

@@ -53,13 +53,12 @@ class Scenario:
 
     def run(self, workload: Trace | ClosedLoop, fmt: str,
             server: ResolvedServer | None = None,
-            warm_cache: Sequence[Sequence[int]] = (), requests_before: int = 0) -> RunResult:
-        """``warm_cache``: the radix cache at the start, ``requests_before``: the requests
-        its tokenizer manager took before (``simulate``); empty and 0: a fresh server."""
+            warm_cache: Sequence[Sequence[int]] = ()) -> RunResult:
+        """``warm_cache``: the radix cache at the start (``simulate``); empty: a fresh
+        server."""
         srv = server or self.server(fmt)
         return simulate(workload, srv, replicas=self.replicas, router=self.router,
-                        seed=self.seed, progress=self.progress, warm_cache=warm_cache,
-                        requests_before=requests_before)
+                        seed=self.seed, progress=self.progress, warm_cache=warm_cache)
 
     def run_summary(self, workload: Trace | ClosedLoop, fmt: str, slo: SLO | None = None,
                     server: ResolvedServer | None = None) -> tuple[RunResult, dict[str, Any]]:

@@ -38,7 +38,6 @@ import math
 import re
 import shlex
 import tarfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +76,6 @@ class HarnessRun:
     # the runs served before this one by the same server start, oldest first
     earlier: tuple[HarnessRun, ...] = field(repr=False, default=())
     lengths_from: str = "sharegpt"      # the trace its request lengths come from
-    warmup_requests: int = 0            # the warm-up's requests before the server's first run
     _trace: Trace | None = field(repr=False, default=None, compare=False)
     _warm: list[tuple[int, ...]] | None = field(repr=False, default=None, compare=False)
 
@@ -122,12 +120,6 @@ class HarnessRun:
                 history.append(read_records(p))
             self._warm = served_blocks(history, self.seed)
         return self._trace, self._warm
-
-    @property
-    def requests_before(self) -> int:
-        """Requests the server's tokenizer manager took before this run: the warm-up and the
-        earlier runs' sent requests (where its GC pauses fall, ``FrontEnd``)."""
-        return self.warmup_requests + sum(int(r.client.get("sent") or 0) for r in self.earlier)
 
     @property
     def window_s(self) -> float | None:
@@ -230,7 +222,6 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
                                   f"one name ({', '.join(names)})")
     seed = _client_seed(data)
     lengths_from = _lengths_from(data)
-    warmup = _warmup_requests(data)
     runs: list[HarnessRun] = []
     for i, r in enumerate(_need(data, "runs", str(res_path))):
         where = f"{res_path}: runs[{i}]"
@@ -253,7 +244,7 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
         runs.append(HarnessRun(rename.get(cfg, cfg), _need(r, "workload", where), label, tf,
                                _need(r, "client", where), text, r.get("rate_req_s"),
                                r.get("saturation_req_s"), r, server_logs[cfg], seed, earlier,
-                               lengths_from=lengths_from, warmup_requests=warmup))
+                               lengths_from=lengths_from))
     configs = {rename.get(k, k): v for k, v in configs.items()}
     server_logs = {rename.get(k, k): v for k, v in server_logs.items()}
     return HarnessResults(root, configs, runs, data.get("environment", {}), server_logs,
@@ -266,21 +257,6 @@ def _lengths_from(data: dict[str, Any]) -> str:
     opt = data.get("options")
     v = opt.get("sharegpt_trace") if isinstance(opt, dict) else None
     return str(v) if v else "sharegpt"
-
-
-# bench_e2e.py's warm-up (``warmup_phases``): the first request of each of its four prompt
-# lengths alone, then all ``--warmup`` N together
-_WARMUP_LENGTHS = 4
-
-
-def _warmup_requests(data: dict[str, Any]) -> int:
-    """How many warm-up requests bench_e2e sent each server before its first run (its
-    recorded --warmup; 0 where not recorded)."""
-    opt = data.get("options")
-    n = opt.get("warmup") if isinstance(opt, dict) else None
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        return 0
-    return min(n, _WARMUP_LENGTHS) + n
 
 
 def _client_seed(data: dict[str, Any]) -> int:
@@ -449,8 +425,7 @@ def server_settings(cfg: dict[str, Any], log: ServerLog) -> tuple[ServerSettings
         max_total_tokens=_opt_int(args.get("max_total_tokens")),
         max_running_requests=_opt_int(args.get("max_running_requests")),
         context_len=_opt_int(args.get("context_length")),
-        disable_radix_cache=diffkv or _flag(args.get("disable_radix_cache")),
-        freeze_gc=bool(cfg.get("gc_frozen")))
+        disable_radix_cache=diffkv or _flag(args.get("disable_radix_cache")))
     return s, fmt
 
 
@@ -520,33 +495,6 @@ def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
         "series_t": (t_end[t_end <= end] - t0).tolist(),
         "series_batch": lg["batch"][t_end <= end].tolist(),
     }
-
-
-def mean_over_hosts(summaries: Sequence[dict[str, Any]], hosts: Sequence[float]
-                    ) -> dict[str, Any]:
-    """Summaries of one run replayed on each of ``hosts`` (``Calibration.host_speeds``, in
-    the same order) as one: what the mean over repeated server starts measures. Numbers
-    average (None where a host has none), nested summaries alike; anything else (a time
-    series) is the median host's."""
-    if not summaries or len(summaries) != len(hosts):
-        raise ValueError(f"{len(summaries)} summaries for {len(hosts)} hosts")
-    if len(summaries) == 1:
-        return dict(summaries[0])
-    order = sorted(range(len(hosts)), key=lambda i: hosts[i])
-    return _mean_of(summaries, order[(len(order) - 1) // 2])
-
-
-def _mean_of(summaries: Sequence[dict[str, Any]], middle: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in summaries[middle].items():
-        vs = [s.get(k) for s in summaries]
-        if isinstance(v, dict):
-            out[k] = _mean_of(vs, middle)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = None if any(x is None for x in vs) else float(np.mean(vs))
-        else:
-            out[k] = v
-    return out
 
 
 def measured_series(log_slice: str) -> tuple[list[float], list[int]]:

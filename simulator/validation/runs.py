@@ -1,8 +1,14 @@
 """Validate diffkv-sim against the end-to-end harness's real SGLang runs. CPU only.
 
-    python -m simulator.validation.runs RESULTS_DIR [RESULTS_DIR ...] \
+    diffkv-sim validate-runs --recipe h200          # a shipped report's recipe
+    diffkv-sim validate-runs RESULTS_DIR [RESULTS_DIR ...] \
         --calibration results/calibration/calibration.json \
         [--fit-run bf16/longgen --fit-run diffkv-mix/longgen] [--doc docs/simulator-validation.md]
+
+(``python -m simulator.validation.runs`` takes the same arguments.) ``--recipe`` reads the
+result folders, fitting runs and options from a JSON file (``simulator/validation/recipe.py``;
+the shipped reports' recipes are in ``simulator/validation/recipes/``); options given after it
+add to its lists and replace its single values.
 
 Each RESULTS_DIR is one ``scripts/bench_e2e.py --out`` (results.json, bench_serving.jsonl,
 logs/ or logs.tar.gz; layout in simulator/validation/harness.py); several folders (one per GPU
@@ -55,7 +61,6 @@ from simulator.errors import SimulatorInputError
 from simulator.kv.mix import TierMix
 from simulator.metrics.summary import summarize
 from simulator.specs.calibration import (
-    HOST_SPEED_MAX,
     ISOLATED_PREFILL_MIN,
     PREFILL_CLOCK_RECOVERY_MAX_S,
     Calibration,
@@ -77,13 +82,13 @@ from simulator.validation.harness import (
     HarnessRun,
     diffkv_mix,
     load_harness,
-    mean_over_hosts,
     measured_series,
     merge_harness,
     row,
     server_settings,
     windowed_summary,
 )
+from simulator.validation.recipe import expand_recipe
 from simulator.validation.refine import (
     DEFAULT_MAX_EVALS,
     UNITS,
@@ -101,6 +106,7 @@ from simulator.validation.step_fit import (
 
 # the repository root: git provenance, relative paths in the report, default output folders
 ROOT = Path(__file__).resolve().parents[2]
+PROG = "diffkv-sim validate-runs"  # the command, in messages and in the report
 
 
 def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
@@ -224,49 +230,6 @@ def eager_launch_arg(items: list[str]) -> dict[str, float]:
     return key_ms_arg("--eager-prefill-launch-ms", items, LAUNCH_KEYS)
 
 
-def host_launches_arg(items: list[str]) -> dict[str, tuple[float, ...]]:
-    """``--host-launches-ms KEY=MS,MS,...`` items as {key: launches in ms}, KEY as in
-    ``--eager-prefill-launch-ms``, each MS in (0, 1000)."""
-    out: dict[str, tuple[float, ...]] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        try:
-            values = tuple(float(v) for v in text.split(","))
-        except ValueError:
-            values = ()
-        if not sep or key not in LAUNCH_KEYS or not values \
-                or not all(0 < v < 1e3 for v in values):
-            raise SimulatorInputError(
-                f"--host-launches-ms {item!r}: want KEY=MS,MS,..., KEY one of "
-                f"{', '.join(LAUNCH_KEYS)}, each MS a probe start's mean one-prompt launch in "
-                "milliseconds, in (0, 1000)")
-        out[key] = out.get(key, ()) + values
-    return out
-
-
-def host_speeds(base: Calibration, be: str, launches: dict[str, tuple[float, ...]]
-                ) -> tuple[float, ...]:
-    """Backend ``be``'s host speed factors from ``--host-launches-ms``: each start's launch over
-    the launch ``base`` takes for its key (the backend's, or a KV format's own)."""
-    factors: list[float] = []
-    for key in sorted(k for k in launches if backend(k) == be):
-        pooled = base.prefill_launch_s(key)
-        if pooled <= 0.0:
-            raise SimulatorInputError(
-                f"--host-launches-ms {key}=...: {key} has no eager prefill launch time "
-                "(--eager-prefill-launch-ms, or the calibration's) to take the starts' "
-                "launches relative to")
-        for ms in launches[key]:
-            f = ms / 1e3 / pooled
-            if not 0 < f <= HOST_SPEED_MAX:
-                raise SimulatorInputError(
-                    f"--host-launches-ms {key}: {ms:g} ms is {f:.2f}x the pooled "
-                    f"{1e3 * pooled:.1f} ms; a host speed factor must be in "
-                    f"(0, {HOST_SPEED_MAX:g}]")
-            factors.append(f)
-    return tuple(factors)
-
-
 def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: str,
                   by_format: str, per_second: float = 1e3) -> Calibration:
     """``base`` with a ``KEY=MS`` option's values for backend ``be``: KEY ``be`` sets field
@@ -278,26 +241,6 @@ def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: 
     if own:
         base = replace(base, **{by_format: {**getattr(base, by_format), **own}})
     return base
-
-
-def with_frontend_gc(calib: Calibration, text: str) -> Calibration:
-    """``calib`` with ``--frontend-gc FIRST,EVERY,MS``: the option always sets a pause, so it
-    asks FIRST >= 1 and MS > 0 (the calibration loader's ``_frontend_gc_counts`` also accepts
-    none at all)."""
-    parts = text.split(",")
-    try:
-        if len(parts) != 3:
-            raise ValueError
-        first, every, ms = int(parts[0]), int(parts[1]), float(parts[2])
-        if first < 1 or every < 0 or not 0 < ms < 1e5:
-            raise ValueError
-    except ValueError:
-        raise SimulatorInputError(
-            f"--frontend-gc {text!r}: expected FIRST,EVERY,MS: the request count (>= 1) of "
-            "the first pause, the requests between later ones (0: none) and the pause in ms "
-            "(> 0), e.g. 910,1590,450") from None
-    return replace(calib, frontend_gc_first_reqs=first, frontend_gc_every_reqs=every,
-                   frontend_gc_pause_s=ms / 1e3)
 
 
 def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibration:
@@ -320,9 +263,6 @@ def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibratio
                          "eager_decode_hosts")
     base = with_given_ms(base, be, a.eager_decode_host_per_req_us,
                          "eager_decode_host_per_req_s", "eager_decode_hosts_per_req", 1e6)
-    factors = host_speeds(base, be, a.host_launches_ms)
-    if factors:
-        base = replace(base, host_speed_factors=factors)
     if be in a.launch_holds_loop:
         base = replace(base, eager_launch_holds_loop=True)
     first_token = a.first_token_latency_ms.get(be)
@@ -360,8 +300,6 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
         info["eager_turnarounds_s"] = dict(base.eager_prefill_turnarounds)
     if base.eager_launch_holds_loop:
         info["launch_holds_loop"] = True
-    if base.host_speed_factors:
-        info["host_speeds"] = list(base.host_speed_factors)
     if base.eager_decode_host_s:
         info["eager_decode_host_s"] = base.eager_decode_host_s
     if base.eager_decode_hosts:
@@ -428,11 +366,8 @@ def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: C
     sub = replace(h, runs=runs)
 
     def evaluate(c: Calibration) -> list[dict]:
-        # no run counts as fitting here, so the rows carry the targets they would have; one
-        # host (the pooled one): the fitting runs sit at low load, where the mean over hosts
-        # is within 1-2% of it, and each host costs the refinement a full pass
-        return validate(sub, {"base": base, be: replace(c, host_speed_factors=())}, model, gpu,
-                        set())[0]
+        # no run counts as fitting here, so the rows carry the targets they would have
+        return validate(sub, {"base": base, be: c}, model, gpu, set())[0]
 
     names = [n for n in info["fitted"] if n in UNITS and n not in hold]
     if "first_token_latency_s" not in hold:
@@ -440,7 +375,7 @@ def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: C
         fitted = replace(fitted,
                          first_token_latency_s=first_token_latency_guess(evaluate(fitted)))
     refined, how = refine_costs(fitted, names, evaluate, max_evals)
-    print(f"validate_simulator: {be}: {how.note()}", file=sys.stderr)
+    print(f"{PROG}: {be}: {how.note()}", file=sys.stderr)
     path = Path(info["file"])
     data = json.loads(path.read_text())
     entry = next(iter(data["gpus"].values()))
@@ -507,20 +442,16 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         settings, fmt = server_settings(h.configs[run.config], log)
         calib = calibs.get(backend(fmt), base)
         trace, warm = run.replay_inputs(radix_cache=not settings.disable_radix_cache)
-        window, full = [], []
-        for host in calib.host_speeds:
-            sc = scenario(model, gpu, calib.on_host(host), settings, h, run.config)
-            res = sc.run(trace, fmt, warm_cache=warm, requests_before=run.requests_before)
-            window.append(windowed_summary(res, run.simulated_window_s))
-            full.append(summarize(res))
-        s = mean_over_hosts(window, calib.host_speeds)
+        sc = scenario(model, gpu, calib, settings, h, run.config)
+        res = sc.run(trace, fmt, warm_cache=warm)
+        s = windowed_summary(res, run.simulated_window_s)
         # with a radix cache, what ran before decides which prompts are cached
         after = "" if settings.disable_radix_cache else ", ".join(
             f"{r.workload}@{r.rate_req_s:.2f}rps" if r.rate_req_s else r.workload
             for r in run.earlier)
         group = repeat_key(run.config, run.workload, run.rate_req_s, trace, after)
         sims[run.key] = {"summary": s, "format": fmt, "run": run, "in_sample": in_sample,
-                         "full": mean_over_hosts(full, calib.host_speeds), "group": group}
+                         "full": summarize(res), "group": group}
         c = run.client
 
         def tg(name: str, in_sample: bool = in_sample) -> float | None:
@@ -818,13 +749,6 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
         f"{', '.join(f'{k}' for k in calib.measured.to_dict() if calib.measured.to_dict()[k])}"
         if calib.measured else f"- file: `{calib.source_file}` (no kernel grids)",
         f"- provenance: {json.dumps(calib.provenance.get('kernels', calib.provenance['source']))}",
-        "- the tokenizer manager's full GC pauses (`FrontEnd`, --frontend-gc): "
-        + (f"{1e3 * calib.frontend_gc_pause_s:.0f} ms at its {calib.frontend_gc_first_reqs}th "
-           "request since the server started"
-           + (f", then every {calib.frontend_gc_every_reqs}" if calib.frontend_gc_every_reqs
-              else "")
-           + "; none on a server whose GC was frozen after warm-up"
-           if calib.frontend_gc_first_reqs else "not modelled"),
         "- a prefill step long after the last one: kernels "
         f"x{calib.isolated_prefill_scale:.3g}"
         + (" (below the power limit the grids and back-to-back steps run at), back to back "
@@ -873,11 +797,7 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                         "(--launch-holds-loop)" if fi.get("launch_holds_loop") else "")
                      + (f"; the client's first-token latency given: "
                         f"{1e3 * fi['first_token_s']:.1f} ms (--first-token-latency-ms)"
-                        if "first_token_s" in fi else "")
-                     + (f"; every run replayed on {len(fi['host_speeds'])} hosts, its host "
-                        "times x" + " / ".join(f"{f:.2f}" for f in fi["host_speeds"])
-                        + ", the predictions averaged (--host-launches-ms)"
-                        if fi.get("host_speeds") else ""))
+                        if "first_token_s" in fi else ""))
         if fi.get("refinement"):
             lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:
@@ -886,8 +806,7 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
                             else ""))
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({p.relative_to(doc.parent)})" for p in plot_paths]
-    lines += ["", "## Command", "", "```", "python -m simulator.validation.runs "
-              + " ".join(argv), "```", ""]
+    lines += ["", "## Command", "", "```", f"{PROG} " + " ".join(argv), "```", ""]
     return "\n".join(lines)
 
 
@@ -936,8 +855,13 @@ def results_arg(arg: str) -> tuple[str, str | None, dict[str, str]]:
     return d, tag or None, rename
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``diffkv-sim validate-runs`` (a recipe's keys are their names)."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", metavar="NAME|FILE",
+                    help="read the result folders and options from a JSON recipe: a file, or "
+                         "a shipped one (h100, h200: their validation reports); options given "
+                         "after it add to its lists and replace its single values")
     ap.add_argument("results", nargs="+",
                     help="scripts/bench_e2e.py --out directories (several are merged); "
                          "DIR#TAG appends #TAG to the labels of DIR's runs, so a workload run "
@@ -1012,12 +936,6 @@ def main(argv: list[str] | None = None) -> int:
                          "intercept, as scripts/loop_trace_report.py --graph-max-bs's line "
                          "over a fitting run's eager iterations; repeatable; default: the "
                          "calibration's (0: a flat floor)")
-    ap.add_argument("--frontend-gc", default=None, metavar="FIRST,EVERY,MS",
-                    help="the tokenizer manager's full garbage collections: a pause of MS ms "
-                         "at the FIRST-th request since the server started (warm-up "
-                         "included), then every EVERY requests (0: one only); measured by "
-                         "scripts/loop_trace_report.py (its GC pauses) and SGLang's "
-                         "--gc-warning-threshold-secs; default: the calibration's (none)")
     ap.add_argument("--launch-holds-loop", action="append", default=[], choices=BACKENDS,
                     metavar="BACKEND",
                     help="BACKEND's eager prefill launches (--eager-prefill-launch-ms) also "
@@ -1062,17 +980,6 @@ def main(argv: list[str] | None = None) -> int:
                          "attention across batch and context, while the fitting runs' metrics "
                          "barely move with it below the batches a burst runs; TERM one of "
                          f"{', '.join(HOLDABLE)}; repeatable")
-    ap.add_argument("--host-launches-ms", action="append", default=[],
-                    metavar="KEY=MS,MS,...",
-                    help="the mean one-prompt launch of each probe start whose pooled launch "
-                         "--eager-prefill-launch-ms gives KEY (as there: triton, diffkv, bf16, "
-                         "fp8), e.g. scripts/loop_trace_report.py's per-start launch: every "
-                         "run is replayed once per start, its host times (launches, "
-                         "turnaround, eager decode iteration) scaled by that start's launch "
-                         "over the pooled one, and the predictions averaged, as the mean of "
-                         "repeated starts averages hosts (calibration field "
-                         "host_speed_factors); repeatable; default: the calibration's (one "
-                         "host)")
     ap.add_argument("--first-token-latency-ms", action="append", default=[],
                     metavar="BACKEND=MS",
                     help="the client's first-token latency beyond the scheduler (HTTP, "
@@ -1095,8 +1002,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for the plots and the fitted calibration files (default: "
                          "beside --doc, named after it: DOC.md -> DOC/)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
     args_used = list(argv if argv is not None else sys.argv[1:])
+    try:
+        argv = expand_recipe(args_used, PROG)
+    except SimulatorInputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    ap = build_parser()
+    # intermixed: a recipe's folders come first, the caller's may follow its options
+    a = ap.parse_intermixed_args(argv)
     try:
         if a.isolated_prefill_scale is not None and not (
                 ISOLATED_PREFILL_MIN <= a.isolated_prefill_scale <= 1.0):
@@ -1106,7 +1024,6 @@ def main(argv: list[str] | None = None) -> int:
         a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
         a.eager_prefill_turnaround_ms = key_ms_arg(
             "--eager-prefill-turnaround-ms", a.eager_prefill_turnaround_ms, LAUNCH_KEYS)
-        a.host_launches_ms = host_launches_arg(a.host_launches_ms)
         a.refine_hold = refine_hold_arg(a.refine_hold)
         a.eager_decode_host_ms = key_ms_arg("--eager-decode-host-ms", a.eager_decode_host_ms,
                                             LAUNCH_KEYS)
@@ -1135,8 +1052,6 @@ def main(argv: list[str] | None = None) -> int:
             calib = replace(calib, isolated_prefill_scale=a.isolated_prefill_scale)
         if recovery_ms is not None:
             calib = replace(calib, prefill_clock_recovery_s=recovery_ms / 1e3)
-        if a.frontend_gc is not None:
-            calib = with_frontend_gc(calib, a.frontend_gc)
         doc = Path(a.doc)
         plot_dir = plot_dir_of(a)
         plot_dir.mkdir(parents=True, exist_ok=True)
@@ -1170,13 +1085,11 @@ def main(argv: list[str] | None = None) -> int:
             calibs[be] = with_given(calib, be, a)   # no fitting runs: the file's costs
         if a.shipped:
             shipped = load_calibration_set(load_gpu(a.gpu).key)
-            # one host, the times as given: diffkv-sim runs one replay, not a mean over hosts
-            calibs = {"base": shipped.for_key("bf16").on_host(1.0),
-                      **{be: c.on_host(1.0) for be, c in shipped.by_backend.items()}}
+            calibs = {"base": shipped.for_key("bf16"), **shipped.by_backend}
             calib = calibs["base"]
         rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
     except SimulatorInputError as e:
-        print(f"validate_simulator: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(table(rows))
     paths = plots(sims, h, plot_dir)

@@ -37,7 +37,7 @@ def validator_options(vs: ModuleType, **given: Any) -> SimpleNamespace:
     return SimpleNamespace(**{
         "diffkv_prefill_step_ms": 0.0, "eager_prefill_launch_ms": {},
         "eager_prefill_turnaround_ms": {}, "eager_decode_host_ms": {},
-        "eager_decode_host_per_req_us": {}, "host_launches_ms": {}, "launch_holds_loop": [],
+        "eager_decode_host_per_req_us": {}, "launch_holds_loop": [],
         "first_token_latency_ms": {}, "refine_hold": vs.refine_hold_arg([]),
         "model": "llama-3-8b", "gpu": "h200", "prefill_fit": "all", "fit_decode_run": [],
         "refine_on_metrics": [], **given})

@@ -698,3 +698,22 @@ def test_given_inputs_reach_a_backend_without_fitting_runs(results, tmp_path):
     assert given["bf16/ladder@0.5x"] - plain["bf16/ladder@0.5x"] == pytest.approx(50.0, abs=0.5)
     assert given["bf16/sharegpt"] > plain["bf16/sharegpt"]
     assert given["diffkv/sharegpt"] == plain["diffkv/sharegpt"]
+
+
+@pytest.mark.slow
+def test_a_recipe_gives_the_report_its_command_line_gives(results, tmp_path):
+    from simulator.cli import main as cli_main
+
+    doc = tmp_path / "by-options.md"
+    assert _script().main([str(results), "--doc", str(doc), "--json", str(tmp_path / "a.json"),
+                           "--fit-run", "none"]) == 0
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"_about": "the same run", "results": [str(results)],
+                                  "fit_run": ["none"],
+                                  "doc": str(tmp_path / "by-recipe.md")}))
+    assert cli_main(["validate-runs", "--recipe", str(recipe), "--json",
+                     str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f).read_text())["rows"] for f in ("a.json", "b.json"))
+    assert a == b and any(r["verdict"] == "PASS" for r in a)
+    # the report names the short command it was run with
+    assert f"diffkv-sim validate-runs --recipe {recipe}" in (tmp_path / "by-recipe.md").read_text()
