@@ -5,6 +5,8 @@
   diffkv-eval calibrate  search over tier pairs x (alpha_h, alpha_l) and pruning alone;
                          prints the bytes/KL frontier, writes the most compressive preset
                          within the quality tolerance (exit 3 and the frontier when none is)
+  diffkv-eval served     the same prompts to two running servers (reference, candidate):
+                         needles, RULER-style tasks, greedy agreement, with 95% intervals
   diffkv-eval report     markdown table + Pareto PNG from a results JSON
   diffkv-eval memory     physical bytes/token of configs (no model needed)
 """
@@ -214,6 +216,37 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_served(args) -> int:
+    from sglang_diffkv.eval import data, served, served_tasks
+
+    bad = [t for t in args.tasks if t not in served_tasks.TASKS]
+    if bad:
+        print(f"diffkv-eval: error: --tasks {','.join(bad)}: unknown; choose from "
+              f"{','.join(served_tasks.TASKS)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    filler = data.wikitext(data.find(data.WIKITEXT, args.data_dir))
+    cases = served_tasks.cases(args.tasks, args.lengths, args.cases, filler, args.seed)
+    log.info("%d prompts to %s (reference) and %s (candidate)", len(cases), args.reference,
+             args.candidate)
+    try:
+        result = served.run(args.reference, args.candidate, cases, args.inflight,
+                            args.timeout_s)
+    except served.ServedError as e:
+        print(f"diffkv-eval served: error: {e}", file=sys.stderr)
+        return 1
+    result["meta"] = {"reference": args.reference, "candidate": args.candidate,
+                      "label": args.label, "tasks": args.tasks, "lengths": args.lengths,
+                      "cases": args.cases, "seed": args.seed, "commit": _commit(),
+                      "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(served.table(result))
+    log.info("wrote %s (%.0fs)", out, result["seconds"])
+    return 0
+
+
 def cmd_report(args) -> int:
     from sglang_diffkv.eval import report
 
@@ -304,6 +337,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--needle-depths", type=_floats, default=[0.0, 0.5, 1.0])
     c.add_argument("--answer-tokens", type=int, default=8)
     c.set_defaults(func=cmd_calibrate)
+
+    sv = sub.add_parser("served", help="the same prompts to a reference and a candidate "
+                                       "server: needles, RULER-style tasks, continuations")
+    sv.add_argument("--reference", required=True, help="URL of the reference server (bf16)")
+    sv.add_argument("--candidate", required=True, help="URL of the server under test")
+    sv.add_argument("--label", default="", help="what the candidate serves, for the record")
+    sv.add_argument("--tasks", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                    default=["needle", "multikey", "vartrack", "cwe", "continuation"],
+                    help="comma list (default: all)")
+    sv.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 7168],
+                    help="prompt lengths in tokens, about (default %(default)s)")
+    sv.add_argument("--cases", type=int, default=8,
+                    help="cases per task and length, depths spread over [0, 1] (default 8)")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--inflight", type=int, default=4, help="requests in flight per server")
+    sv.add_argument("--timeout-s", type=float, default=600.0)
+    sv.add_argument("--data-dir", default=None, help="folder with wikitext2_raw_test.txt")
+    sv.add_argument("--out", default="results/served.json")
+    sv.set_defaults(func=cmd_served)
 
     rp = sub.add_parser("report", help="table and Pareto PNG from a results JSON")
     rp.add_argument("results")
