@@ -167,6 +167,7 @@ def calibrate(
     configs = [EvalConfig(c.name, "diffkv", diffkv=c.config) for c in cands]
     results = teacher_forcing(lm, configs, windows, prompt_len)
     rows = [{**results[c.name]["summary"], "name": c.name, "tiers": c.tiers,
+             "high": c.config.high.name, "low": c.config.low.name,
              "alpha_h": c.config.alpha_h, "alpha_l": c.config.alpha_l,
              "pruning_only": c.pruning_only} for c in cands]
     front = frontier(rows)
