@@ -446,7 +446,8 @@ PRESETS: dict[str, DiffKVConfig] = {
     # Benchmark mode (random-weight models): Llama-3-8B's tiers and thresholds with tier
     # decisions drawn 30 % high / 50 % low / 20 % pruned (issue #7's reference mix) ...
     "bench-30-50-20": replace(
-        _preset("bench-30-50-20", 0.02, 1.0, grouped=False), bench_mix=(0.3, 0.5, 0.2)
+        _preset("llama-3-8b", 0.02, 1.0, grouped=False), bench_mix=(0.3, 0.5, 0.2),
+        name="bench-30-50-20",
     ),
 }
 
