@@ -2,11 +2,12 @@
 layers listed before it (tests/test_import_rules.py checks the rules).
 
 Core, at this package root: ``config`` (tiers, thresholds, presets; ``presets/`` holds the
-shipped preset files), ``layout`` (the unified page geometry, the single source of every byte
-size), ``capacity``, ``quant``, ``policy``, ``pages``, ``attention``, ``prompt_attention``,
-``bench_mix`` (benchmark mode's tier draw: a policy setting that ``cache`` and the kernels
-use, so core, not bench/) and ``cache`` (the reference cache lifecycle). Imports torch and
-nothing above it; nothing here is SGLang-specific.
+shipped preset files), ``model_record`` (the model a preset was calibrated on and the
+start-up guard comparing it with the served one), ``layout`` (the unified page geometry, the
+single source of every byte size), ``capacity``, ``quant``, ``policy``, ``pages``,
+``attention``, ``prompt_attention``, ``bench_mix`` (benchmark mode's tier draw: a policy
+setting that ``cache`` and the kernels use, so core, not bench/) and ``cache`` (the reference
+cache lifecycle). Imports torch and nothing above it; nothing here is SGLang-specific.
 
   memory/    the device-resident page manager (core layer; imports the core root)
   kernels/   Triton and CUDA kernels with their torch references, and their GPU check and

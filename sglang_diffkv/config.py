@@ -18,6 +18,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.model_record import (
+    ALLOW_OTHER_MODEL,
+    ModelRecord,
+    ModelRecordError,
+)
 from sglang_diffkv.value_text import short_repr
 
 ALLOWED_BITS = (1, 2, 4, 8)  # what the reference quantiser (quant.py) packs
@@ -49,7 +54,9 @@ PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_CUDA_GRAPH_MAX_BS = 512
 TIER_FIELDS = ("key_bits", "value_bits", "key_groups", "value_groups")
 CONFIG_FIELDS = ("preset", "name", "high", "low", "alpha_h", "alpha_l", "window",
-                 "score_queries", "bench_mix")
+                 "score_queries", "bench_mix", "calibrated_for", ALLOW_OTHER_MODEL)
+# fields that say how a preset is used, not what it is: setting only these keeps its name
+USE_FIELDS = ("preset", ALLOW_OTHER_MODEL)
 # 'K8V4' or 'K4V2g24' (groups as two single digits; larger group counts need the dict form)
 _TIER_NAME = re.compile(r"K([0-9]{1,3})V([0-9]{1,3})(?:G([0-9])([0-9]))?", re.ASCII)
 
@@ -198,8 +205,12 @@ class DiffKVConfig:
     scores, everything else runs for real (``sglang_diffkv.bench_mix``). Output quality is
     meaningless in this mode.
 
+    ``calibrated_for`` records the model the thresholds were measured on (None: made for no
+    model in particular); the server compares it with the model it serves and refuses a
+    pruning config on another model unless ``allow_other_model`` (sglang_diffkv.model_record).
+
     Fields are normalised when built: thresholds become floats, window and score_queries
-    ints, bench_mix a tuple of three floats."""
+    ints, bench_mix a tuple of three floats, calibrated_for a ModelRecord."""
 
     high: TierConfig = K8V4_GROUPED
     low: TierConfig = K4V2_GROUPED
@@ -209,6 +220,8 @@ class DiffKVConfig:
     score_queries: int = 64
     bench_mix: tuple[float, float, float] | None = None
     name: str = field(default="custom", compare=False)
+    calibrated_for: ModelRecord | None = None
+    allow_other_model: bool = False
 
     def __post_init__(self) -> None:
         def put(fname: str, value: Any) -> None:
@@ -241,6 +254,14 @@ class DiffKVConfig:
                               "string")
         if self.bench_mix is not None:
             put("bench_mix", self._checked_bench_mix(self.bench_mix))
+        if self.calibrated_for is not None:
+            try:
+                put("calibrated_for", ModelRecord.from_dict(self.calibrated_for))
+            except ModelRecordError as e:
+                raise ConfigError(f"calibrated_for: {e}") from None
+        if not isinstance(self.allow_other_model, bool):
+            raise ConfigError(f"{ALLOW_OTHER_MODEL}={short_repr(self.allow_other_model)} must "
+                              "be true or false")
 
     @staticmethod
     def _check_kernel_bits(tier: str, t: TierConfig) -> None:
@@ -305,6 +326,8 @@ class DiffKVConfig:
         d = asdict(self)
         d["high"] = asdict(self.high)
         d["low"] = asdict(self.low)
+        d["calibrated_for"] = (None if self.calibrated_for is None
+                               else self.calibrated_for.to_dict())
         return d
 
     # ---- loading -------------------------------------------------------------------------
@@ -330,7 +353,8 @@ class DiffKVConfig:
             if tier in kwargs:
                 kwargs[tier] = TierConfig.parse(kwargs[tier], tier)
         if "name" not in kwargs:
-            kwargs["name"] = base.name if set(data) <= {"preset"} else f"{base.name}+custom"
+            kwargs["name"] = (base.name if set(data) <= set(USE_FIELDS)
+                              else f"{base.name}+custom")
         return replace(base, **kwargs)
 
     @classmethod
@@ -376,9 +400,24 @@ class DiffKVConfig:
             raise ConfigError(f"{ENV_VAR}={short_repr(spec)}: {e}") from e
 
 
+# The models DiffKV's paper calibrated its thresholds on, as their config.json files give
+# them (Llama-3.1 has Llama-3's shapes; QwQ-32B has Qwen2.5-32B's). No weights fingerprint:
+# the paper's thresholds hold for the model family, fine-tunes included.
+PAPER_MODELS: dict[str, ModelRecord] = {
+    "llama-3-8b": ModelRecord("Llama-3-8B", "llama", 32, 32, 8, 128),
+    "llama-3-70b": ModelRecord("Llama-3-70B", "llama", 80, 64, 8, 128),
+    "qwen2.5-7b": ModelRecord("Qwen2.5-7B", "qwen2", 28, 28, 4, 128),
+    "qwen2.5-32b": ModelRecord("Qwen2.5-32B", "qwen2", 64, 40, 8, 128),
+    "qwq-32b": ModelRecord("QwQ-32B", "qwen2", 64, 40, 8, 128),
+}
+
+
 def _preset(name: str, alpha_l: float, alpha_h: float, grouped: bool) -> DiffKVConfig:
+    """A preset with DiffKV's published thresholds, recording the model they are for (none
+    for the model-agnostic presets)."""
     high, low = (K8V4_GROUPED, K4V2_GROUPED) if grouped else (K8V4, K4V2)
-    return DiffKVConfig(high=high, low=low, alpha_h=alpha_h, alpha_l=alpha_l, name=name)
+    return DiffKVConfig(high=high, low=low, alpha_h=alpha_h, alpha_l=alpha_l, name=name,
+                        calibrated_for=PAPER_MODELS.get(name))
 
 
 def _measured_bench_preset(name: str) -> DiffKVConfig:
@@ -407,7 +446,8 @@ PRESETS: dict[str, DiffKVConfig] = {
     # Benchmark mode (random-weight models): Llama-3-8B's tiers and thresholds with tier
     # decisions drawn 30 % high / 50 % low / 20 % pruned (issue #7's reference mix) ...
     "bench-30-50-20": replace(
-        _preset("bench-30-50-20", 0.02, 1.0, grouped=False), bench_mix=(0.3, 0.5, 0.2)
+        _preset("llama-3-8b", 0.02, 1.0, grouped=False), bench_mix=(0.3, 0.5, 0.2),
+        name="bench-30-50-20",
     ),
 }
 

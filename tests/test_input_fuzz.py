@@ -63,6 +63,18 @@ def bench_mixes(draw):
                                  [high, low], [high, "x", 0]]))
 
 
+RECORDS = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {"name": st.one_of(st.sampled_from(["m", "SmolLM2"]), JUNK),
+         "architecture": st.one_of(st.sampled_from(["llama", "qwen2"]), JUNK),
+         "num_layers": st.one_of(st.integers(1, 80), JUNK),
+         "num_q_heads": st.integers(-1, 64), "num_kv_heads": st.integers(1, 8),
+         "head_dim": st.sampled_from([64, 128, 0])},
+        optional={"embedding_norms": st.one_of(st.lists(st.floats(0, 10), max_size=8), JUNK),
+                  "layers": JUNK}),
+    JUNK,
+)
 FIELDS = {
     "preset": st.one_of(st.sampled_from([*PRESETS, "nope"]), JUNK),
     "name": st.one_of(st.text(max_size=8), JUNK),
@@ -74,6 +86,8 @@ FIELDS = {
                         st.sampled_from([MAX_WINDOW, 10**20]), JUNK),
     "score_queries": st.one_of(st.integers(-1, MAX_SCORE_QUERIES + 2), JUNK),
     "bench_mix": st.one_of(st.none(), bench_mixes(), JUNK),
+    "calibrated_for": RECORDS,
+    "allow_other_model": st.one_of(st.booleans(), JUNK),
 }
 assert set(FIELDS) == set(CONFIG_FIELDS)
 VALID_FIELDS = {
@@ -85,6 +99,11 @@ VALID_FIELDS = {
     "window": st.one_of(st.integers(1, 96), st.sampled_from([MAX_WINDOW])),
     "score_queries": st.integers(1, MAX_SCORE_QUERIES),
     "bench_mix": bench_mixes(),
+    "calibrated_for": st.sampled_from([None, {"name": "m", "architecture": "llama",
+                                              "num_layers": 2, "num_q_heads": 4,
+                                              "num_kv_heads": 2, "head_dim": 64,
+                                              "embedding_norms": [1.0, 2.5]}]),
+    "allow_other_model": st.booleans(),
 }
 CONFIGS = st.one_of(
     st.fixed_dictionaries({}, optional=VALID_FIELDS),

@@ -20,6 +20,12 @@ SGLang 0.5.17 streams for a ValueError of its tokenizer manager (HTTP 200, ``dat
 ``finish_reason {"type": "abort"}``; ``GET /health`` answers 200. ``FakeState.faults`` breaks
 it on purpose for the tests: ``accept_invalid`` skips the custom_params check, ``short``
 streams one token less than asked.
+
+For the served-path quality harness (``diffkv-eval served``): a ``/generate`` with ``text``
+and no ``stream`` answers at once, as a "copy model": its ``text`` is the prompt it kept and
+its ``output_ids`` the last ``max_new_tokens`` bytes of it, so an answer is found exactly when
+the prompt still holds it. ``FAKE_FORGET="a,b"`` (``FakeState.forget``) drops the prompt's
+characters between fractions a and b, as a cache that lost the middle of the context would.
 """
 
 from __future__ import annotations
@@ -75,6 +81,18 @@ class FakeState:
     diffkv_config: DiffKVConfig | None = None  # set: custom_params are checked (diffkv)
     faults: frozenset[str] = frozenset()  # "accept_invalid", "short" (see the docstring)
     by_rid: dict[str, FakeReq] = field(default_factory=dict)
+    forget: tuple[float, float] | None = None  # text prompts: the fraction range dropped
+
+    def copy_answer(self, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+        """The text-mode answer (see the module docstring)."""
+        kept = prompt
+        if self.forget is not None:
+            a, b = (int(f * len(prompt)) for f in self.forget)
+            kept = prompt[:a] + prompt[b:]
+        ids = list(kept.encode()[-max_new_tokens:])
+        return {"text": kept, "output_ids": ids,
+                "meta_info": {"prompt_tokens": len(prompt) // 4, "completion_tokens": len(ids),
+                              "finish_reason": {"type": "length"}}}
 
     def finish(self, r: FakeReq, reason: str) -> None:
         meta = {"completion_tokens": r.done, "finish_reason": {"type": reason}}
@@ -128,6 +146,9 @@ def make_app(state: FakeState) -> web.Application:
         body = await request.json()
         ids = body.get("input_ids")
         sp = body.get("sampling_params") or {}
+        if isinstance(body.get("text"), str) and not body.get("stream"):
+            return web.json_response(state.copy_answer(body["text"],
+                                                       int(sp.get("max_new_tokens", 16))))
         if not isinstance(ids, list) or not ids or not body.get("stream"):
             return web.json_response({"error": {"message": "need input_ids and stream"}},
                                      status=400)
@@ -237,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                       decode_log_interval=a.decode_log_interval,
                       max_running=int(os.environ.get("FAKE_MAX_RUNNING", "64")),
                       diffkv=a.attention_backend == "diffkv")
+    if forget := os.environ.get("FAKE_FORGET"):
+        a_, b_ = (float(x) for x in forget.split(","))
+        state.forget = (a_, b_)
     if state.diffkv:
         state.diffkv_config = DiffKVConfig.from_env()
     log(f"server_args: {' '.join(sys.argv[1:])}")

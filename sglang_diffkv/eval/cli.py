@@ -2,8 +2,11 @@
 
   diffkv-eval run        teacher-forced KL / top-1 / perplexity, greedy agreement and
                          needle-in-a-haystack for DiffKV configs and equal-memory baselines
-  diffkv-eval calibrate  grid over (alpha_h, alpha_l); writes the most compressive preset
-                         within the quality tolerance
+  diffkv-eval calibrate  search over tier pairs x (alpha_h, alpha_l) and pruning alone;
+                         prints the bytes/KL frontier, writes the most compressive preset
+                         within the quality tolerance (exit 3 and the frontier when none is)
+  diffkv-eval served     the same prompts to two running servers (reference, candidate):
+                         needles, RULER-style tasks, greedy agreement, with 95% intervals
   diffkv-eval report     markdown table + Pareto PNG from a results JSON
   diffkv-eval memory     physical bytes/token of configs (no model needed)
 """
@@ -23,6 +26,9 @@ import torch
 
 log = logging.getLogger("diffkv-eval")
 
+# diffkv-eval calibrate's exit status when no searched point meets the tolerance (the frontier
+# and the reason are printed; no preset is written); 2 is a bad argument
+NO_POINT_MET = 3
 DEFAULT_CONFIGS = (
     "uniform:K8V8,uniform:K8V4,uniform:K4V4,kivi:2,diffkv:default,prune:match"
 )
@@ -156,34 +162,88 @@ def cmd_run(args) -> int:
 def cmd_calibrate(args) -> int:
     from sglang_diffkv.config import DiffKVConfig
     from sglang_diffkv.eval import calibrate as cal
+    from sglang_diffkv.eval import data, pipeline
+    from sglang_diffkv.eval.configs import EvalConfig
     from sglang_diffkv.eval.model import load_model
+    from sglang_diffkv.model_record import ModelRecord, embedding_norms
 
-    base = DiffKVConfig.from_spec(args.base)  # a bad --base fails before the model loads
+    # bad --base / --tiers / grids fail here, before the model loads
+    base = DiffKVConfig.from_spec(args.base)
+    cands = cal.candidates(base, cal.parse_tier_pairs(args.tiers), args.alpha_h, args.alpha_l)
+    cal.check_tolerance(args.max_kl, args.min_top1)
     _setup(args)
     lm = load_model(args.model, device=args.device)
-    points = cal.grid_points(args.alpha_h, args.alpha_l)
-    log.info("calibrating %s on %d grid points", base.name, len(points))
+    log.info("calibrating %d points (%s; window %d) on %s", len(cands), args.tiers,
+             base.window, lm.name)
     win = _windows(lm, args, "calibration")
-    res = cal.calibrate(lm, base, win, args.prompt_len, points, args.max_kl, args.min_top1)
+    res = cal.calibrate(lm, cands, win, args.prompt_len, args.max_kl, args.min_top1)
     meta = _meta(lm, args)
-    res["meta"] = meta
+    model = ModelRecord.from_hf_config(
+        lm.model.config, lm.name, embedding_norms(lm.model.get_input_embeddings().weight))
+    res["meta"] = {**meta, "calibrated_for": model.to_dict()}
+    shown = res["frontier"] + ([res["chosen"]] if res["chosen"] not in (None, *res["frontier"])
+                               else [])
+    needle_rates: dict[str, dict] = {}
+    if args.needle_lengths:  # the frontier's points only: needles cost a generation each
+        by_name = {c.name: c for c in cands}
+        filler = lm.tokenizer(data.wikitext(data.find(data.WIKITEXT, args.data_dir)),
+                              add_special_tokens=False, return_tensors="pt").input_ids[0]
+        needle_rates = pipeline.needles(
+            lm, [EvalConfig(n, "diffkv", diffkv=by_name[n].config) for n in shown],
+            filler, args.needle_lengths, args.needle_depths, args.answer_tokens)
+        res["needles"] = {n: {k: v for k, v in r.items() if k != "cases"}
+                          for n, r in needle_rates.items()}
     if args.results:
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results).write_text(json.dumps(res, indent=1) + "\n")
-        log.info("wrote grid results to %s", args.results)
+        log.info("wrote search results to %s", args.results)
+    print(cal.frontier_table({**res, "frontier": shown}, needle_rates))
+    print(res["message"])
     if res["chosen"] is None:
-        log.error("no setting met the tolerance; no preset written")
-        return 1
+        return NO_POINT_MET
     name = args.name or Path(args.out).stem
-    preset = cal.preset_dict(base, res["chosen"]["alpha_h"], res["chosen"]["alpha_l"], name)
-    chosen = next(g for g in res["grid"]
-                  if (g["alpha_h"], g["alpha_l"]) == tuple(res["chosen"].values()))
+    chosen = next(c for c in cands if c.name == res["chosen"])
+    preset = cal.preset_dict(chosen.config, name, model)
     prov = {**meta, "base": base.name, "tolerance": res["tolerance"],
             "calibration_split": "wikitext-2 raw test, first 30% of tokens",
-            "chosen_metrics": chosen}
+            "searched": {"tiers": args.tiers, "alpha_h": args.alpha_h,
+                         "alpha_l": args.alpha_l, "points": len(cands)},
+            "chosen_metrics": next(r for r in res["grid"] if r["name"] == res["chosen"]),
+            "frontier": [r for r in res["grid"] if r["name"] in res["frontier"]]}
     p, q = cal.write_preset(Path(args.out), preset, prov)
     log.info("wrote preset %s and provenance %s", p, q)
     print(json.dumps(preset, indent=2))
+    return 0
+
+
+def cmd_served(args) -> int:
+    from sglang_diffkv.eval import data, served, served_tasks
+
+    bad = [t for t in args.tasks if t not in served_tasks.TASKS]
+    if bad:
+        print(f"diffkv-eval: error: --tasks {','.join(bad)}: unknown; choose from "
+              f"{','.join(served_tasks.TASKS)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    filler = data.wikitext(data.find(data.WIKITEXT, args.data_dir))
+    cases = served_tasks.cases(args.tasks, args.lengths, args.cases, filler, args.seed)
+    log.info("%d prompts to %s (reference) and %s (candidate)", len(cases), args.reference,
+             args.candidate)
+    try:
+        result = served.run(args.reference, args.candidate, cases, args.inflight,
+                            args.timeout_s)
+    except served.ServedError as e:
+        print(f"diffkv-eval served: error: {e}", file=sys.stderr)
+        return 1
+    result["meta"] = {"reference": args.reference, "candidate": args.candidate,
+                      "label": args.label, "tasks": args.tasks, "lengths": args.lengths,
+                      "cases": args.cases, "seed": args.seed, "commit": _commit(),
+                      "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(served.table(result))
+    log.info("wrote %s (%.0fs)", out, result["seconds"])
     return 0
 
 
@@ -249,14 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="results/quality.json")
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("calibrate", help="grid over alpha_h x alpha_l, write a preset")
+    from sglang_diffkv.eval.calibrate import DEFAULT_ALPHA_H, DEFAULT_ALPHA_L, DEFAULT_TIER_PAIRS
+
+    c = sub.add_parser("calibrate", help="search tier pairs x thresholds, write a preset")
     _common(c)
     c.add_argument("--base", default="default",
-                   help="preset whose tiers/window are kept (default: %(default)s)")
-    c.add_argument("--alpha-h", type=_floats, default=[0.5, 1.0, 2.0, 4.0, 8.0, 16.0],
+                   help="preset whose window / score_queries are kept (default: %(default)s)")
+    c.add_argument("--tiers", default=",".join(DEFAULT_TIER_PAIRS),
+                   help="comma list of HIGH/LOW tier pairs searched, each with every threshold "
+                        "pair and its high tier with pruning alone (default: %(default)s)")
+    c.add_argument("--alpha-h", type=_floats, default=list(DEFAULT_ALPHA_H),
                    help="demotion thresholds to try, comma list (default %(default)s)")
-    c.add_argument("--alpha-l", type=_floats, default=[0.0, 0.05, 0.1, 0.2, 0.4, 0.8],
-                   help="pruning thresholds to try (pairs with alpha_l > alpha_h are skipped)")
+    c.add_argument("--alpha-l", type=_floats, default=list(DEFAULT_ALPHA_L),
+                   help="pruning thresholds to try (pairs with alpha_l > alpha_h are skipped; "
+                        "each alpha_l > 0 is also tried as pruning alone)")
     c.add_argument("--max-kl", type=float, default=0.035,
                    help="tolerance: mean KL(bf16 || DiffKV) in nats/token (default %(default)s)")
     c.add_argument("--min-top1", type=float, default=0.9,
@@ -264,8 +330,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="sglang_diffkv/presets/smollm2-135m.json",
                    help="preset file to write (+ <stem>.provenance.json beside it)")
     c.add_argument("--name", default=None, help="preset name (default: file stem)")
-    c.add_argument("--results", default=None, help="also write the grid results JSON here")
+    c.add_argument("--results", default=None, help="also write the search results JSON here")
+    c.add_argument("--needle-lengths", type=_ints, default=[],
+                   help="haystack lengths for needle retrieval on the frontier's points "
+                        "(default: none)")
+    c.add_argument("--needle-depths", type=_floats, default=[0.0, 0.5, 1.0])
+    c.add_argument("--answer-tokens", type=int, default=8)
     c.set_defaults(func=cmd_calibrate)
+
+    sv = sub.add_parser("served", help="the same prompts to a reference and a candidate "
+                                       "server: needles, RULER-style tasks, continuations")
+    sv.add_argument("--reference", required=True, help="URL of the reference server (bf16)")
+    sv.add_argument("--candidate", required=True, help="URL of the server under test")
+    sv.add_argument("--label", default="", help="what the candidate serves, for the record")
+    sv.add_argument("--tasks", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                    default=["needle", "multikey", "vartrack", "cwe", "continuation"],
+                    help="comma list (default: all)")
+    sv.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 7168],
+                    help="prompt lengths in tokens, about (default %(default)s)")
+    sv.add_argument("--cases", type=int, default=8,
+                    help="cases per task and length, depths spread over [0, 1] (default 8)")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--inflight", type=int, default=4, help="requests in flight per server")
+    sv.add_argument("--timeout-s", type=float, default=600.0)
+    sv.add_argument("--data-dir", default=None, help="folder with wikitext2_raw_test.txt")
+    sv.add_argument("--out", default="results/served.json")
+    sv.set_defaults(func=cmd_served)
 
     rp = sub.add_parser("report", help="table and Pareto PNG from a results JSON")
     rp.add_argument("results")

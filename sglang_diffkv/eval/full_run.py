@@ -1,8 +1,9 @@
 """Full quality run behind docs/quality.md: calibrate -> evaluate -> report.
 
 Stages (``--stages``, comma list, default all):
-  calibrate  grid over (alpha_h, alpha_l) for each --bases preset on the calibration split;
-             the most compressive point within tolerance (over all bases) becomes the preset
+  calibrate  diffkv-eval calibrate's search (--tiers pairs x (alpha_h, alpha_l), pruning
+             alone) on the calibration split; the most compressive point within tolerance
+             becomes the preset (none: the frontier is printed and the run stops)
   run        teacher forcing on the eval split for the calibrated preset, the default preset,
              the DiffKV grid points (to draw DiffKV's own curve), the baselines and pruning at
              each DiffKV config's bytes; greedy agreement on GSM8K; needles
@@ -38,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="results/quality")
     p.add_argument("--preset", default="sglang_diffkv/presets/smollm2-135m.json")
     p.add_argument("--stages", default="calibrate,run,report")
-    p.add_argument("--bases", default="default,llama-3-8b",
-                   help="presets whose tiers are calibrated (comma list)")
+    p.add_argument("--base", default="default",
+                   help="preset whose window / score_queries are kept")
+    p.add_argument("--tiers", default=None,
+                   help="tier pairs searched (default: diffkv-eval calibrate's)")
     p.add_argument("--alpha-h", default="0.5,1,2,4,8,16")
     p.add_argument("--alpha-l", default="0,0.05,0.1,0.2,0.4,0.8")
     p.add_argument("--max-kl", default="0.035")
@@ -63,39 +66,33 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
 
     if "calibrate" in stages:
-        best = None
-        for base in args.bases.split(","):
-            pre = out / f"preset-{base}.json"
-            rc = cli.main(["calibrate", *common, "--windows", args.cal_windows, "--base", base,
-                           "--alpha-h", args.alpha_h, "--alpha-l", args.alpha_l,
-                           "--max-kl", args.max_kl, "--min-top1", args.min_top1,
-                           "--out", str(pre), "--name", Path(args.preset).stem,
-                           "--results", str(out / f"calibration-{base}.json")])
-            if rc != 0:
-                log.warning("base %s: no point within tolerance", base)
-                continue
-            prov = json.loads(pre.with_name(pre.stem + ".provenance.json").read_text())
-            b = prov["chosen_metrics"]["bytes_per_token"]
-            log.info("base %s: chosen point uses %.1f B/token", base, b)
-            if best is None or b < best[0]:
-                best = (b, pre)
-        if best is None:
-            log.error("no base met the tolerance; no preset written")
-            return 1
+        pre = out / "preset.json"
+        rc = cli.main(["calibrate", *common, "--windows", args.cal_windows, "--base", args.base,
+                       *(["--tiers", args.tiers] if args.tiers else []),
+                       "--alpha-h", args.alpha_h, "--alpha-l", args.alpha_l,
+                       "--max-kl", args.max_kl, "--min-top1", args.min_top1,
+                       "--out", str(pre), "--name", Path(args.preset).stem,
+                       "--results", str(out / "calibration.json")])
+        if rc != 0:
+            log.error("calibration exited %d; no preset written", rc)
+            return rc
         dst = Path(args.preset)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(best[1], dst)
-        shutil.copy(best[1].with_name(best[1].stem + ".provenance.json"),
+        shutil.copy(pre, dst)
+        shutil.copy(pre.with_name(pre.stem + ".provenance.json"),
                     dst.with_name(dst.stem + ".provenance.json"))
-        log.info("calibrated preset %s (from %s)", dst, best[1].name)
+        log.info("calibrated preset %s", dst)
 
     if "run" in stages:
         grid_specs = []
-        for base in args.bases.split(","):
-            f = out / f"calibration-{base}.json"
-            if f.is_file():
-                for g in json.loads(f.read_text())["grid"]:
-                    grid_specs.append(f"diffkv:{base}@{g['alpha_h']:g}/{g['alpha_l']:g}")
+        f = out / "calibration.json"
+        if f.is_file():  # the search's points, one preset file per tier pair
+            for g in json.loads(f.read_text())["grid"]:
+                tiers = out / f"tiers-{g['high']}-{g['low']}.json"
+                if not tiers.is_file():
+                    tiers.write_text(json.dumps({"preset": args.base, "high": g["high"],
+                                                 "low": g["low"]}) + "\n")
+                grid_specs.append(f"diffkv:{tiers}@{g['alpha_h']:g}/{g['alpha_l']:g}")
         main_cfgs = f"diffkv:default,diffkv:{args.preset}"
         configs = ",".join([BASELINES, main_cfgs, *grid_specs, "prune:match"])
         rc = cli.main(["run", *common, "--windows", args.windows, "--configs", configs,
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "report" in stages:
         name = f"diffkv-{Path(args.preset).stem}"
-        cal = out / "calibration-default.json"
+        cal = out / "calibration.json"
         rp = ["report", str(out / "quality.json"), "--png", str(out / "pareto.png"),
               "--mark", f"diffkv-default,{name}"]
         if cal.is_file():

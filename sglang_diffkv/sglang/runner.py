@@ -14,11 +14,13 @@ with follows from the pages at the planning density. SGLang's own constraints st
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from sglang_diffkv.cache import CompressedKVCache
 from sglang_diffkv.capacity import EXTRA_CONTEXT, CapacityPlan, cache_rows, capacity_report
 from sglang_diffkv.config import ConfigError, DiffKVConfig
+from sglang_diffkv.model_record import ModelRecord, embedding_norms, guard
 from sglang_diffkv.sglang.args import forced_settings, uses_diffkv
 from sglang_diffkv.sglang.pool import (
     DiffKVPoolError,
@@ -73,9 +75,39 @@ def _load_config() -> DiffKVConfig:
         raise DiffKVPoolError(f"--attention-backend diffkv: {e}") from e
 
 
+def served_model(runner: Any) -> ModelRecord:
+    """The served model's record: its HF config, named by --model-path, with the weights
+    fingerprint when the loaded model exposes its input embedding (SGLang's causal LMs do;
+    the model is loaded before the KV cache is sized)."""
+    model = getattr(runner, "model", None)
+    norms = None
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    if callable(get_embedding):
+        weight = getattr(get_embedding(), "weight", None)
+        if weight is not None and getattr(weight, "ndim", 0) == 2:
+            norms = embedding_norms(weight)
+    path = str(runner.server_args.model_path)
+    return ModelRecord.from_hf_config(runner.model_config.hf_config,
+                                      Path(path.rstrip("/")).name or path, norms)
+
+
+def check_calibrated_model(runner: Any, config: DiffKVConfig) -> None:
+    """The preset's recorded model against the served one (model_record.guard): a refusal
+    stops the start-up, a mismatch is a warning."""
+    dummy = str(getattr(runner.server_args, "load_format", "auto")).lower() == "dummy"
+    verdict = guard(config.name, config.calibrated_for, served_model(runner),
+                    alpha_l=config.alpha_l, allow_other_model=config.allow_other_model,
+                    bench_mode=config.bench_mix is not None, dummy_weights=dummy)
+    if verdict.refusal is not None:
+        raise DiffKVPoolError(verdict.refusal)
+    if verdict.warning is not None:
+        logger.warning(verdict.warning)
+
+
 def plan_for(runner: Any, num_layers: int) -> CapacityPlan:
     check_model(runner)
     config = _load_config()
+    check_calibrated_model(runner, config)
     try:
         return CapacityPlan.build(
             config, runner.model_config.head_dim, num_layers, _num_kv_heads(runner)

@@ -84,3 +84,36 @@ def test_cli_run_and_report(tmp_path, lm):
     png = tmp_path / "p.png"
     assert main(["report", str(out), "--png", str(png), "--mark", "diffkv-default"]) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_cli_calibrate_reports_the_frontier_and_writes_a_preset_that_records_the_model(
+        tmp_path, lm, capsys):
+    from sglang_diffkv.eval.cli import NO_POINT_MET
+    from sglang_diffkv.model_record import ModelRecord, differences
+
+    tiny = ["calibrate", "--data-dir", str(tmp_path), "--windows", "1", "--prompt-len", "64",
+            "--score-tokens", "4", "--tiers", "K8V4/K4V2,K8V4/K8V2", "--alpha-h", "1,16",
+            "--alpha-l", "0,0.4"]
+    out = tmp_path / "smol.json"
+    # a tolerance nothing meets: the frontier and the reason, no preset
+    assert main([*tiny, "--max-kl", "0", "--min-top1", "1", "--out", str(out)]) == NO_POINT_MET
+    text = capsys.readouterr().out
+    assert "| point | vs bf16 |" in text and "no searched point meets mean KL <= 0" in text
+    assert "K8V4+prune@0.4" in text or "K8V4/K8V2@" in text  # the new kinds of points ran
+    assert not out.exists()
+    # a loose one: the most compressive point, written with the model it was calibrated on
+    results = tmp_path / "search.json"
+    assert main([*tiny, "--max-kl", "10", "--min-top1", "0", "--out", str(out),
+                 "--results", str(results), "--needle-lengths", "128",
+                 "--needle-depths", "0.5"]) == 0
+    res = json.loads(results.read_text())
+    assert len(res["grid"]) == 9 and res["chosen"] in res["frontier"]
+    assert {r["tiers"] for r in res["grid"]} == {"K8V4/K4V2", "K8V4/K8V2", "K8V4"}
+    assert set(res["frontier"]) <= set(res["needles"])
+    fewest = min(r["bytes_per_token"] for r in res["grid"])
+    chosen = next(r for r in res["grid"] if r["name"] == res["chosen"])
+    assert chosen["bytes_per_token"] == fewest  # everything meets a loose tolerance
+    written = DiffKVConfig.from_json(out)
+    served = ModelRecord.from_hf_config(lm.model.config, "served")
+    assert differences(written.calibrated_for, served) == []
+    assert (written.alpha_h, written.alpha_l) == (chosen["alpha_h"], chosen["alpha_l"])

@@ -11,6 +11,7 @@ from sglang_diffkv.eval import configs as cfgs
 from sglang_diffkv.eval import data
 from sglang_diffkv.eval.metrics import greedy_agreement
 from sglang_diffkv.eval.report import pareto_front
+from sglang_diffkv.model_record import ModelRecord
 
 
 def test_config_specs_parse_and_reject_clearly():
@@ -73,22 +74,47 @@ def test_diffkv_configs_differing_in_thresholds_share_one_backend():
     assert d.alphas == [(1.0, 0.0)] * 2 + [(4.0, 0.2)] * 2
 
 
-def test_calibration_picks_fewest_bytes_within_tolerance(tmp_path):
-    def s(b, kl, top1):
-        return {"summary": {"bytes_per_token": b, "kl_mean": kl, "top1": top1}}
+def test_calibration_picks_fewest_bytes_within_tolerance_and_reports_the_frontier(tmp_path):
+    def row(name, b, kl, top1):
+        return {"name": name, "bytes_per_token": b, "kl_mean": kl, "top1": top1,
+                "ratio_vs_bf16": b / 128}
 
-    pts = [(1.0, 0.0), (2.0, 0.0), (4.0, 0.1), (8.0, 0.3)]
-    res = {cal.point_name(*pts[0]): s(110, 0.01, 0.99), cal.point_name(*pts[1]): s(95, 0.03, 0.95),
-           cal.point_name(*pts[2]): s(70, 0.04, 0.85), cal.point_name(*pts[3]): s(50, 0.2, 0.7)}
-    assert cal.choose(res, pts, max_kl=0.05, min_top1=0.9) == (2.0, 0.0)
-    assert cal.choose(res, pts, max_kl=0.05, min_top1=0.8) == (4.0, 0.1)
-    assert cal.choose(res, pts, max_kl=0.001, min_top1=0.0) is None
-    d = cal.preset_dict(preset("default"), 4.0, 0.1, "test-model")
+    rows = [row("a", 110, 0.01, 0.99), row("b", 95, 0.03, 0.95), row("c", 70, 0.04, 0.85),
+            row("d", 50, 0.2, 0.7), row("e", 96, 0.05, 0.96)]  # e: dominated by b
+    assert cal.choose(rows, max_kl=0.05, min_top1=0.9)["name"] == "b"
+    assert cal.choose(rows, max_kl=0.05, min_top1=0.8)["name"] == "c"
+    assert cal.choose(rows, max_kl=0.001, min_top1=0.0) is None
+    assert [r["name"] for r in cal.frontier(rows)] == ["d", "c", "b", "a"]
+    msg = cal.no_point_message(cal.frontier(rows), max_kl=0.005, min_top1=0.9)
+    assert "no searched point meets mean KL <= 0.005" in msg and "closest on the frontier: a" in msg
+    cfg = preset("default").with_thresholds(4.0, 0.1)
+    record = ModelRecord("test-model", "llama", 2, 4, 2, 64, (1.0, 2.0))
+    d = cal.preset_dict(cfg, "test-model", record)
     p, prov = cal.write_preset(tmp_path / "test-model.json", d, {"note": "unit test"})
     loaded = DiffKVConfig.from_json(p)
     assert (loaded.alpha_h, loaded.alpha_l, loaded.name) == (4.0, 0.1, "test-model")
     assert loaded.high == preset("default").high and loaded.low == preset("default").low
+    assert loaded.calibrated_for == record and not loaded.allow_other_model
     assert json.loads(prov.read_text())["note"] == "unit test"
+
+
+def test_the_search_covers_tier_pairs_without_4_bit_keys_and_pruning_alone():
+    pairs = cal.parse_tier_pairs(",".join(cal.DEFAULT_TIER_PAIRS))
+    assert any(p.low.key_bits == 8 for p in pairs)  # a low tier that keeps 8-bit keys
+    assert any(p.high.value_groups > 1 for p in pairs)  # grouped metadata
+    cands = cal.candidates(preset("llama-3-8b"), pairs, [1.0, 16.0], [0.0, 0.4])
+    names = [c.name for c in cands]
+    assert "K8V4/K8V2@16/0.4" in names and "K8V4g12/K8V2g12@1/0" in names
+    prune = [c for c in cands if c.pruning_only]
+    assert [c.name for c in prune] == ["K8V4+prune@0.4", "K8V4g12+prune@0.4"]  # per high tier
+    assert all(c.config.alpha_h == c.config.alpha_l == 0.4 for c in prune)
+    assert all(c.config.calibrated_for is None and c.config.window == 64 for c in cands)
+    with pytest.raises(ConfigError, match="more precise than high tier"):
+        cal.parse_tier_pairs("K4V2/K8V2")
+    with pytest.raises(ConfigError, match="must be HIGH/LOW"):
+        cal.parse_tier_pairs("K8V4")
+    with pytest.raises(ConfigError, match=r"--min-top1 1.5 must be a top-1 agreement in \[0, 1\]"):
+        cal.check_tolerance(0.03, 1.5)
 
 
 def test_grid_skips_points_with_alpha_l_above_alpha_h():

@@ -26,7 +26,7 @@ import sglang_cpu_env  # beside this file (pytest's pythonpath); installs before
 sglang_cpu_env.install()
 
 import torch  # noqa: E402
-from transformers import PretrainedConfig  # noqa: E402
+from transformers import LlamaConfig, PretrainedConfig  # noqa: E402
 
 from sglang_diffkv.sglang import plugin  # noqa: E402
 
@@ -110,7 +110,10 @@ def budget_for_pages(shape: ModelShape, pages: int, max_reqs: int) -> int:
 
 
 class FakeModelConfig:
-    def __init__(self, shape: ModelShape) -> None:
+    """SGLang's ModelConfig fields the pools read; ``hf_config`` (the HF config the model was
+    loaded from) defaults to a Llama config of ``shape``."""
+
+    def __init__(self, shape: ModelShape, hf_config: PretrainedConfig | None = None) -> None:
         self.head_dim = shape.head_dim
         self.v_head_dim = shape.head_dim
         self.num_attention_heads = shape.num_q_heads
@@ -123,7 +126,11 @@ class FakeModelConfig:
         self.is_matryoshka = False
         self.model_is_mrope = False
         self.vocab_size = VOCAB
-        self.hf_config = PretrainedConfig(architectures=["LlamaForCausalLM"])
+        self.hf_config = hf_config or LlamaConfig(
+            architectures=["LlamaForCausalLM"], num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_q_heads, num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, hidden_size=shape.num_q_heads * shape.head_dim,
+            vocab_size=VOCAB)
         self.hf_text_config = self.hf_config
         self.linear_attn_registry_result = None  # (not a linear-attention model)
 
@@ -152,13 +159,14 @@ class FakeRunner:
 
     def __init__(self, server_args: ServerArgs, shape: ModelShape, kv_budget_bytes: int,
                  max_running_requests: int, *, use_mla_backend: bool = False,
-                 hybrid_swa: bool = False, ps: ParallelState | None = None) -> None:
+                 hybrid_swa: bool = False, ps: ParallelState | None = None,
+                 hf_config: PretrainedConfig | None = None) -> None:
         # the scheduler process publishes its ServerArgs before building the model runner;
         # the configurator reads --max-running-requests & co. from it
         server_args.max_running_requests = max_running_requests
         set_global_server_args_for_scheduler(server_args)
         self.server_args = server_args
-        self.model_config = FakeModelConfig(shape)
+        self.model_config = FakeModelConfig(shape, hf_config)
         self.model_config.is_hybrid_swa = hybrid_swa
         self.device = "cpu"
         self.gpu_id = 0
