@@ -231,8 +231,9 @@ async def replay(base_url: str, specs: Sequence[RequestSpec], *, all_at_once: bo
     wall_start = time.time()
 
     async def task(spec: RequestSpec, rec: RequestRecord, body: bytes) -> None:
-        delay = rec.arrival_s - (time.perf_counter() - t0)
-        if delay > 0:
+        # asyncio may fire a timer up to its clock resolution early, and its clock is not
+        # perf_counter: sleep again until the trace time has really come (never send early)
+        while (delay := rec.arrival_s - (time.perf_counter() - t0)) > 0:
             await asyncio.sleep(delay)
         async with slots:
             try:
