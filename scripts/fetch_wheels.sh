@@ -17,7 +17,8 @@
 # - sglang-kernel 0.4.5: its Python files and sm90/common_ops.abi3.so only (the wheel is 383 MB).
 # - xgrammar 0.2.1 without its static library: sglang's server_args imports it at module level.
 # - transformers 5.12.1 (sglang's pin): the GPU machine's 5.17 already registers qwen3_asr,
-#   which sglang registers again at import (ValueError).
+#   which sglang registers again at import (ValueError); with tokenizers 0.22.2, as its
+#   import-time check requires (<=0.23.0; the GPU machine's image now has 0.23.2).
 # - flashinfer-python + apache-tvm-ffi (sampler), soundfile + cffi (http_server imports it),
 #   zstandard, and the pure-python / small binary modules the server imports that the GPU
 #   machine lacks.
@@ -40,7 +41,7 @@ WHEELS=(
   fastapi==0.128.0 starlette==0.50.0 uvicorn==0.40.0
   pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.8.0 typing-inspection==0.4.5
   openai==2.6.1 distro==1.9.0 sniffio==1.3.1
-  compressed-tensors==0.20.0 loguru==0.7.3 gguf==0.19.0 dill==0.4.1
+  compressed-tensors==0.20.0 loguru==0.7.3 gguf==0.19.0 dill==0.4.1 tokenizers==0.22.2
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
   ipython==9.8.0 traitlets==5.16.1 decorator==5.3.1 prompt-toolkit==3.0.53 wcwidth==0.9.4
   stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure-eval==0.2.4

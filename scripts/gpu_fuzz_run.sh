@@ -21,8 +21,10 @@
 #   MAX_TOTAL_TOKENS [100000]  --max-total-tokens (the pool, GPU-independent; empty: unset)
 #   MEM_FRACTION [0.6]    --mem-fraction-static
 #   MAX_RUNNING [256]     --max-running-requests
-#   FUZZ_TEST_RETRACT [0] 1: also SGLANG_TEST_RETRACT=1 (a retraction every
-#                         SGLANG_TEST_RETRACT_INTERVAL [50] steps), should the load force none
+#   FUZZ_TEST_RETRACT [1] 1: also SGLANG_TEST_RETRACT=1 (a retraction every
+#                         SGLANG_TEST_RETRACT_INTERVAL [50] steps): the load alone fills the pool
+#                         (85% of pages, 340 queued on an H100) but forced no retraction there:
+#                         admission holds requests back before decode runs out; 0: natural only
 #
 # $OUT (or /tmp/diffkv_fuzz) gets three files: summary.txt (the verdict, the fuzz summary, the
 # log audit), results.json (fuzz_serve's: arguments, checks, one record per request) and
@@ -64,7 +66,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
 
 export SGLANG_DIFFKV_CONFIG=${DIFFKV_CONFIG:-'{"preset": "llama-3-8b", "bench_mix": [0.3, 0.5, 0.2]}'}
 export SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1
-if [ "${FUZZ_TEST_RETRACT:-0}" = 1 ]; then
+if [ "${FUZZ_TEST_RETRACT:-1}" = 1 ]; then
   export SGLANG_TEST_RETRACT=1 SGLANG_TEST_RETRACT_INTERVAL=${SGLANG_TEST_RETRACT_INTERVAL:-50}
 fi
 PORT=30000

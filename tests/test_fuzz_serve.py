@@ -93,6 +93,35 @@ def test_accepting_invalid_params_fails_the_verdict() -> None:
     assert all("not refused" in r["why"] for r in bad)
 
 
+@pytest.mark.parametrize(("raw", "strict"), [
+    (None, True), ('{"diffkv_alpha_h": 1.0}', True), ('{"diffkv_alpha_h": 1e38}', True),
+    ('{"diffkv_alpha_h": NaN}', False), ('{"diffkv_alpha_h": -Infinity}', False),
+    ('{"diffkv_alpha_h": 1e999}', False), ('{"diffkv_alpha_h": ' + str(10 ** 400) + "}", False),
+])
+def test_strict_json_is_what_a_strict_parser_reads(raw: str | None, strict: bool) -> None:
+    assert fz.is_strict_json(raw) is strict
+
+
+def test_a_json_layer_refusal_passes_only_for_bodies_that_are_not_strict_json() -> None:
+    """SGLang's HTTP layer (orjson) refuses NaN / Infinity / 1e999 bodies with its own
+    multi-line "JSON decode error": a client error before DiffKV, accepted for those bodies
+    only; the same refusal of a strict-JSON body stays a failure (it must name its key)."""
+    msg = "1 validation error:\n  {'type': 'json_invalid', 'msg': 'JSON decode error'}"
+
+    def judged(raw: str) -> tuple[bool, str]:
+        case = fz.Case(index=0, rid="r", kind="invalid", sub="nan", raw=raw, input_len=4,
+                       output_len=4, expect_key=fz.H)
+        rec = fz.Record(index=0, rid="r", kind="invalid", sub="nan", params=raw,
+                        expect_key=fz.H, input_len=4, output_len=4, cut_after=None,
+                        status=400, error=msg)
+        rec.outcome = "rejected"
+        return fz.judge(case, rec)
+
+    assert judged('{"diffkv_alpha_h": NaN}') == (True, "")
+    ok, why = judged('{"diffkv_alpha_h": "NaN"}')
+    assert not ok and "not one line" in why
+
+
 def test_a_short_valid_request_fails_the_verdict() -> None:
     state = healthy()
     state.faults = frozenset({"short"})
