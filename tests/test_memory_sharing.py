@@ -298,6 +298,7 @@ class SharingMachine(RuleBasedStateMachine):
         keys = [h.key for h in handles]
         assert bool(res.ok) == self.model.export(reqs, lens, keys)
         assert int(copies.mask.sum()) == (int(res.needed) if bool(res.ok) else 0)
+        assert int(res.needed) <= self.m.spec.pages_needed_for_sharing(len(reqs))
         self.live.update(zip(keys, handles, strict=True))
 
     @rule(data=st.data())
@@ -312,6 +313,7 @@ class SharingMachine(RuleBasedStateMachine):
         res, copies = self.m.attach_prefix(reqs, [self.live[k] for k in hkeys])
         ok = self.model.attach(reqs, hkeys)
         assert bool(res.ok) == ok
+        assert int(res.needed) <= self.m.spec.pages_needed_for_sharing(len(reqs))
         if not ok:
             assert same(before, self.m.snapshot()) and not bool(copies.mask.any())
 

@@ -82,7 +82,6 @@ class PageManager:
         # there, so the update needs no boolean indexing (no host sync)
         self._refs_buf = torch.zeros(s.num_pages + 1, dtype=torch.int32, device=self.device)
         self.refs = self._refs_buf[:s.num_pages]
-        self._page_ids = torch.arange(s.num_pages, dtype=torch.int32, device=self.device)
         # live shared prefixes by key (host registry: what the invariants count as holders)
         self.handles: dict[int, SharedPrefix] = {}
         self._next_handle = 0
@@ -343,8 +342,8 @@ class PageManager:
         touched.index_fill_(0, target, True)
         back = touched[:P] & (self.refs == 0)
         start = self.free_list.give(back.sum().view(1))
-        self.free_list.write(start + exclusive_cumsum(back.to(torch.int64)), self._page_ids,
-                             back)
+        ids = torch.arange(P, dtype=torch.int32, device=self.device)
+        self.free_list.write(start + exclusive_cumsum(back.to(torch.int64)), ids, back)
 
     def _copy_plan(self, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor
                    ) -> PageCopies:
