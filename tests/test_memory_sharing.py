@@ -195,6 +195,7 @@ class SharingModel:
 
 
 class SharingMachine(RuleBasedStateMachine):
+    device = "cpu"  # test_memory_gpu reruns the machine with "cuda"
     m: PageManager
     model: SharingModel
 
@@ -209,7 +210,8 @@ class SharingMachine(RuleBasedStateMachine):
             low_tokens_per_page=data.draw(st.integers(1, 6), label="N_low"),
             max_context=data.draw(st.integers(2, 14), label="max_context"),
         )
-        self.m = PageManager(spec, validate=data.draw(st.booleans(), label="validate"))
+        self.m = PageManager(spec, self.device,
+                             validate=data.draw(st.booleans(), label="validate"))
         self.model = SharingModel(spec)
         self.live: dict[int, object] = {}  # handle key -> the manager's handle
 
@@ -374,9 +376,9 @@ class SharingMachine(RuleBasedStateMachine):
             return
         m, model = self.m, self.model
         m.check_invariants()
-        assert torch.equal(m.table, model.table())
-        assert torch.equal(m.counts, model.counts())
-        assert torch.equal(m.shared, model.shared_table())
+        assert torch.equal(m.table.cpu(), model.table())
+        assert torch.equal(m.counts.cpu(), model.counts())
+        assert torch.equal(m.shared.cpu(), model.shared_table())
         assert m.refs.tolist() == model.refs()
         assert m.phase.tolist() == [int(p) for p in model.phase]
         assert ring_contents(m) == list(model.ring)
