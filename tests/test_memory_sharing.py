@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_memory_properties import draw_digits, ring_contents, same, subset
 
-from sglang_diffkv.memory import MemorySpec, PageManager, Phase
+from sglang_diffkv.memory import MemorySpec, PageManager, PageTableRowFull, Phase
 
 LAYERS, HEADS = 2, 2
 Key = tuple[int, int, int]
@@ -154,13 +154,15 @@ class SharingModel:
         return [(key, t) for r, want in zip(reqs, tiers, strict=True) for key in self.keys(r)
                 for t in (0, 1) if want[t] and self.room(key, t) == 0]
 
-    def decode(self, plan: list[tuple[Key, int]]) -> bool:
+    def rows_fit(self, plan: list[tuple[Key, int]]) -> bool:
         extra: dict[Key, int] = {}
         for key, _ in plan:
             extra[key] = extra.get(key, 0) + 1
-        fits = all(len(self.pages[k][0]) + len(self.pages[k][1]) + n <= self.spec.row_len
+        return all(len(self.pages[k][0]) + len(self.pages[k][1]) + n <= self.spec.row_len
                    for k, n in extra.items())
-        if not fits or len(plan) > len(self.ring):
+
+    def decode(self, plan: list[tuple[Key, int]]) -> bool:
+        if not self.rows_fit(plan) or len(plan) > len(self.ring):
             return False
         for key, t in plan:
             self.pages[key][t].extend(self.take(1))
@@ -252,14 +254,12 @@ class SharingMachine(RuleBasedStateMachine):
             tiers = [[bool(bits[2 * i]), bool(bits[2 * i + 1])] for i in range(len(reqs))]
             plan = self.model.decode_plan(reqs, tiers)
             before = self.m.snapshot()
-            if self.m.validate:
-                try:
-                    res = self.m.ensure_decode_room(reqs, torch.tensor(tiers))
-                except RuntimeError:  # PageTableRowFull
-                    assert same(before, self.m.snapshot())
-                    return
-            else:
-                res = self.m.ensure_decode_room(reqs, torch.tensor(tiers))
+            if self.m.validate and not self.model.rows_fit(plan):
+                with pytest.raises(PageTableRowFull):
+                    self.m.ensure_decode_room(reqs, torch.tensor(tiers))
+                assert same(before, self.m.snapshot())
+                return
+            res = self.m.ensure_decode_room(reqs, torch.tensor(tiers))
             if not self.model.decode(plan):
                 assert not bool(res.ok) and same(before, self.m.snapshot())
                 return
