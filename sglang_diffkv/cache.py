@@ -6,6 +6,9 @@ request lifecycle in plain torch (any device):
     begin_prefill -> prefill_layer (every layer) -> end_prefill
     begin_decode  -> decode_layer  (every layer) ...  -> free
 
+and with shared prefixes: ``export_prefix`` (a DECODING request's rows frozen as a handle),
+``attach_prefix`` (a FREE slot starts from a handle, then decodes), ``release_prefix``.
+
 It is the single implementation the quality harness, the SGLang backend's CPU path and the
 kernel tests share: kernels replace its steps one by one and are checked against it.
 Prefill attention is exact on the fresh K/V (as in DiffKV); compression happens after it.
@@ -14,6 +17,7 @@ Prefill attention is exact on the fresh K/V (as in DiffKV); compression happens 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +25,14 @@ from sglang_diffkv import bench_mix
 from sglang_diffkv.attention import DecodeAttention, paged_decode_attention
 from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.layout import PageGeometry
-from sglang_diffkv.memory import AllocResult, MemorySpec, PageManager, alloc_page_storage
+from sglang_diffkv.memory import (
+    AllocResult,
+    MemorySpec,
+    PageCopies,
+    PageManager,
+    SharedPrefix,
+    alloc_page_storage,
+)
 from sglang_diffkv.pages import (
     TokenLocations,
     add_scores,
@@ -286,6 +297,7 @@ class CompressedKVCache:
             key,
             value,
             forced=self.bench_actions(layer, req, positions),
+            shared_tokens=self.shared_tokens(layer, req),
         )
         deltas = torch.zeros(
             *self.manager.counts[req].shape[:-1], 2, dtype=torch.int64, device=self.device
@@ -311,12 +323,16 @@ class CompressedKVCache:
         )
         rows = self.manager.table[req, layer]
         cnt = self.manager.counts[req, layer].long()
+        shared = self.shared_tokens(layer, req)
         for t, prob in enumerate((res.prob_high, res.prob_low)):
             layout = self.geometry.tiers[t]
             loc = token_locations(
                 rows, cnt[..., t], layout.tokens_per_page, low=t == 1, capacity=prob.shape[-1]
             )
-            m = loc.mask
+            # a shared prefix's tokens are read-only: their scores stay as exported (the
+            # policy never picks them, so it never reads them)
+            slot = torch.arange(prob.shape[-1], device=self.device)
+            m = loc.mask & (slot >= shared[..., t, None])
             add_scores(self.pages, layout, loc.page_ids[m], loc.slots[m], prob[m])
         return res
 
@@ -333,9 +349,71 @@ class CompressedKVCache:
             getattr(self.manager.free_list, name).copy_(getattr(other.manager.free_list, name))
         for name in ("alpha", "_prompt_kept", "bench_seed"):
             getattr(self, name).copy_(getattr(other, name))
+        m, o = self.manager, other.manager
+        m.shared.copy_(o.shared)
+        m._refs_buf.copy_(o._refs_buf)
+        m.handles = {k: replace(h, pages=h.pages.to(self.device),
+                                n_tokens=h.n_tokens.to(self.device))
+                     for k, h in o.handles.items()}
+        m._next_handle, m._sharing = o._next_handle, o._sharing
 
     def free(self, req_idx: IndexLike) -> None:
         self.manager.free_requests(self._index(req_idx))
+
+    # ---- shared prefixes (memory.sharing; admission time) ----------------------------------
+
+    def shared_tokens(self, layer: int, req_idx: IndexLike) -> torch.Tensor:
+        """int64 [B, Hkv, 2]: each tier's leading slots that belong to a shared prefix."""
+        per_page = torch.tensor(self.spec.tokens_per_page, device=self.device)
+        return self.manager.shared[self._index(req_idx), layer].long() * per_page
+
+    def _copy_pages(self, copies: PageCopies) -> None:
+        # (boolean indexing syncs; the reference path tolerates it, a kernel would not)
+        m = copies.mask
+        self.pages[copies.dst[m]] = self.pages[copies.src[m]]
+
+    def export_prefix(
+        self, req_idx: IndexLike, num_tokens: Sequence[int]
+    ) -> tuple[list[SharedPrefix], AllocResult]:
+        """Freeze the compressed state of DECODING requests (``num_tokens[b]`` positions
+        each) as shared prefixes (``PageManager.export_prefix``), copying each row's partial
+        pages into the handles' own. From now on the exporting requests' policy leaves the
+        shared tokens alone. ``ok`` False: nothing changed and the handles are empty."""
+        handles, result, copies = self.manager.export_prefix(self._index(req_idx), num_tokens)
+        self._copy_pages(copies)
+        return handles, result
+
+    def attach_prefix(
+        self,
+        req_idx: IndexLike,
+        handles: Sequence[SharedPrefix],
+        alpha_h: Sequence[float] | torch.Tensor | None = None,
+        alpha_l: Sequence[float] | torch.Tensor | None = None,
+    ) -> AllocResult:
+        """Start FREE request slots from shared prefixes, ready to decode at position
+        ``handles[b].num_tokens``: they read the prefix's tokens (the full pages shared, the
+        partial ones copied) and the policy never changes them. A prefix must be reused under
+        the thresholds it was compressed with (the caller's cache key)."""
+        req = self._index(req_idx)
+        b = req.shape[0]
+        ah = torch.full((b,), self.config.alpha_h) if alpha_h is None else torch.as_tensor(alpha_h)
+        al = torch.full((b,), self.config.alpha_l) if alpha_l is None else torch.as_tensor(alpha_l)
+        if bool((al > ah).any()):
+            raise ValueError(f"per-request alpha_l {al.tolist()} exceeds alpha_h {ah.tolist()}")
+        result, copies = self.manager.attach_prefix(req, handles)
+        self._copy_pages(copies)
+        ok = result.ok.to(self.device)
+        alphas = torch.stack([ah, al], -1).float().to(self.device)
+        self.alpha[req] = torch.where(ok, alphas, self.alpha[req])
+        if self.config.bench_mix is not None:
+            seeds = torch.arange(b, device=self.device) + self._bench_serial
+            self.bench_seed[req] = torch.where(ok, seeds, self.bench_seed[req])
+            self._bench_serial += b
+        return result
+
+    def release_prefix(self, handles: Sequence[SharedPrefix]) -> None:
+        """Drop shared prefixes (tree eviction); pages nobody holds any more go back."""
+        self.manager.release_prefix(handles)
 
     def tier_fractions(self, req_idx: IndexLike, seq_lens: torch.Tensor) -> torch.Tensor:
         """[B, layers, heads, 3]: fraction of the sequence kept high, low, and pruned."""
@@ -367,13 +445,15 @@ def apply_decode_step(
     key: torch.Tensor,
     value: torch.Tensor,
     forced: torch.Tensor | None = None,
+    shared_tokens: torch.Tensor | None = None,
 ) -> tuple[DecodeDecision, torch.Tensor]:
     """One layer's decode policy step over raw tensors: decide, demote / evict in ``pages``,
     store the new token. rows: [B, H, row_len] table rows; counts: [B, H, >=2] with
     (n_high, n_low) first; positions: [B]; alpha: [B, 2] = (alpha_h, alpha_l); key/value:
     [B, H, D]. Counters are left to the caller: returns the decision and the tokens each
     tier gained, int64 [B, H, 2]. The rows must already have room (``ensure_decode_room``).
-    ``forced``: benchmark-mode actions [B, H] (``policy.decode_step``)."""
+    ``forced``: benchmark-mode actions [B, H]; ``shared_tokens`` [B, H, 2]: each tier's
+    leading slots of a shared prefix, never victims (both ``policy.decode_step``)."""
     cnt = counts.long()
     p = positions.long()
     hi_loc, hi_score, hi_pos = _tier_scores(pages, geometry, rows, cnt[..., 0], 0)
@@ -390,6 +470,7 @@ def apply_decode_step(
         alpha[:, 1],
         window,
         forced=forced,
+        shared_tokens=shared_tokens,
     )
     high, low = geometry.tiers
     b_idx, h_idx = torch.meshgrid(

@@ -141,12 +141,17 @@ class DecodeDecision:
 
 
 def _eligible_argmin(
-    score: torch.Tensor, pos: torch.Tensor, n: torch.Tensor, p: torch.Tensor, window: int
+    score: torch.Tensor, pos: torch.Tensor, n: torch.Tensor, p: torch.Tensor, window: int,
+    first: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min avg, argmin slot) over slots [0, n) with p - pos >= window; (inf, -1) if none."""
+    """(min avg, argmin slot) over slots [first, n) with p - pos >= window; (inf, -1) if
+    none. ``first`` [B, Hkv] (default 0): the row's shared slots before it are never
+    victims."""
     slots = torch.arange(score.shape[-1], device=score.device)
     age = p[:, None, None] - pos.long()
     eligible = (slots[None, None, :] < n[..., None]) & (age >= window)
+    if first is not None:
+        eligible &= slots[None, None, :] >= first[..., None]
     avg = torch.where(eligible, score.float() / age.clamp_min(1).float(), float("inf"))
     if avg.shape[-1] == 0:
         empty = torch.full(n.shape, float("inf"), device=score.device)
@@ -167,6 +172,7 @@ def decode_step(
     alpha_l: torch.Tensor,
     window: int,
     forced: torch.Tensor | None = None,
+    shared_tokens: torch.Tensor | None = None,
 ) -> DecodeDecision:
     """Decide, per (request, KV head), where the new token at position p goes.
 
@@ -177,9 +183,16 @@ def decode_step(
     ``forced`` (benchmark mode, ``bench_mix.forced_actions``): int8 [B, Hkv] actions taken
     instead of the thresholds' verdict wherever the window is full and an eligible high
     victim exists (the victim is still the argmin); elsewhere APPEND_HIGH.
+
+    ``shared_tokens`` [B, Hkv, 2]: each tier's leading slots that belong to a shared prefix
+    (``PageManager.shared`` pages times tokens per page); they are never evicted, demoted or
+    replaced, so a row's eligible range is [shared, n) in each tier.
     """
-    h_avg, hmin = _eligible_argmin(score_high, pos_high, n_high, p, window)
-    l_avg, lmin = _eligible_argmin(score_low, pos_low, n_low, p, window)
+    first_h = first_l = None
+    if shared_tokens is not None:
+        first_h, first_l = shared_tokens[..., 0], shared_tokens[..., 1]
+    h_avg, hmin = _eligible_argmin(score_high, pos_high, n_high, p, window, first_h)
+    l_avg, lmin = _eligible_argmin(score_low, pos_low, n_low, p, window, first_l)
     t_h = thresholds(alpha_h, p)[:, None]
     t_l = thresholds(alpha_l, p)[:, None]
     window_full = (n_high + n_low + 1) > window

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import settings
 from test_memory_properties import PageManagerMachine
+from test_memory_sharing import SharingMachine
 
 from sglang_diffkv.memory import MemorySpec, PageManager
 
@@ -91,3 +92,39 @@ CudaPageManagerMachine.TestCase.settings = settings(
     max_examples=50, stateful_step_count=20, deadline=None
 )
 TestCudaPageManagerMachine = requires_cuda(CudaPageManagerMachine.TestCase)
+
+
+@requires_cuda
+def test_sharing_ops_never_sync() -> None:
+    """export / attach / release / free with shared pages: all on the device (the handles'
+    host work is list bookkeeping, never a read of device values)."""
+    m = PageManager(SPEC, "cuda", validate=False)
+    on = {"device": "cuda"}
+    m.allocate_prefill(torch.tensor([1], **on), torch.tensor([9], **on))
+    m.reclaim_prefill(torch.tensor([1], **on), torch.full((1, 2, 2), 5, **on),
+                      torch.full((1, 2, 2), 4, **on))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (h,), res, copies = m.export_prefix(torch.tensor([1], **on), [9])
+        res2, copies2 = m.attach_prefix(torch.tensor([2, 3], **on), [h, h])
+        m.ensure_decode_room(torch.tensor([1, 2, 3], **on), torch.ones(3, 2, dtype=torch.bool,
+                                                                       **on))
+        m.free_requests(torch.tensor([1, 2], **on))
+        m.release_prefix([h])
+        m.free_requests(torch.tensor([3], **on))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(res.ok) and bool(res2.ok) and int(copies.mask.sum()) == 8  # 4 rows x 2
+    m.check_invariants()
+    assert int(m.num_free_pages()) == SPEC.num_pages
+
+
+class CudaSharingMachine(SharingMachine):
+    device = "cuda"
+
+
+CudaSharingMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=20, deadline=None
+)
+TestCudaSharingMachine = requires_cuda(CudaSharingMachine.TestCase)

@@ -8,10 +8,15 @@ State (device tensors; the contract kernels and the SGLang pool read):
 - ``counts`` int32 [max_reqs, layers, kv_heads, 4] = (n_high, n_low, high_pages, low_pages).
   Token s of tier t is in that tier's page s // N_t at slot s % N_t.
 - ``phase`` int8 [max_reqs] (``inputs.Phase``).
+- ``shared`` int32 [max_reqs, layers, kv_heads, 2]: the row's first ``shared[..., t]`` pages
+  of tier t are shared read-only (a prefix it exported or attached; ``sharing``).
+- ``refs`` int32 [num_pages]: shared holders of each page (rows' shared regions and live
+  handles, ``handles``); 0 for free pages and private pages.
 
-Invariants: every page id is owned exactly once (free ring or one table entry); table
-entries outside [0, high_pages) and [row_len - low_pages, row_len) are -1;
-0 <= n_t <= pages_t * N_t. ``check_invariants`` verifies all of them.
+Invariants: every page id is either in the free ring, or in exactly one row's private region,
+or held by ``refs`` >= 1 shared holders (and nowhere else); table entries outside
+[0, high_pages) and [row_len - low_pages, row_len) are -1; 0 <= n_t <= pages_t * N_t and a
+shared page is full (n_t >= shared_t * N_t). ``check_invariants`` verifies all of them.
 
 Every op is plan -> one flat exclusive prefix sum -> disjoint runs of the free list ->
 counter update, vectorised over the batch with gathers/scatters only. Allocating ops are
@@ -22,7 +27,11 @@ where slots in the wrong phase are skipped on the device instead, and duplicates
 and out-of-range values are the caller's responsibility.
 
 Cost: prefill, reclaim and free touch whole rows (B * layers * heads * row_len elements);
-a decode step touches two entries per row. Only the decode step is per-token hot.
+a decode step touches two entries per row. Only the decode step is per-token hot. Prefix
+sharing (export / attach / release) is admission-time work: a host loop over the handles of
+the call to stack their tensors, device work over whole rows plus one pass over all pages
+(``num_pages``) whenever shared pages are let go (release, and free once anything was
+shared), which dedups the pages whose count reaches zero without a host sync.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_diffkv.memory.free_list import CircularFreeList
+from sglang_diffkv.memory.free_list import CircularFreeList, exclusive_cumsum
 from sglang_diffkv.memory.inputs import (
     Phase,
     as_index,
@@ -41,6 +50,7 @@ from sglang_diffkv.memory.inputs import (
     first_violation,
 )
 from sglang_diffkv.memory.result import AllocResult, PageTableRowFull
+from sglang_diffkv.memory.sharing import PageCopies, SharedPrefix, stack_handles, tier_columns
 from sglang_diffkv.memory.spec import MemorySpec
 
 N_HIGH, N_LOW, P_HIGH, P_LOW = range(4)  # columns of ``counts``
@@ -67,6 +77,16 @@ class PageManager:
         self.table = torch.full((*shape, s.row_len), -1, dtype=torch.int32, device=self.device)
         self.counts = torch.zeros((*shape, 4), dtype=torch.int32, device=self.device)
         self.phase = torch.zeros(s.max_reqs, dtype=torch.int8, device=self.device)
+        self.shared = torch.zeros((*shape, 2), dtype=torch.int32, device=self.device)
+        # one sink entry past the pages: masked-out lanes of a reference-count update add 0
+        # there, so the update needs no boolean indexing (no host sync)
+        self._refs_buf = torch.zeros(s.num_pages + 1, dtype=torch.int32, device=self.device)
+        self.refs = self._refs_buf[:s.num_pages]
+        # live shared prefixes by key (host registry: what the invariants count as holders)
+        self.handles: dict[int, SharedPrefix] = {}
+        self._next_handle = 0
+        # whether any page was ever shared: until then free_requests skips the refs pass
+        self._sharing = False
         self._tokens_per_page = torch.tensor(s.tokens_per_page, dtype=torch.int64,
                                              device=self.device)
         self._pos = torch.arange(s.row_len, dtype=torch.int64, device=self.device)
@@ -262,26 +282,224 @@ class PageManager:
         return AllocResult(op, take.ok, take.needed, take.free, rows_ok)
 
     def free_requests(self, req_idx: IndexLike) -> None:
-        """Return every page of these requests (high walked from the left, then low from the
-        right) and reset their rows to -1, counts to 0, phase to FREE."""
+        """Return every private page of these requests (high walked from the left, then low
+        from the right), drop their rows' references to shared pages (a page whose count
+        reaches zero goes back too, after the private ones, in page-id order) and reset their
+        rows to -1, counts and shared regions to 0, phase to FREE."""
         op = "free_requests"
         req = self._req(req_idx, op, (Phase.PREFILLED, Phase.DECODING))
         b = req.shape[0]
         counts = self.counts[req].to(torch.int64)
-        hp = counts[..., P_HIGH].unsqueeze(-1)
-        lp = counts[..., P_LOW].unsqueeze(-1)
-        start = self.free_list.give(counts[..., P_HIGH:P_LOW + 1].reshape(-1))
+        shared = self.shared[req].to(torch.int64)
+        private = counts[..., P_HIGH:P_LOW + 1] - shared
+        hp, lp = counts[..., P_HIGH].unsqueeze(-1), counts[..., P_LOW].unsqueeze(-1)
+        sh, sl = shared[..., 0:1], shared[..., 1:2]
+        start = self.free_list.give(private.reshape(-1))
         start = start.view(*self._heads(b), 2)
         pos = self._pos
-        is_high = pos < hp
-        is_low = pos >= self.row_len - lp
-        slot = torch.where(is_high, start[..., 0:1] + pos, start[..., 1:2] + self.row_len - 1 - pos)
-        self.free_list.write(slot, self.table[req], is_high | is_low)
+        rows = self.table[req]
+        is_high = (pos >= sh) & (pos < hp)
+        is_low = (pos >= self.row_len - lp) & (pos < self.row_len - sl)
+        slot = torch.where(is_high, start[..., 0:1] + pos - sh,
+                           start[..., 1:2] + self.row_len - 1 - pos - sl)
+        self.free_list.write(slot, rows, is_high | is_low)
+        if self._sharing:
+            self._drop_refs(rows, (pos < sh) | (pos >= self.row_len - sl))
         # index_fill_, not ``x[req] = scalar``: on CUDA the latter copies the scalar from the
         # host and synchronises.
         self.table.index_fill_(0, req, -1)
         self.counts.index_fill_(0, req, 0)
+        self.shared.index_fill_(0, req, 0)
         self.phase.index_fill_(0, req, int(Phase.FREE))
+
+    # -- shared prefixes (admission time) ------------------------------------------------
+    #
+    # The rule at the prefix boundary, per row and tier: a tier's tokens fill its pages in
+    # slot order, so the row's first n_t // N_t pages of tier t are full and shared as they
+    # are; the tokens of the partial last page (n_t % N_t of them) are copied into a fresh
+    # page: at export into the handle's own page (the exporter keeps writing its own), at
+    # attach into the attaching row's private page. Shared pages are therefore always full,
+    # never written, and each row's shared region is a prefix of each tier: high pages
+    # [0, shared[..., 0]) and low pages [0, shared[..., 1]).
+
+    def _handle_width(self, num_tokens: int) -> int:
+        """Pages per tier a handle of ``num_tokens`` positions needs at most."""
+        return max(1, -(-num_tokens // self.spec.min_tokens_per_page))
+
+    def _add_refs(self, pages: torch.Tensor, inc: torch.Tensor) -> None:
+        """refs[pages[i]] += inc[i] (duplicates add up); lanes with inc 0 add to the sink."""
+        target = torch.where(inc != 0, pages, self.spec.num_pages).reshape(-1)
+        self._refs_buf.index_add_(0, target.to(torch.int64), inc.reshape(-1).to(torch.int32))
+
+    def _drop_refs(self, pages: torch.Tensor, mask: torch.Tensor) -> None:
+        """One reference fewer for every ``pages[i]`` where ``mask[i]`` (a page may appear
+        several times); the pages whose count reaches zero go back to the free list, each
+        once, in page-id order: a pass over all pages instead of a sort or a host sync."""
+        P = self.spec.num_pages
+        target = torch.where(mask, pages, P).reshape(-1).to(torch.int64)
+        self._refs_buf.index_add_(0, target, -mask.reshape(-1).to(torch.int32))
+        touched = torch.zeros(P + 1, dtype=torch.bool, device=self.device)
+        touched.index_fill_(0, target, True)
+        back = touched[:P] & (self.refs == 0)
+        start = self.free_list.give(back.sum().view(1))
+        ids = torch.arange(P, dtype=torch.int32, device=self.device)
+        self.free_list.write(start + exclusive_cumsum(back.to(torch.int64)), ids, back)
+
+    def _copy_plan(self, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor
+                   ) -> PageCopies:
+        return PageCopies(src.reshape(-1).to(torch.int64).clamp(min=0),
+                          dst.reshape(-1).to(torch.int64), mask.reshape(-1))
+
+    def _registered(self, handles: Sequence[SharedPrefix], op: str) -> list[SharedPrefix]:
+        """The registry's entries for ``handles`` (host dict lookups, no sync)."""
+        out = []
+        for h in handles:
+            live = self.handles.get(getattr(h, "key", None))
+            if live is None or live.num_tokens != h.num_tokens:
+                raise ValueError(f"{op}: handle {getattr(h, 'key', h)!r} is not a live shared "
+                                 "prefix of this manager (released already?)")
+            out.append(live)
+        return out
+
+    def export_prefix(
+        self, req_idx: IndexLike, num_tokens: Sequence[int]
+    ) -> tuple[list[SharedPrefix], AllocResult, PageCopies]:
+        """Freeze the current rows of DECODING requests as shared prefixes, one handle per
+        request covering ``num_tokens[b]`` sequence positions (every row of request b holds
+        at most that many tokens). Per row and tier the full pages become shared (the
+        exporting row's shared region grows to them: its policy may no longer demote or
+        prune those tokens) and the partial last page is copied into a fresh page the handle
+        owns. All or nothing: when the copies' pages do not fit, nothing changes and every
+        handle is empty. The caller performs ``PageCopies`` on the page storage before the
+        exporting request writes again."""
+        op = "export_prefix"
+        req = self._req(req_idx, op, (Phase.DECODING,))
+        b = req.shape[0]
+        lens = [int(n) for n in num_tokens]
+        if len(lens) != b or any(not 0 <= n <= self.spec.max_context for n in lens):
+            raise ValueError(f"{op}: num_tokens {lens} must give one length in "
+                             f"[0, max_context={self.spec.max_context}] per request ({b})")
+        width = max((self._handle_width(n) for n in lens), default=1)
+        L, H, R = self.spec.num_layers, self.spec.num_kv_heads, self.row_len
+        counts = self.counts[req].to(torch.int64)
+        live = self._in_phase(req, Phase.DECODING).unsqueeze(-1)
+        n_tok = counts[..., N_HIGH:N_LOW + 1] * live
+        if self.validate:
+            over = n_tok.sum(-1) > torch.tensor(lens, device=self.device).view(b, 1, 1)
+            hit = first_violation(over)
+            if hit is not None:
+                raise ValueError(f"{op}: request slot {int(req[hit[0]])}, layer {hit[1]}, "
+                                 f"head {hit[2]} holds {n_tok[hit].tolist()} tokens, more "
+                                 f"than num_tokens={lens[hit[0]]}")
+        full = torch.div(n_tok, self._tokens_per_page, rounding_mode="floor")
+        part = n_tok > full * self._tokens_per_page
+        take = self.free_list.take(part.reshape(-1))
+        got = take.count.view(b, L, H, 2) > 0
+        fresh = self.free_list.ids_at(take.start).view(b, L, H, 2).to(torch.int64)
+
+        rows = self.table[req].to(torch.int64)
+        cols = tier_columns(width, R, self.device)
+        tier_pages = rows.unsqueeze(-2).expand(b, L, H, 2, R).gather(
+            -1, cols.expand(b, L, H, 2, width))
+        j = torch.arange(width, device=self.device)
+        full_ = full.unsqueeze(-1)
+        pages = torch.where(j < full_, tier_pages, -1)
+        pages = torch.where((j == full_) & got.unsqueeze(-1), fresh.unsqueeze(-1), pages)
+        pages = torch.where(take.ok, pages, -1)
+        # +1 for the handle on each of its pages, +1 for the exporting row on each page it
+        # now shares for the first time ([shared, full): private until now, refs 0)
+        shared = self.shared[req].to(torch.int64)
+        newly = (j >= shared.unsqueeze(-1)) & (j < full_) & take.ok
+        self._add_refs(pages, (pages >= 0).to(torch.int32) + newly.to(torch.int32))
+        self.shared[req] = torch.where(take.ok, torch.maximum(shared, full), shared).to(
+            torch.int32)
+        n_out = torch.where(take.ok, n_tok, 0).to(torch.int32)
+        src_col = torch.stack((full[..., 0], R - 1 - full[..., 1]), -1).clamp(0, R - 1)
+        copies = self._copy_plan(rows.gather(-1, src_col), fresh, got)
+
+        handles = []
+        for i, n in enumerate(lens):
+            w = self._handle_width(n)
+            h = SharedPrefix(pages[i, ..., :w].to(torch.int32).contiguous(), n_out[i], n,
+                             self._next_handle)
+            self.handles[h.key] = h
+            self._next_handle += 1
+            handles.append(h)
+        self._sharing = True
+        return handles, AllocResult(op, take.ok, take.needed, take.free,
+                                    torch.ones_like(take.ok)), copies
+
+    def attach_prefix(
+        self, req_idx: IndexLike, handles: Sequence[SharedPrefix]
+    ) -> tuple[AllocResult, PageCopies]:
+        """Start FREE request slots from shared prefixes (``handles[b]`` for slot b, the same
+        handle any number of times): each row takes the handle's full pages of each tier as
+        its shared region and a fresh private page for the partial last page (the caller
+        performs ``PageCopies``), its counters the handle's tokens; the slot is DECODING.
+        All or nothing: when the fresh pages do not fit, nothing changes."""
+        op = "attach_prefix"
+        req = self._req(req_idx, op, (Phase.FREE,))
+        b = req.shape[0]
+        if len(handles) != b:
+            raise ValueError(f"{op}: {len(handles)} handles for {b} request slots")
+        if b == 0:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            true = torch.ones((), dtype=torch.bool, device=self.device)
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            return (AllocResult(op, true, zero, self.num_free_pages(), true),
+                    PageCopies(empty, empty, empty.bool()))
+        pages, n_tok = stack_handles(self._registered(handles, op), self.device)
+        L, H, R = self.spec.num_layers, self.spec.num_kv_heads, self.row_len
+        width = pages.shape[-1]
+        free_slot = self._in_phase(req, Phase.FREE)
+        n_tok = n_tok * free_slot.unsqueeze(-1)
+        full = torch.div(n_tok, self._tokens_per_page, rounding_mode="floor")
+        part = n_tok > full * self._tokens_per_page
+        take = self.free_list.take(part.reshape(-1))
+        got = take.count.view(b, L, H, 2) > 0
+        fresh = self.free_list.ids_at(take.start).view(b, L, H, 2).to(torch.int64)
+
+        j = torch.arange(width, device=self.device)
+        full_ = full.unsqueeze(-1)
+        done = take.ok & free_slot  # [B, 1, 1]
+        is_shared = (j < full_) & done.view(b, 1, 1, 1, 1)
+        new_pages = torch.where(j < full_, pages, -1)
+        new_pages = torch.where((j == full_) & got.unsqueeze(-1), fresh.unsqueeze(-1),
+                                new_pages)
+        col = torch.stack((j, R - 1 - j)).expand(b, L, H, 2, width)
+        col = torch.where(new_pages >= 0, col, R)  # (column R: a sink past the row)
+        new_rows = torch.full((b, L, H, R + 1), -1, dtype=torch.int64, device=self.device)
+        new_rows.scatter_(-1, col.reshape(b, L, H, 2 * width),
+                          new_pages.reshape(b, L, H, 2 * width))
+        old_rows = self.table[req]
+        self.table[req] = torch.where(done.unsqueeze(-1), new_rows[..., :R].to(torch.int32),
+                                      old_rows)
+        k = full + part
+        new_counts = torch.cat((n_tok, k), -1).to(torch.int32)
+        self.counts[req] = torch.where(done.unsqueeze(-1), new_counts, self.counts[req])
+        self.shared[req] = torch.where(done.unsqueeze(-1), full.to(torch.int32),
+                                       self.shared[req])
+        self._add_refs(pages, is_shared.to(torch.int32))
+        self.phase[req] = torch.where(done.view(-1), int(Phase.DECODING), self.phase[req])
+        src = pages.gather(-1, full.clamp(max=width - 1).unsqueeze(-1)).squeeze(-1)
+        self._sharing = True
+        return (AllocResult(op, take.ok, take.needed, take.free, torch.ones_like(take.ok)),
+                self._copy_plan(src, fresh, got))
+
+    def release_prefix(self, handles: Sequence[SharedPrefix]) -> None:
+        """Drop these handles (tree eviction): one reference fewer on each of their pages;
+        pages whose count reaches zero go back to the free list."""
+        op = "release_prefix"
+        live = self._registered(handles, op)
+        keys = [h.key for h in live]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{op}: a handle appears more than once in {keys}")
+        if not live:
+            return
+        pages, _ = stack_handles(live, self.device)
+        for key in keys:
+            del self.handles[key]
+        self._drop_refs(pages, pages >= 0)
 
     # -- token counters (advanced by the policy / store) ----------------------------------
 
@@ -315,8 +533,10 @@ class PageManager:
         if self.validate:
             capacity = counts[..., P_HIGH:P_LOW + 1] * self._tokens_per_page
             total = n_tok.sum(-1, keepdim=True).expand_as(n_tok)
+            shared = self.shared[req].to(torch.int64) * self._tokens_per_page
             for what, bad in (
                 ("negative token count", n_tok < 0),
+                ("fewer tokens than its shared pages hold", n_tok < shared),
                 ("more tokens than its pages hold", n_tok > capacity),
                 (f"more than max_context={self.spec.max_context} tokens",
                  total > self.spec.max_context),
@@ -352,4 +572,6 @@ class PageManager:
             "table": self.table.clone(),
             "counts": self.counts.clone(),
             "phase": self.phase.clone(),
+            "shared": self.shared.clone(),
+            "refs": self.refs.clone(),
         }

@@ -119,3 +119,9 @@ class MemorySpec:
         if batch < 0:
             raise ValueError(f"batch={batch} must be >= 0")
         return batch * self.heads_per_request * 2
+
+    def pages_needed_for_sharing(self, batch: int) -> int:
+        """Upper bound on pages one ``export_prefix`` or ``attach_prefix`` of ``batch``
+        requests takes: one copy of a partial page per (layer, head, tier). (What a caller
+        reports to ``FreePagesBound.taken``.)"""
+        return self.pages_needed_for_decode(batch)

@@ -1,0 +1,76 @@
+"""Shared read-only prefixes: what a radix-tree node holds, and the page copies that the
+copy-on-write boundary needs.
+
+A :class:`SharedPrefix` is a frozen snapshot of the compressed rows of one request: for every
+(layer, KV head) row and tier t, the tier's first ``n_tokens[..., t]`` tokens (its slots
+[0, n_t), which is all of them at export), held in ``ceil(n_t / N_t)`` pages. The
+``n_t // N_t`` full pages are shared with every row that attached the prefix (and with the
+exporting row); the partial last page, if any, is the handle's own copy, and every attaching
+row copies it again into a private page (copy-on-write at the boundary), so no shared page is
+ever written.
+
+Reference counts (``PageManager.refs``) count *shared* holders only: a page in a handle or
+in a row's shared region has ``refs`` = the number of handles and rows holding it; a free
+page and a row's private page have ``refs`` 0 (a private page has exactly one holder, its
+row, as in stage 1). So the allocation paths that only ever hand out private pages (prefill,
+reclaim, the decode step and its CUDA compaction) never touch ``refs``: a count is written
+only when a page becomes shared (export, attach) or a holder lets go (free, release).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class SharedPrefix:
+    """A frozen compressed prefix (device tensors; never written after export).
+
+    ``pages``: int32 [layers, kv_heads, 2, width]: tier t's page j at ``[..., t, j]``, -1 past
+    the tier's ``ceil(n_t / N_t)`` pages. ``n_tokens``: int32 [layers, kv_heads, 2]. An export
+    that did not fit yields an empty handle (no pages, no tokens), so callers need no sync to
+    keep handles consistent. ``num_tokens``: the sequence positions it covers (host metadata:
+    the radix key's length; every row holds at most that many tokens). ``key``: its entry in
+    the manager's registry (``PageManager.handles``)."""
+
+    pages: torch.Tensor
+    n_tokens: torch.Tensor
+    num_tokens: int
+    key: int
+
+    @property
+    def width(self) -> int:
+        return self.pages.shape[-1]
+
+
+class PageCopies(NamedTuple):
+    """Whole-page copies the caller performs on the page storage after an export or attach
+    (``pages[dst[i]] = pages[src[i]]`` where ``mask[i]``); flat over (request, layer, head,
+    tier). The destinations are fresh pages, never a source, so the lanes are independent."""
+
+    src: torch.Tensor  # int64 [M]
+    dst: torch.Tensor  # int64 [M]
+    mask: torch.Tensor  # bool [M]
+
+
+def tier_columns(width: int, row_len: int, device: torch.device) -> torch.Tensor:
+    """int64 [2, width]: row position of tier page j (high j, low row_len - 1 - j), clamped
+    into the row so a gather past a tier's pages stays in range."""
+    j = torch.arange(width, device=device)
+    return torch.stack((j, row_len - 1 - j)).clamp(0, row_len - 1)
+
+
+def stack_handles(handles: list[SharedPrefix], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages int64 [K, layers, heads, 2, W] padded with -1, n_tokens int64 [K, layers,
+    heads, 2]) of ``handles``, W the widest; host-side list work (admission time)."""
+    width = max(h.width for h in handles)
+    pages = torch.stack([
+        torch.nn.functional.pad(h.pages.to(device, torch.int64), (0, width - h.width), value=-1)
+        for h in handles
+    ])
+    n_tokens = torch.stack([h.n_tokens.to(device, torch.int64) for h in handles])
+    return pages, n_tokens
