@@ -265,10 +265,12 @@ def _merge_kernel(
         tl.store(lse + qrow * l_st + hq * l_sh, (m_safe + tl.log2(l_tot)) * LN2, mask=rvalid)
 
 
-def tile_shape(group: int, block_m: int = DEFAULT_BLOCK_M) -> tuple[int, int]:
+def tile_shape(group: int, max_new: int, block_m: int = DEFAULT_BLOCK_M) -> tuple[int, int]:
     """(BLOCK_M, QT): query rows per tile (a power of two >= 16) and the fresh tokens they
-    hold (QT * group <= BLOCK_M; a group wider than ``block_m`` gets one token per tile)."""
-    bm = max(16, triton.next_power_of_2(max(block_m, group)))
+    hold (QT * group <= BLOCK_M; a group wider than ``block_m`` gets one token per tile).
+    Short extends (max_new * group < block_m rows) take the smallest tile that holds them."""
+    rows = min(block_m, max(1, max_new) * group)
+    bm = max(16, triton.next_power_of_2(max(rows, group)))
     return bm, bm // group
 
 
@@ -342,7 +344,7 @@ def extend_attention(
     if max_new is None:
         max_new = int(extend_seq_lens.max()) if b else 0
     group = hq // hkv
-    bm, qt = tile_shape(group, block_m)
+    bm, qt = tile_shape(group, max_new, block_m)
     tiles = triton.cdiv(max_new, qt)
     if b == 0 or tiles == 0:
         return ExtendAttention(out, lse)

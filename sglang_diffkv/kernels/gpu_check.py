@@ -116,7 +116,7 @@ def extend_attention_check(geo, prefix_tokens, new_lens, hkv, group, mix, seed, 
         case = random_extend_case(geo, prefix, new_lens, group, dtype=torch.bfloat16,
                                   device=DEV, seed=seed)
         c, d = case.cache, geo.head_dim
-        bm, qt = tile_shape(group)
+        bm, qt = tile_shape(group, case.max_new)
         tiles = len(new_lens) * -(-case.max_new // qt)
         n_split = splits or default_splits(tiles * hkv, torch.device(DEV))
         scratch = tuple(torch.full((n,), float("nan"), device=DEV)

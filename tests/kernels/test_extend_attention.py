@@ -35,7 +35,7 @@ def check_case(geo, prefix, new_lens, group, dtype, device, seed, *, splits=None
     lse = torch.full(case.q.shape[:2], float("nan"), device=device)
     scratch = None
     if splits is not None and splits > 1:
-        bm, qt = tile_shape(group, block_m)
+        bm, qt = tile_shape(group, case.max_new, block_m)
         tiles = len(new_lens) * -(-case.max_new // qt)
         scratch = tuple(torch.full((n,), float("nan"), device=device)
                         for n in scratch_elements(tiles, c.table.shape[2], splits, bm, d))
@@ -121,3 +121,14 @@ def test_extend_attention_gpu(tiers, splits):
         prefix.append(heads)
     check_case(geo, prefix, [300, 1, 1000, 2048], 4, torch.bfloat16, "cuda", seed=7,
                splits=splits, block_m=64, block_k=64, tol=1e-2)
+
+
+def test_tile_shape():
+    # (BLOCK_M, QT): a power of two >= 16 rows; short extends take the smallest that fits
+    assert tile_shape(4, 8192) == (64, 16)
+    assert tile_shape(7, 8192) == (64, 9)  # 63 of 64 rows used
+    assert tile_shape(4, 1) == (16, 4)
+    assert tile_shape(1, 3) == (16, 16)
+    assert tile_shape(32, 5) == (64, 2)
+    assert tile_shape(32, 5, block_m=16) == (32, 1)  # a group wider than the tile: one token
+    assert tile_shape(4, 8192, block_m=128) == (128, 32)
