@@ -132,3 +132,12 @@ def test_tile_shape():
     assert tile_shape(32, 5) == (64, 2)
     assert tile_shape(32, 5, block_m=16) == (32, 1)  # a group wider than the tile: one token
     assert tile_shape(4, 8192, block_m=128) == (128, 32)
+
+
+@pytest.mark.gpu
+def test_short_extend_gpu():
+    # radix hits with a token or three: the 16-row tile (tile_shape) and the default splits
+    geo = PageGeometry.build(128, K8V4, K4V2)
+    prefix = [[(900, 1500)] * 8, [(1, 0)] * 8, [(3000, 40)] * 8]
+    check_case(geo, prefix, [1, 3, 1], 4, torch.bfloat16, "cuda", seed=8, block_m=64,
+               block_k=64, tol=1e-2)
