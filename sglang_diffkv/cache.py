@@ -24,6 +24,7 @@ import torch
 from sglang_diffkv import bench_mix
 from sglang_diffkv.attention import DecodeAttention, paged_decode_attention
 from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.extend_attention import ExtendAttention, paged_extend_attention
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.memory import (
     AllocResult,
@@ -421,6 +422,29 @@ class CompressedKVCache:
         total = seq_lens.to(self.device).double().view(-1, 1, 1)
         hi, lo = cnt[..., 0] / total, cnt[..., 1] / total
         return torch.stack([hi, lo, 1 - hi - lo], -1)
+
+    def extend_layer_attend(
+        self,
+        layer: int,
+        req_idx: IndexLike,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        extend_start_loc: torch.Tensor,
+        extend_seq_lens: torch.Tensor,
+        sm_scale: float,
+    ) -> ExtendAttention:
+        """Extend attention of one layer (chunked prefill, prefix hit): the fresh packed
+        query [T, Hq, D] / key, value [T, Hkv, D] (request b's at rows extend_start_loc[b] +
+        [0, extend_seq_lens[b])) over each request's stored tokens and, causally, the fresh
+        ones (``extend_attention.paged_extend_attention``). Reads pages only: the fresh
+        tokens are stored (and the prompt scored) by the caller afterwards."""
+        req = self._index(req_idx)
+        return paged_extend_attention(
+            query, key, value, extend_start_loc.to(self.device),
+            extend_seq_lens.to(self.device), self.pages, self.geometry, self.manager.table,
+            self.manager.counts, req, layer, sm_scale,
+        )
 
 
 def _tier_scores(

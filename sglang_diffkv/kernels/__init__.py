@@ -22,6 +22,7 @@ from sglang_diffkv.kernels.decode_attention import (
     describe_split_pass,
 )
 from sglang_diffkv.kernels.decode_policy import decode_policy_step, decode_policy_step_reference
+from sglang_diffkv.kernels.extend_attention import extend_attention, extend_attention_reference
 from sglang_diffkv.kernels.prefill import (
     PrefillBuffers,
     compress_prefill,
@@ -50,6 +51,8 @@ __all__ = [
     "decode_policy_step",
     "decode_policy_step_reference",
     "describe_split_pass",
+    "extend_attention",
+    "extend_attention_reference",
     "prefill_scores",
     "prefill_scores_reference",
     "store_decode",

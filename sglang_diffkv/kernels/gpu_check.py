@@ -29,6 +29,8 @@ from sglang_diffkv.kernels import (
     decode_compaction_reference,
     decode_policy_step,
     decode_policy_step_reference,
+    extend_attention,
+    extend_attention_reference,
     prefill_scores,
     prefill_scores_reference,
     store_tokens,
@@ -41,7 +43,8 @@ from sglang_diffkv.kernels.decode_policy import (
     unpack_keys,
 )
 from sglang_diffkv.kernels.decode_split_cuda import geometry_reason
-from sglang_diffkv.kernels.testing import random_decode_case, rel_err
+from sglang_diffkv.kernels.extend_attention import default_splits, scratch_elements, tile_shape
+from sglang_diffkv.kernels.testing import random_decode_case, random_extend_case, rel_err
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.memory import MemorySpec, PageManager
 from sglang_diffkv.policy import _eligible_argmin
@@ -94,6 +97,44 @@ def decode_attention_check(geo, contexts, hkv, group, mix, seed, variant="base")
         ok = (e_out < 5e-3 and e_lse < 1e-5 and e_score < 2e-3
               and torch.equal(changed, moved))
         return f"out {e_out:.1e} lse {e_lse:.1e} score {e_score:.1e}", ok
+    return run
+
+
+def extend_attention_check(geo, prefix_tokens, new_lens, hkv, group, mix, seed, splits=None):
+    """Fresh tokens (bf16) over compressed prefixes of ``prefix_tokens`` prompt tokens each,
+    kept high / low per head at ``mix`` (jittered x U(0.5, 1.5); the rest pruned)."""
+    def run():
+        g = torch.Generator().manual_seed(seed)
+        prefix = []
+        for total in prefix_tokens:
+            heads = []
+            for _ in range(hkv):
+                hi = min(total, int(total * mix[0] * (0.5 + torch.rand(1, generator=g).item())))
+                lo = int(total * mix[1] * (0.5 + torch.rand(1, generator=g).item()))
+                heads.append((hi, min(lo, total - hi)))
+            prefix.append(heads)
+        case = random_extend_case(geo, prefix, new_lens, group, dtype=torch.bfloat16,
+                                  device=DEV, seed=seed)
+        c, d = case.cache, geo.head_dim
+        bm, qt = tile_shape(group, case.max_new)
+        tiles = len(new_lens) * -(-case.max_new // qt)
+        n_split = splits or default_splits(tiles * hkv, torch.device(DEV))
+        scratch = tuple(torch.full((n,), float("nan"), device=DEV)
+                        for n in scratch_elements(tiles, hkv, n_split, bm, d))
+        out = torch.full_like(case.q, float("nan"))
+        lse = torch.full(case.q.shape[:2], float("nan"), device=DEV)
+        pages = c.pages.clone()
+        extend_attention(case.q, case.k, case.v, case.starts, case.lens, c.pages, geo,
+                         c.table, c.counts, c.req_idx, 1, d**-0.5, out, lse,
+                         max_new=case.max_new, splits=n_split, scratch=scratch)
+        ref = extend_attention_reference(case.q, case.k, case.v, case.starts, case.lens,
+                                         c.pages, geo, c.table, c.counts, c.req_idx, 1,
+                                         d**-0.5)
+        n = int(case.lens.sum())
+        e_out, e_lse = rel_err(out[:n], ref.out[:n].float()), rel_err(lse[:n], ref.lse[:n])
+        untouched = bool(torch.isnan(out[n:]).all()) and torch.equal(pages, c.pages)
+        return (f"splits {n_split}; out {e_out:.1e} lse {e_lse:.1e}",
+                e_out < 1e-2 and e_lse < 1e-5 and untouched)
     return run
 
 
@@ -387,6 +428,17 @@ def main() -> int:
                 check(f"decode_attention[{variant}]", f"D{d} {name} hi/lo {mix} B8 <= {long_ctx}",
                       decode_attention_check(geo, ctx, 8, 4, mix, seed=d + int(mix[0] * 100),
                                              variant=variant))
+    ext_ctx = [0, 1, 700, long_ctx]
+    ext_new = [300, 1, 1000, 1024 if args.quick else 2048]
+    for d, tiers, name in ((128, (K8V4, K4V2), "K8V4/K4V2"),
+                           (128, (K8V4_GROUPED, K4V2_GROUPED), "K8V4g12/K4V2g24"),
+                           (64, (K8V4, K4V2), "K8V4/K4V2")):
+        geo = PageGeometry.build(d, *tiers)
+        for mix, splits in (((0.98, 0.01), None), ((0.3, 0.5), None), ((0.3, 0.5), 4)):
+            check("extend_attention", f"D{d} {name} hi/lo {mix} prefix <= {long_ctx} "
+                  f"new <= {max(ext_new)} splits {splits or 'auto'}",
+                  extend_attention_check(geo, ext_ctx, ext_new, 8, 4, mix, seed=d + 1,
+                                         splits=splits))
     for d in (64, 128, 256):
         for tiers in ((K8V4, K4V2), (K8V4_GROUPED, K4V2_GROUPED)):
             for dtype in (torch.float16, torch.bfloat16):

@@ -80,7 +80,6 @@ def random_decode_case(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     b = len(contexts)
     max_context = max_context or max(contexts)
-    row_len = geometry.row_len(max_context)
     max_reqs = b + spare_reqs
     hi_n, lo_n = geometry.high.tokens_per_page, geometry.low.tokens_per_page
     rng = np.random.default_rng(seed)
@@ -96,6 +95,17 @@ def random_decode_case(
                 nh = min(length, round(fh * length))
                 nl = min(length - nh, round(fl * length))
                 counts[int(req[i]), lyr, h] = (nh, nl, math.ceil(nh / hi_n), math.ceil(nl / lo_n))
+    return _case_from_counts(geometry, counts, req, max_context, gen, device, seed)
+
+
+def _case_from_counts(geometry: PageGeometry, counts: np.ndarray, req: torch.Tensor,
+                      max_context: int, gen: torch.Generator, device: torch.device | str,
+                      seed: int) -> DecodeCase:
+    """Table and pages for ``counts`` (int64 [max_reqs, layers, Hkv, 4]: n_high, n_low,
+    high pages, low pages): distinct random page ids, high pages from the left of each row
+    and low pages from the right, used slots with sane metadata."""
+    max_reqs, num_layers, num_kv_heads, _ = counts.shape
+    row_len = geometry.row_len(max_context)
     total = int(counts[..., 2:].sum())
     ids = torch.randperm(total + 3, generator=gen)[:total].numpy().astype(np.int32)
     num_pages = total + 3
@@ -133,3 +143,56 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(x).all():
         return float("inf")
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@dataclass
+class ExtendCase:
+    """A compressed prefix per request (``cache``) and the packed fresh tokens of one extend
+    step: request b's at rows starts[b] + [0, lens[b]) of q / k / v (two spare rows at the
+    end belong to no request)."""
+
+    cache: DecodeCase
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [T, Hkv, D]
+    v: torch.Tensor  # [T, Hkv, D]
+    starts: torch.Tensor  # int64 [B]
+    lens: torch.Tensor  # int32 [B]
+
+    @property
+    def max_new(self) -> int:
+        return int(self.lens.max()) if self.lens.numel() else 0
+
+
+def random_extend_case(
+    geometry: PageGeometry,
+    prefix: list[list[tuple[int, int]]],
+    new_lens: list[int],
+    group: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    num_layers: int = 2,
+    spare_reqs: int = 2,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> ExtendCase:
+    """``prefix[b][h] = (n_high, n_low)``: the tokens request b's row keeps for KV head h, in
+    every layer (the prompt tokens a prefix held beyond them count as pruned); ``new_lens``:
+    its fresh tokens. Pages hold random codes (``random_decode_case``'s filling)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    b, hkv = len(prefix), len(prefix[0])
+    hi_n, lo_n = geometry.high.tokens_per_page, geometry.low.tokens_per_page
+    counts = np.zeros((b + spare_reqs, num_layers, hkv, 4), dtype=np.int64)
+    req = torch.randperm(b + spare_reqs, generator=gen)[:b]
+    for i, heads in enumerate(prefix):
+        for h, (nh, nl) in enumerate(heads):
+            counts[int(req[i]), :, h] = (nh, nl, math.ceil(nh / hi_n), math.ceil(nl / lo_n))
+    max_context = max(1, int(counts[..., :2].sum(-1).max()))
+    case = _case_from_counts(geometry, counts, req, max_context, gen, device, seed)
+    t = sum(new_lens) + 2
+    d = geometry.head_dim
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(device=device, dtype=dtype)
+               for n in (hkv * group, hkv, hkv))
+    lens = torch.tensor(new_lens, dtype=torch.int32)
+    starts = torch.cumsum(lens, 0) - lens
+    return ExtendCase(case, q, k, v, starts.to(device=device, dtype=torch.int64),
+                      lens.to(device))
