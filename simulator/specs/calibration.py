@@ -54,7 +54,7 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # (about 400 for a Llama-3-8B forward), which the GPU runs as they arrive: a short prompt's
 # step lasts as long as its launches, a long one's as long as its kernels, so the step pays
 # max(launches, kernels) in place of kernels + layers * ``eager_layer_overhead_s``.
-# scripts/probe_prefill_ttft.py --compare estimates it from lone prefills of several lengths;
+# diffkv-sim prefill-probes estimates it from lone prefills of several lengths;
 # 0 (the default): the sum
 # ``eager_prefill_turnaround_s`` is the host's time from the end of those launches to the
 # next step's launch: it streams the step before's tokens, forms the next batch and prepares

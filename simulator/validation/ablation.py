@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.serving_io.errors import InputError
 from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import Calibration
 from simulator.specs.calibration_set import load_calibration_set
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         fitting = set(r.get("fit_run", [])) | set(r.get("fit_decode_run", []))
         results = ablate(h, calibs, r.get("model", "llama-3-8b"), gpu, fitting, a.jobs,
                          a.term)
-    except SimulatorInputError as e:
+    except InputError as e:
         print(f"diffkv-sim ablate-host-terms: error: {e}", file=sys.stderr)
         return 2
     print(ablation_table(results))

@@ -51,10 +51,10 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.sglang_log import ServerLog, decode_intervals
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import ACT_BYTES, StepShape
 from simulator.serving.server import ResolvedServer
-from simulator.validation.sglang_log import ServerLog, decode_intervals
 
 MIN_SAMPLES = 8
 # below this relative spread (std / mean) of a feature across the samples (the intervals'

@@ -20,8 +20,8 @@ import hashlib
 from statistics import fmean
 from typing import Any
 
+from sglang_diffkv.serving_io.trace import Trace
 from simulator.validation.harness import row
-from simulator.workload.schema import Trace
 
 
 def request_lengths_digest(trace: Trace) -> str:

@@ -57,6 +57,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import ServerLog, parse_server_log
 from simulator.errors import SimulatorInputError
 from simulator.kv.mix import TierMix
 from simulator.metrics.summary import summarize
@@ -96,7 +98,6 @@ from simulator.validation.refine import (
     refine_costs,
 )
 from simulator.validation.repeats import group_label, repeat_key, repeat_rows
-from simulator.validation.sglang_log import ServerLog, parse_server_log
 from simulator.validation.step_fit import (
     OUTLIER_FACTOR,
     StepRows,
@@ -1009,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
     args_used = list(argv if argv is not None else sys.argv[1:])
     try:
         argv = expand_recipe(args_used, PROG)
-    except SimulatorInputError as e:
+    except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     ap = build_parser()
@@ -1088,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
             calibs = {"base": shipped.for_key("bf16"), **shipped.by_backend}
             calib = calibs["base"]
         rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
-    except SimulatorInputError as e:
+    except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(table(rows))

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 from sim_helpers import scenario
 
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from simulator.serving.cost import StepShape
-from simulator.workload.schema import Trace, TraceRequest
 
 LAUNCH_S = 0.05
 
