@@ -32,8 +32,8 @@ from simulator.validation.repeats import repeat_rows
 
 def _no_prefill_launch(c: Calibration) -> Calibration:
     # the turnaround and the loop hold count from the launches: they go with them
-    return replace(c, eager_prefill_launch_s=0.0, eager_prefill_launches={},
-                   eager_prefill_turnaround_s=0.0, eager_prefill_turnarounds={},
+    return replace(c, eager_prefill_launch_s=0.0, eager_prefill_launch_s_by_format={},
+                   eager_prefill_turnaround_s=0.0, eager_prefill_turnaround_s_by_format={},
                    eager_launch_holds_loop=False)
 
 
@@ -44,13 +44,13 @@ def _no_prefill_launch(c: Calibration) -> Calibration:
 HOST_TERMS: dict[str, Callable[[Calibration], Calibration]] = {
     "eager_prefill_launch_s": _no_prefill_launch,
     "eager_prefill_turnaround_s": lambda c: replace(
-        c, eager_prefill_turnaround_s=0.0, eager_prefill_turnarounds={}),
+        c, eager_prefill_turnaround_s=0.0, eager_prefill_turnaround_s_by_format={}),
     "eager_launch_holds_loop": lambda c: replace(c, eager_launch_holds_loop=False),
     "eager_decode_host_s": lambda c: replace(
-        c, eager_decode_host_s=0.0, eager_decode_hosts={}, eager_decode_host_per_req_s=0.0,
-        eager_decode_hosts_per_req={}),
+        c, eager_decode_host_s=0.0, eager_decode_host_s_by_format={},
+        eager_decode_host_per_req_s=0.0, eager_decode_host_per_req_s_by_format={}),
     "eager_decode_host_per_req_s": lambda c: replace(
-        c, eager_decode_host_per_req_s=0.0, eager_decode_hosts_per_req={}),
+        c, eager_decode_host_per_req_s=0.0, eager_decode_host_per_req_s_by_format={}),
     "first_token_latency_s": lambda c: replace(c, first_token_latency_s=0.0),
     "release_overhead_s": lambda c: replace(c, release_overhead_s=0.0),
     "isolated_prefill_scale": lambda c: replace(

@@ -207,7 +207,7 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
                   if round(v, 4) != entry["decode_attention_scale"]}
         if others:
             entry["decode_attention_scale_by_format"] = {
-                **cal.decode_attention_scales, **others}
+                **cal.decode_attention_scale_by_format, **others}
     what = "fixed costs" if fit.get("fixed_only") else "decode efficiencies and fixed costs"
     entry["provenance"] = {
         **cal.provenance,

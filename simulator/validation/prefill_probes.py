@@ -48,7 +48,7 @@ FIXED_COST_FIELDS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead
                      "prefill_seq_overhead_s", "prefill_token_overhead_s",
                      "eager_layer_overhead_s", "layer_overhead_s", "eager_prefill_launch_s",
                      "eager_prefill_turnaround_s")
-FIXED_COST_MAPS = ("eager_prefill_launches", "eager_prefill_turnarounds")
+FIXED_COST_MAPS = ("eager_prefill_launch_s_by_format", "eager_prefill_turnaround_s_by_format")
 LAUNCH_MAX_MS, LAUNCH_STEP_MS = 50.0, 0.1
 # the simulated phases start this far apart: each has drained long before the next
 SIM_PHASE_GAP_S = 30.0

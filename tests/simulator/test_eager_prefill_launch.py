@@ -113,16 +113,17 @@ def test_the_per_prompt_token_cost_runs_under_the_launches_with_the_kernels():
 
 def test_validate_simulator_reads_the_option_per_backend(tmp_path, capsys):
     vs = importlib.import_module("simulator.validation.runs")
-    assert vs.eager_launch_arg(["triton=8.9", "diffkv=13.8"]) == {"triton": 8.9,
-                                                                  "diffkv": 13.8}
-    assert vs.eager_launch_arg(["triton=15", "fp8=17.4"]) == {"triton": 15.0, "fp8": 17.4}
-    for bad in ("flashinfer=3", "triton", "triton=-1", "diffkv=fast"):
-        with pytest.raises(InputError, match="--eager-prefill-launch-ms"):
-            vs.eager_launch_arg([bad])
-    rc = vs.main([str(tmp_path), "--eager-prefill-launch-ms", "triton=x",
+    def launch(items: list[str]) -> dict[str, float]:
+        return vs.key_seconds_arg("eager_prefill_launch_s", items)
+    assert launch(["triton=0.0089", "diffkv=0.0138"]) == {"triton": 0.0089, "diffkv": 0.0138}
+    assert launch(["triton=0.015", "fp8=0.0174"]) == {"triton": 0.015, "fp8": 0.0174}
+    for bad in ("flashinfer=0.003", "triton", "triton=-1", "diffkv=fast", "triton=18.6"):
+        with pytest.raises(InputError, match="--eager-prefill-launch-s"):
+            launch([bad])
+    rc = vs.main([str(tmp_path), "--eager-prefill-launch-s", "triton=x",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
-    assert "--eager-prefill-launch-ms 'triton=x'" in capsys.readouterr().err
+    assert "--eager-prefill-launch-s 'triton=x'" in capsys.readouterr().err
 
 
 def test_the_probe_fit_finds_the_launch_time_it_was_built_with():

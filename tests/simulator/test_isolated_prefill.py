@@ -119,7 +119,7 @@ def test_validate_simulator_rejects_a_scale_above_one(tmp_path, capsys):
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
     assert "--isolated-prefill-scale 1.09 must be in [0.5, 1]" in capsys.readouterr().err
-    rc = vs.main([str(tmp_path), "--prefill-clock-recovery-ms", "-5",
+    rc = vs.main([str(tmp_path), "--prefill-clock-recovery-s", "-5",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
-    assert "--prefill-clock-recovery-ms -5 must be in [0, 10000]" in capsys.readouterr().err
+    assert "--prefill-clock-recovery-s -5 must be in [0, 10]" in capsys.readouterr().err

@@ -111,16 +111,16 @@ def test_validate_simulator_reads_the_option_and_names_a_turnaround_without_laun
     vs = importlib.import_module("simulator.validation.runs")
     base = scenario().calibration
     ns = validator_options(
-        vs, eager_prefill_launch_ms=vs.eager_launch_arg(["diffkv=29.9"]),
-        eager_prefill_turnaround_ms=vs.key_ms_arg("--eager-prefill-turnaround-ms",
-                                                  ["diffkv=2.7", "fp8=2.0"], vs.LAUNCH_KEYS))
+        vs, eager_prefill_launch_s=vs.key_seconds_arg("eager_prefill_launch_s", ["diffkv=0.0299"]),
+        eager_prefill_turnaround_s=vs.key_seconds_arg("eager_prefill_turnaround_s",
+                                                      ["diffkv=0.0027", "fp8=0.002"]))
     dk = vs.with_given(base, "diffkv", ns)
     assert (dk.eager_prefill_launch_s, dk.eager_prefill_turnaround_s) == pytest.approx(
         (0.0299, 0.0027))
     # fp8 has no launch time: its turnaround could never apply
     with pytest.raises(InputError, match="gives fp8 a turnaround but fp8 has no"):
         vs.with_given(base, "triton", ns)
-    rc = vs.main([str(tmp_path), "--eager-prefill-turnaround-ms", "diffkv=-1",
+    rc = vs.main([str(tmp_path), "--eager-prefill-turnaround-s", "diffkv=-1",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
-    assert "--eager-prefill-turnaround-ms 'diffkv=-1'" in capsys.readouterr().err
+    assert "--eager-prefill-turnaround-s 'diffkv=-1'" in capsys.readouterr().err

@@ -601,7 +601,7 @@ def test_a_given_first_token_latency_is_kept_by_the_refinement(results, tmp_path
     doc = tmp_path / "d.md"
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
                     "--refine-on-metrics", "triton", "--refine-evals", "12",
-                    "--first-token-latency-ms", "triton=7.5"]) == 0
+                    "--first-token-latency-s", "triton=0.0075"]) == 0
     fit = json.loads(out_json.read_text())["fit"]
     assert "first_token_latency_s" not in fit["refine"]["names"]
     assert "step_overhead_s" in fit["refine"]["names"]
@@ -610,12 +610,12 @@ def test_a_given_first_token_latency_is_kept_by_the_refinement(results, tmp_path
     assert "first-token latency given: 7.5 ms" in doc.read_text()
     # without refinement the given latency still lands in the fitted file
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
-                    "--first-token-latency-ms", "triton=4"]) == 0
+                    "--first-token-latency-s", "triton=0.004"]) == 0
     fit = json.loads(out_json.read_text())["fit"]
     entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
     assert entry["first_token_latency_s"] == pytest.approx(0.004)
-    for bad in ("triton", "bf16=7", "diffkv=-1", "triton=x"):
-        assert vs.main([str(results), "--doc", str(doc), "--first-token-latency-ms",
+    for bad in ("triton", "bf16=0.007", "diffkv=-1", "triton=x", "triton=7.5"):
+        assert vs.main([str(results), "--doc", str(doc), "--first-token-latency-s",
                         bad]) == 2
 
 
@@ -626,8 +626,8 @@ def test_a_given_eager_decode_host_time_lands_in_the_fitted_file(results, tmp_pa
     doc = tmp_path / "d.md"
     # (fp8's own: the bf16 fitting run's eager intervals stay in the interval fit)
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
-                    "--eager-decode-host-ms", "fp8=20",
-                    "--eager-decode-host-ms", "diffkv=38.1"]) == 0
+                    "--eager-decode-host-s", "fp8=0.02",
+                    "--eager-decode-host-s", "diffkv=0.0381"]) == 0
     fit = json.loads(out_json.read_text())["fit"]
     entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
     assert entry["eager_decode_host_s_by_format"] == {"fp8": pytest.approx(0.02)}
@@ -636,8 +636,8 @@ def test_a_given_eager_decode_host_time_lands_in_the_fitted_file(results, tmp_pa
     assert "fp8's eager decode iteration 20.0 ms" in text
     assert "lasts at least" not in text
     # the backend's own: the fitting run's eager intervals leave the fit, too few remain
-    assert vs.main([str(results), "--doc", str(doc), "--eager-decode-host-ms",
-                    "triton=38.1"]) == 2
+    assert vs.main([str(results), "--doc", str(doc), "--eager-decode-host-s",
+                    "triton=0.0381"]) == 2
     assert "eager decode intervals left out" in capsys.readouterr().err
 
 
@@ -691,7 +691,7 @@ def test_given_inputs_reach_a_backend_without_fitting_runs(results, tmp_path):
         return {r["run"]: r["predicted"] for r in json.loads(out_json.read_text())["rows"]
                 if r["metric"] == "TTFT mean (ms)"}
 
-    plain, given = ttft(), ttft("--first-token-latency-ms", "triton=50")
+    plain, given = ttft(), ttft("--first-token-latency-s", "triton=0.05")
     assert plain and plain.keys() == given.keys()
     # the file's costs, plus the given client latency on triton's first tokens: all of an
     # open-loop run's, some of a burst's inside its window, none of DiffKV's

@@ -231,7 +231,7 @@ def test_formats_share_fixed_costs_and_get_their_own_attention_scale(tmp_path):
     data = calibration_file(_server("bf16", **start), {**fit, "fixed_only": True}, "logs")
     path = write_calibration(tmp_path / "cal.json", data)
     cal = load_calibration("h100", path)
-    assert set(cal.decode_attention_scales) == {"fp8"}
+    assert set(cal.decode_attention_scale_by_format) == {"fp8"}
     fp8 = replace(scenario(), calibration=cal).server("fp8")
     bf16 = replace(scenario(), calibration=cal).server("bf16")
     assert fp8.cost.attention_scale == pytest.approx(1.3, rel=0.03)
