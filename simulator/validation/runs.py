@@ -293,6 +293,40 @@ def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibratio
     return base
 
 
+# the inputs a fit takes as given, measured (GIVEN_SECONDS's fields, their per-format maps and
+# the loop hold), reported by field name
+GIVEN_FIELDS = (*(f for field, (_, m) in GIVEN_SECONDS.items() for f in (field, m) if f),
+                "eager_launch_holds_loop")
+
+
+def given_note(given: dict[str, Any]) -> str:
+    """The report's words for a backend's measured inputs (``fit_backend``'s ``given``): each
+    phrase names its calibration field, which is also its option."""
+    def ms(v: float) -> str:
+        return f"{1e3 * v:.1f} ms"
+    phrases = {
+        "prefill_step_overhead_s": lambda v: f"the prefill step cost given: {ms(v)} (from the "
+                                             "backend profile; kept only if not fitted)",
+        "eager_prefill_launch_s": lambda v: f"an eager prefill step lasts max({ms(v)} of "
+                                            "launches, its kernels and per-token cost)",
+        "eager_prefill_turnaround_s": lambda v: f"the host's turnaround after them {ms(v)}",
+        "eager_decode_host_s": lambda v: "a decode step above the largest CUDA graph lasts at "
+                                         f"least the host's iteration, {ms(v)}, in place of "
+                                         "its per-layer term",
+        "eager_decode_host_per_req_s": lambda v: f"that iteration adds {1e6 * v:.1f} us per "
+                                                 "request",
+        "eager_launch_holds_loop": lambda v: "its eager prefill launches hold the overlap loop",
+        "first_token_latency_s": lambda v: f"the client's first-token latency given: {ms(v)}",
+    }
+    out = []
+    for field, v in given.items():
+        if isinstance(v, dict):
+            out += [f"{field}.{k} {1e3 * x:.4g} ms" for k, x in v.items()]
+        else:
+            out.append(f"{phrases[field](v)} ({field})")
+    return "".join(f"; {x}" for x in out)
+
+
 def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
                 job: tuple[str, list[str]]) -> tuple[str, Calibration, dict[str, Any]]:
     """One backend's step costs from its fitting runs ``job`` = (backend, run keys): the
@@ -310,30 +344,13 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     if be in a.refine_on_metrics:
         fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals,
                                   hold=hold)
-    if first_token is not None:
-        info["first_token_s"] = base.first_token_latency_s
-    if base.eager_prefill_launch_s:
-        info["eager_launch_s"] = base.eager_prefill_launch_s
-    if base.eager_prefill_launch_s_by_format:
-        info["eager_launches_s"] = dict(base.eager_prefill_launch_s_by_format)
-    if base.eager_prefill_turnaround_s:
-        info["eager_turnaround_s"] = base.eager_prefill_turnaround_s
-    if base.eager_prefill_turnaround_s_by_format:
-        info["eager_turnarounds_s"] = dict(base.eager_prefill_turnaround_s_by_format)
-    if base.eager_launch_holds_loop:
-        info["launch_holds_loop"] = True
-    if base.eager_decode_host_s:
-        info["eager_decode_host_s"] = base.eager_decode_host_s
-    if base.eager_decode_host_s_by_format:
-        info["eager_decode_hosts_s"] = dict(base.eager_decode_host_s_by_format)
-    if base.eager_decode_host_per_req_s:
-        info["eager_decode_host_per_req_s"] = base.eager_decode_host_per_req_s
-    if base.eager_decode_host_per_req_s_by_format:
-        info["eager_decode_hosts_per_req_s"] = dict(base.eager_decode_host_per_req_s_by_format)
-    if base.prefill_step_overhead_s != calib.prefill_step_overhead_s:
-        info["given_prefill_step_s"] = base.prefill_step_overhead_s
-        info["prefill_source"] = ("--prefill-step-overhead-s, from the backend "
-                                  "profile; kept only if not fitted")
+    # the measured inputs this backend was given, by calibration field (= option name)
+    given = {f: getattr(base, f) for f in GIVEN_FIELDS
+             if getattr(base, f) and (f != "first_token_latency_s" or first_token is not None)
+             and (f != "prefill_step_overhead_s"
+                  or base.prefill_step_overhead_s != calib.prefill_step_overhead_s)}
+    if given:
+        info["given"] = {f: dict(v) if isinstance(v, dict) else v for f, v in given.items()}
     return be, fitted_cal, info
 
 
@@ -789,37 +806,7 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
     for fi in fitinfos:
         lines.append(f"- {fi['backend']} step costs (`{_rel(Path(fi['file']))}`): "
                      + step_costs_note(fi, fi["run"])
-                     + (f"; the prefill step cost given: {1e3 * fi['given_prefill_step_s']:.1f}"
-                        f" ms ({fi['prefill_source']})" if fi.get("given_prefill_step_s")
-                        else "")
-                     + (f"; an eager prefill step lasts max({1e3 * fi['eager_launch_s']:.1f} ms "
-                        "of launches, its kernels and per-token cost) (--eager-prefill-launch-s)"
-                        if fi.get("eager_launch_s") else "")
-                     + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
-                               for k, v in fi.get("eager_launches_s", {}).items())
-                     + (f"; the host's turnaround after them {1e3 * fi['eager_turnaround_s']:.1f}"
-                        " ms (--eager-prefill-turnaround-s)"
-                        if fi.get("eager_turnaround_s") else "")
-                     + "".join(f"; {k}'s turnaround {1e3 * v:.1f} ms"
-                               for k, v in fi.get("eager_turnarounds_s", {}).items())
-                     + ("; a decode step above the largest CUDA graph lasts at least the "
-                        f"host's iteration, {1e3 * fi.get('eager_decode_host_s', 0.0):.1f} ms "
-                        "(--eager-decode-host-s)"
-                        + (f" + {1e6 * fi['eager_decode_host_per_req_s']:.1f} us per request"
-                           " (--eager-decode-host-per-req-s)"
-                           if fi.get("eager_decode_host_per_req_s") else "")
-                        + ", in place of its per-layer term"
-                        if fi.get("eager_decode_host_s") or fi.get("eager_decode_host_per_req_s")
-                        else "")
-                     + "".join(f"; {k}'s eager decode iteration {1e3 * v:.1f} ms"
-                               for k, v in fi.get("eager_decode_hosts_s", {}).items())
-                     + "".join(f"; {k}'s eager decode iteration {1e6 * v:.1f} us per request"
-                               for k, v in fi.get("eager_decode_hosts_per_req_s", {}).items())
-                     + ("; its eager prefill launches hold the overlap loop "
-                        "(--eager-launch-holds-loop)" if fi.get("launch_holds_loop") else "")
-                     + (f"; the client's first-token latency given: "
-                        f"{1e3 * fi['first_token_s']:.1f} ms (--first-token-latency-s)"
-                        if "first_token_s" in fi else ""))
+                     + given_note(fi.get("given", {})))
         if fi.get("refinement"):
             lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:

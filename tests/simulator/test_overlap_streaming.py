@@ -136,7 +136,7 @@ def test_validate_simulator_turns_it_on_per_backend(monkeypatch, capsys, tmp_pat
                           doc=str(tmp_path / "d.md"))
     _, cal, info = vs.fit_backend(None, a, scenario().calibration, (backend, [backend]))
     assert cal.eager_launch_holds_loop is (backend == "diffkv")
-    assert info.get("launch_holds_loop", False) is (backend == "diffkv")
+    assert info.get("given", {}).get("eager_launch_holds_loop", False) is (backend == "diffkv")
     with pytest.raises(SystemExit) as bad:
         vs.main([str(tmp_path), "--eager-launch-holds-loop", "vllm", "--doc",
                  str(tmp_path / "d.md")])

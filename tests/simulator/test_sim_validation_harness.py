@@ -633,7 +633,7 @@ def test_a_given_eager_decode_host_time_lands_in_the_fitted_file(results, tmp_pa
     assert entry["eager_decode_host_s_by_format"] == {"fp8": pytest.approx(0.02)}
     assert "eager_decode_host_s" not in entry      # diffkv's value: not this backend's
     text = doc.read_text()
-    assert "fp8's eager decode iteration 20.0 ms" in text
+    assert "eager_decode_host_s_by_format.fp8 20 ms" in text
     assert "lasts at least" not in text
     # the backend's own: the fitting run's eager intervals leave the fit, too few remain
     assert vs.main([str(results), "--doc", str(doc), "--eager-decode-host-s",
