@@ -90,6 +90,7 @@ from simulator.validation.harness import (
     server_settings,
     windowed_summary,
 )
+from simulator.validation.held_out import band, band_table, held_out_runs
 from simulator.validation.recipe import expand_recipe
 from simulator.validation.refine import (
     DEFAULT_MAX_EVALS,
@@ -469,8 +470,12 @@ def _mean(xs: list[int]) -> float | None:
 
 
 def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu: str,
-             fitting: set[str]) -> tuple[list[dict], dict[str, Any]]:
-    """Rows for every run; a fitting run's rows are marked in-sample and carry no target."""
+             fitting: set[str], held: dict[str, str] | None = None
+             ) -> tuple[list[dict], dict[str, Any]]:
+    """Rows for every run; a fitting run's rows are marked in-sample and carry no target; a
+    held-out run's (``held``: run key -> kind, ``held_out.held_out_runs``) are marked
+    ``held_out`` with its kind; every row of a run carries its load and load band."""
+    held = held or {}
     rows: list[dict] = []
     sims: dict[str, Any] = {}
     pools_done: set[str] = set()
@@ -489,8 +494,11 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
             f"{r.workload}@{r.rate_req_s:.2f}rps" if r.rate_req_s else r.workload
             for r in run.earlier)
         group = repeat_key(run.config, run.workload, run.rate_req_s, trace, after)
+        load = (run.rate_req_s / run.saturation_req_s
+                if run.rate_req_s and run.saturation_req_s else None)
         sims[run.key] = {"summary": s, "format": fmt, "run": run, "in_sample": in_sample,
-                         "full": summarize(res), "group": group}
+                         "full": summarize(res), "group": group,
+                         "held_out": held.get(run.key)}
         c = run.client
 
         def tg(name: str, in_sample: bool = in_sample) -> float | None:
@@ -500,11 +508,15 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         def add(metric: str, measured: float | None, predicted: float | None,
                 target: float | None, note: str = "", key: str = run.key, tag: str = tag,
                 in_sample: bool = in_sample, group: str = group,
-                fit_target: float | None = None, absolute: bool = False) -> None:
+                fit_target: float | None = None, absolute: bool = False,
+                load: float | None = load, where: str = band(load, run.workload)) -> None:
             r = row(metric, key, measured, predicted, target, absolute=absolute,
                     note="; ".join(x for x in (note, tag) if x))
             r["in_sample"] = in_sample
             r["group"] = group
+            r["held_out"] = held.get(key)
+            r["load"] = load
+            r["band"] = where
             if fit_target is not None:
                 r["fit_target"] = fit_target
             rows.append(r)
@@ -518,6 +530,7 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
                     note="" if fmt != "diffkv" else "DiffKV: SGLang's logical slots at the "
                     "planning mix vs the simulated pool's tokens at the run's mix")
             r["in_sample"] = False   # start-up arithmetic: nothing is fitted to it
+            r["held_out"], r["load"], r["band"] = None, None, None
             rows.append(r)
         if s["prefix_hit_rate"] is not None and log.prefix_hit_rate is not None:
             # an input, not a prediction: the cache the replay rebuilt (prompt_cache) against
@@ -551,8 +564,6 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
             add("TTFT mean (ms)", c.get("mean_ttft_ms"), s["mean_ttft_ms"], None,
                 "saturation (all at t=0): no target", fit_target=TARGETS["ttft"])
         elif run.workload == "ladder":
-            load = (run.rate_req_s / run.saturation_req_s
-                    if run.rate_req_s and run.saturation_req_s else None)
             sims[run.key]["load"] = load
             lt = (f"{run.rate_req_s:.2f} req/s = {load:.0%} of the sharegpt steady req/s"
                   if load is not None else "load ?")
@@ -625,6 +636,10 @@ def ratio_rows(sims: dict[str, Any]) -> list[dict]:
                         None if fitted else TARGETS["ratio_pp"], absolute=True, note=note)
                 r["in_sample"] = bool(fitted)
                 r["group"] = f"{d['run'].config} : {b['group']}"
+                # held out when both runs are: the kind of the DiffKV run's
+                both = d.get("held_out") and b.get("held_out")
+                r["held_out"] = d["held_out"] if both else None
+                r["load"], r["band"] = None, "saturation"
                 out.append(r)
     return out
 
@@ -733,8 +748,67 @@ def plots(sims: dict[str, Any], h: HarnessResults, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _score(rows: list[dict]) -> tuple[int, int]:
+    scored = [r for r in rows if r["verdict"] in ("PASS", "MISS")]
+    return sum(r["verdict"] == "PASS" for r in scored), len(scored)
+
+
+def held_out_summary(rows: list[dict], reps: list[dict]) -> list[str]:
+    """The report's second line: the held-out rows' score, and at 50-80% load."""
+    out = [r for r in rows if r.get("held_out")]
+    if not out:
+        return []
+    p, n = _score(out)
+    rp, rn = _score([r for r in reps if r.get("held_out")])
+    mp, mn = _score([r for r in out if r.get("band") == "50-80%"])
+    return [f"Held out by construction (`--held-out`; below): **{p} PASS, {n - p} MISS** of "
+            f"{n} rows with a target; at 50-80% load {mp} / {mn}; against the mean of "
+            f"held-out repeats {rp} / {rn}.", ""]
+
+
+def held_out_section(rows: list[dict], reps: list[dict], held: dict[str, str]) -> list[str]:
+    """The report's held-out rows, apart: a score by load band (held-out trace, held-out load
+    level, the mean of held-out repeats, and the validated runs that are not held out), the
+    runs, and their rows."""
+    out = [r for r in rows if r.get("held_out")]
+    rest = [r for r in rows if not r.get("held_out")]
+    kinds = {k: sorted(run for run, kind in held.items() if kind == k)
+             for k in ("trace", "load level")}
+    groups = {"held-out trace": [r for r in out if r["held_out"] == "trace"],
+              "held-out load level": [r for r in out if r["held_out"] == "load level"],
+              "held out, mean of repeats": [r for r in reps if r.get("held_out")],
+              "not held out": rest}
+    return [
+        "## Held out by construction",
+        "",
+        "The recipe's held-out runs (`--held-out`, `simulator/validation/held_out.py`): no "
+        "fitting run matches them, and none replays their request files. A *held-out trace* "
+        "draws its request lengths from a trace no fitting run draws from; a *held-out load "
+        "level* draws from a fitted trace at a rate or request count no fitting run ran. "
+        "Load: a ladder's request rate over its server's ShareGPT saturation rate; "
+        "saturation: bursts (every request at t = 0) and partial windows. PASS / rows with a "
+        "target:",
+        "",
+        band_table(groups),
+        "",
+        f"- held-out traces ({len(kinds['trace'])} runs): {', '.join(kinds['trace']) or 'none'}",
+        f"- held-out load levels ({len(kinds['load level'])} runs): "
+        f"{', '.join(kinds['load level']) or 'none'}",
+        "",
+        table(out) if out else "none",
+        "",
+        "## Validated, not held out",
+        "",
+        "Runs neither fitted nor held out: other server starts of a fitted trace at a fitted "
+        "rate, bursts on request files a fitting run replays, the KV pools.",
+        "",
+        table(rest) if rest else "none",
+    ]
+
+
 def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Calibration,
-           fitinfos: list[dict], plot_paths: list[Path], doc: Path, argv: list[str]) -> str:
+           fitinfos: list[dict], plot_paths: list[Path], doc: Path, argv: list[str],
+           held: dict[str, str] | None = None) -> str:
     rows = [r for r in all_rows if not r.get("in_sample")]
     insample = [r for r in all_rows if r.get("in_sample")]
     n_pass = sum(r["verdict"] == "PASS" for r in rows)
@@ -755,11 +829,12 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
         f"requests, on several server starts): **{r_pass} PASS, {len(reps) - r_pass} MISS** of "
         f"{len(reps)} rows; {r_inside} predictions lie inside the measured range.",
         "",
+        *held_out_summary(rows, reps),
         "Targets (issue 8): KV pool within 1%; saturation throughput and mean batch within 5%; "
         "TPOT within 5%; TTFT within 10% below 80% load; DiffKV/bf16 throughput ratio within "
         "5 points. Error = predicted / measured - 1 (the ratio: predicted - measured).",
         "",
-        table(rows),
+        *(held_out_section(rows, reps, held) if held else [table(rows)]),
         "",
         "## Against the mean of repeated runs",
         "",
@@ -892,6 +967,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "fits the fixed step costs of its backend (triton or diffkv); "
                          "repeatable: a backend's runs are fitted together; never validated; "
                          "'none' keeps the file's (default: bf16/longgen)")
+    ap.add_argument("--held-out", action="append", default=[], metavar="PATTERN",
+                    help="runs kept out of the fit by construction, as a shell pattern on run "
+                         "keys CONFIG/LABEL (e.g. '*/ladder@23.03rps#*': a load level; '*#z': "
+                         "one folder's runs); a fitting run that one matches, or that replays "
+                         "a held-out run's request file, is refused; the report scores them "
+                         "apart, by load band (simulator/validation/held_out.py); repeatable")
     ap.add_argument("--skip-run", action="append", default=[],
                     help="CONFIG/LABEL of a run in the given folders to leave out entirely "
                          "(e.g. one superseded by a run of a later commit); repeatable")
@@ -1073,6 +1154,9 @@ def main(argv: list[str] | None = None) -> int:
         fit_runs = [] if a.shipped else [
             k for k in (a.fit_run or ["bf16/longgen"]) if k.lower() != "none"]
         fit_runs += a.fit_decode_run
+        # held out by construction: checked before anything is fitted
+        fit_keys = set(fit_runs)
+        held = held_out_runs(h, a.held_out, [r for r in h.runs if is_fitting_run(r, fit_keys)])
         by_backend: dict[str, list[str]] = {}
         for key in fit_runs:
             cfg = h.configs.get(h.run(key).config, {})
@@ -1094,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
             shipped = load_calibration_set(load_gpu(a.gpu).key)
             calibs = {"base": shipped.for_key("bf16"), **shipped.by_backend}
             calib = calibs["base"]
-        rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
+        rows, sims = validate(h, calibs, a.model, a.gpu, fitting, held)
     except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -1102,11 +1186,11 @@ def main(argv: list[str] | None = None) -> int:
     paths = plots(sims, h, plot_dir)
     doc.parent.mkdir(parents=True, exist_ok=True)
     reps = repeat_rows(rows)
-    doc.write_text(report(rows, reps, h, calib, fitinfos, paths, doc, args_used)
+    doc.write_text(report(rows, reps, h, calib, fitinfos, paths, doc, args_used, held)
                    + kept_findings(doc))
     print(f"wrote {doc} and {len(paths)} plot(s) in {plot_dir}")
     if a.json:
-        payload = {"rows": rows, "repeats": reps,
+        payload = {"rows": rows, "repeats": reps, "held_out": held,
                    "fit": fitinfos[0] if fitinfos else None, "fits": fitinfos}
         Path(a.json).write_text(json.dumps(payload, indent=1, default=str))
     return 0
