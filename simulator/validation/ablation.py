@@ -145,7 +145,7 @@ def ablation_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="diffkv-sim ablate-host-terms",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", required=True,
@@ -156,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--term", action="append", default=None, choices=list(HOST_TERMS),
                     help="score only these terms (repeatable; default: every one in use)")
     ap.add_argument("--json", default=None, help="write the results as JSON")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         if a.jobs < 1:
             raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
