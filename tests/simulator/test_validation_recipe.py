@@ -108,3 +108,20 @@ def test_the_cli_hands_the_tools_their_arguments(capsys):
     assert "nope.json: no such file" in capsys.readouterr().err
     assert cli_main(["ablate-host-terms", "--recipe", "h300"]) == 2
     assert "shipped: h100, h200" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_the_shipped_calibration_is_the_reports_fit(name):
+    """What `diffkv-sim --gpu GPU` loads is what the GPU's report validated: where the
+    report's fitted files are committed beside it, the shipped files hold the same fit."""
+    import json
+
+    doc = ROOT / load_recipe(name)["doc"]
+    for backend in ("triton", "diffkv"):
+        fitted = doc.with_suffix("") / f"calibration-fitted-{backend}.json"
+        if not fitted.exists():
+            continue
+        shipped = json.loads((ROOT / "simulator" / "calibration" /
+                              f"{name}-{backend}.json").read_text())
+        assert shipped["gpus"] == json.loads(fitted.read_text())["gpus"], (name, backend)
+        assert doc.name in shipped["validated_by"]
