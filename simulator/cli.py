@@ -5,8 +5,9 @@ Subcommands: compare (the default comparison), replay (one format, full metrics)
 (simulate a measured SGLang run and compare), calibrate (fit eta from an SGLang log), export
 (write a trace as Mooncake JSONL for sglang.bench_serving), list (bundled traces, length
 models, models and GPUs); validate-runs (fit and validate on the harness's real runs, from a
-recipe) and ablate-host-terms (score a shipped calibration without each host-side term) hand
-their arguments to their modules (TOOLS).
+recipe), ablate-host-terms (score a shipped calibration without each host-side term) and
+prefill-probes (the model beside a lone-prefill probe run) hand their arguments to their
+modules (TOOLS).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from typing import Any
 import numpy as np
 
 from sglang_diffkv.config import ConfigError, DiffKVConfig
+from sglang_diffkv.serving_io.arrivals import resample_arrivals
+from sglang_diffkv.serving_io.bundled import BUNDLED_TRACES, load_named_trace
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.loaders import FORMATS as TRACE_FORMATS
+from sglang_diffkv.serving_io.trace import Trace
+from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
 from simulator.errors import SimulatorInputError
 from simulator.kv.formats import FORMAT_NAMES
 from simulator.kv.mix import TierMix
@@ -36,17 +43,12 @@ from simulator.specs.model import BUNDLED as BUNDLED_MODELS
 from simulator.specs.model import load_model
 from simulator.studies.scenario import Scenario
 from simulator.studies.search import OnProbe, Probe, replicas_for, steady_max_rate
-from simulator.workload.bundled import BUNDLED_TRACES, load_named_trace
 from simulator.workload.generate import (
     ClosedLoop,
-    resample_arrivals,
     scale_lengths,
     synthetic_trace,
 )
 from simulator.workload.lengths import length_model, length_model_names
-from simulator.workload.loaders import FORMATS as TRACE_FORMATS
-from simulator.workload.schema import Trace
-from simulator.workload.writer import write_mooncake_jsonl
 
 # commands whose arguments their own module parses (`diffkv-sim NAME --help` shows them): the
 # module and a one-line help; each module has main(argv) -> exit status
@@ -57,6 +59,9 @@ TOOLS: dict[str, tuple[str, str]] = {
     "ablate-host-terms": ("simulator.validation.ablation",
                           "held-out error of a shipped calibration without each host-side "
                           "term (--recipe h200)"),
+    "prefill-probes": ("simulator.validation.prefill_probes",
+                       "the simulator beside a lone-prefill probe run (python -m "
+                       "sglang_diffkv.bench.prefill_ttft), and the eager launch it implies"),
 }
 
 
@@ -633,9 +638,9 @@ def _search_progress(a: argparse.Namespace, fmt: str) -> Iterator[OnProbe]:
 
 
 def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    from sglang_diffkv.serving_io.sglang_log import parse_server_log
     from simulator.validation.bench_result import read_bench_result
     from simulator.validation.compare import compare_runs
-    from simulator.validation.sglang_log import parse_server_log
 
     if a.server_log is None and a.bench_json is None:
         raise SimulatorInputError("give --server-log and/or --bench-json to compare against")
@@ -663,13 +668,13 @@ def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
 
 
 def cmd_calibrate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    from sglang_diffkv.serving_io.sglang_log import parse_server_log
     from simulator.validation.fit import (
         calibration_file,
         decode_samples,
         fit_decode,
         write_calibration,
     )
-    from simulator.validation.sglang_log import parse_server_log
     from simulator.validation.step_fit import COSTS, fit_step_costs, step_rows
 
     log = parse_server_log(a.server_log)
@@ -744,7 +749,7 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
         if getattr(args, "json", None):
             path = table.write_json(args.json, payload)
             print(f"json: {path}", file=out)
-    except SimulatorInputError as e:
+    except InputError as e:
         print(f"diffkv-sim: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into head and closed early

@@ -21,9 +21,9 @@ from sglang_diffkv.bench.workloads import (
     sharegpt_trace,
     to_specs,
 )
+from sglang_diffkv.serving_io.loaders import load_trace
+from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
 from simulator.validation.bench_result import read_bench_result
-from simulator.workload.loaders import load_trace
-from simulator.workload.writer import write_mooncake_jsonl
 
 # ---- workloads ---------------------------------------------------------------------------
 

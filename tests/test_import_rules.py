@@ -1,12 +1,16 @@
 """The layers' import rules (sglang_diffkv/__init__.py): only sglang_diffkv/sglang/ imports
-sglang, the simulator never imports the bench harness, the bench never imports the SGLang
-layer (which imports the bench's trace and profile formats), and no layer imports one above
-it."""
+sglang; the simulator and the bench harness never import each other, either way (what both
+read, the trace schema and loaders, the SGLang log parser and the probe records, lives in
+sglang_diffkv/serving_io/, which imports neither); the bench never imports the SGLang layer
+(which imports the bench's trace and profile formats); and no layer imports one above it."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "sglang_diffkv"
@@ -19,7 +23,10 @@ FORBIDDEN = {
     "kernels": ("sglang_diffkv.bench", "sglang_diffkv.eval", "sglang_diffkv.sglang",
                 "simulator"),
     "eval": ("sglang_diffkv.bench", "sglang_diffkv.sglang", "simulator"),
-    "bench": ("sglang_diffkv.eval", "sglang_diffkv.sglang"),
+    # shared by the bench and the simulator: imports the core root only
+    "serving_io": ("sglang_diffkv.memory", "sglang_diffkv.kernels", "sglang_diffkv.bench",
+                   "sglang_diffkv.eval", "sglang_diffkv.sglang", "simulator"),
+    "bench": ("sglang_diffkv.eval", "sglang_diffkv.sglang", "simulator"),
     "simulator": ("sglang_diffkv.bench", "sglang_diffkv.eval", "sglang_diffkv.sglang"),
 }
 
@@ -111,3 +118,47 @@ def test_the_bench_never_imports_the_sglang_layer():
         f"{p.relative_to(ROOT)}: {m}" for p in sources() if layer_of(p) == "bench"
         for m in imports(p.read_text()) if matches(m, "sglang_diffkv.sglang"))
     assert not offenders, "the bench imports the SGLang layer:\n" + "\n".join(offenders)
+
+
+def _offenders(layer: str, prefix: str) -> list[str]:
+    return sorted(f"{p.relative_to(ROOT)}: {m}" for p in sources() if layer_of(p) == layer
+                  for m in imports(p.read_text()) if matches(m, prefix))
+
+
+def test_the_simulator_and_the_bench_never_import_each_other():
+    """Neither way, at any depth (a function's own import counts): what both need is in
+    sglang_diffkv/serving_io/, and the bench asks the simulator for predictions only through
+    ``diffkv-sim`` (e.g. ``diffkv-sim prefill-probes``), never by importing it."""
+    assert "simulator" in FORBIDDEN["bench"]
+    assert "sglang_diffkv.bench" in FORBIDDEN["simulator"]
+    bad = _offenders("bench", "simulator") + _offenders("simulator", "sglang_diffkv.bench")
+    assert not bad, "the simulator and the bench import each other:\n" + "\n".join(bad)
+    # the shared package is what both read: each really imports it
+    for layer in ("bench", "simulator"):
+        assert _offenders(layer, "sglang_diffkv.serving_io"), layer
+    shared = sorted(p.relative_to(ROOT).as_posix() for p in sources()
+                    if layer_of(p) == "serving_io")
+    assert "sglang_diffkv/serving_io/trace.py" in shared
+    assert "sglang_diffkv/serving_io/sglang_log.py" in shared
+
+
+def test_the_scanner_sees_the_bench_reaching_into_the_simulator():
+    src = ("def predict():\n    from simulator.studies.scenario import Scenario\n"
+           "    importlib.import_module('simulator.validation.harness')\n")
+    found = imports(src)
+    assert {"simulator.studies.scenario", "simulator.validation.harness"} <= found
+    assert all(any(matches(m, f) for f in FORBIDDEN["bench"]) for m in found)
+
+
+def test_every_package_ships():
+    """Every folder with an __init__.py under the packaged trees (serving_io among them) is
+    matched by pyproject's package patterns, so an install carries what both sides import."""
+    tomllib = pytest.importorskip("tomllib")
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = cfg["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(".".join(p.parent.relative_to(ROOT).parts)
+                      for top in ("sglang_diffkv", "simulator", "traces")
+                      for p in (ROOT / top).rglob("__init__.py"))
+    assert "sglang_diffkv.serving_io" in packages
+    unshipped = [p for p in packages if not any(fnmatch.fnmatch(p, pat) for pat in include)]
+    assert not unshipped, f"not matched by {include}: {unshipped}"

@@ -1,4 +1,5 @@
-"""sglang_diffkv.bench.prefill_ttft against the CPU stand-in server (no GPU, no sglang)."""
+"""sglang_diffkv.bench.prefill_ttft against the CPU stand-in server (no GPU, no sglang), and
+the simulator's side of its record (``diffkv-sim prefill-probes``)."""
 
 import json
 import os
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from sglang_diffkv.bench import prefill_ttft as probe
-from sglang_diffkv.bench.errors import BenchInputError
 from sglang_diffkv.bench.fakeserver import READY
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.prefill_probe import plan_from_record
+from simulator.validation import prefill_probes as sim_probes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +55,8 @@ def test_phases_time_every_probe_and_the_table_summarises_them(fake_url: str,
     data = json.loads((out / "prefill_ttft.json").read_text())
     rows = data["requests"]
     assert len(rows) == 3 * 2 * 3
+    # the record names its plan: the simulator replays the same requests from it
+    assert plan_from_record(data) == probe.ProbePlan((4, 9), 3, 0.02, 2, 512)
     assert {r["phase"] for r in rows} == set(probe.PHASES)
     # answered, within the probe timeout
     assert all(r["error"] is None and 0 < r["ttft_ms"] < 1000 * probe.PROBE_TIMEOUT_S
@@ -68,7 +73,7 @@ def test_phases_time_every_probe_and_the_table_summarises_them(fake_url: str,
 def test_the_loaded_phase_keeps_the_probes_prompts_and_outlasts_them() -> None:
     plan = probe.ProbePlan((16, 64), 2, 0.5, 3, 100)
     probes = plan.probes()
-    loaded = plan.phase_specs("loaded")
+    loaded = plan.phase_requests("loaded")
     assert [s.input_len for s in loaded[:4]] == [s.input_len for s in probes]
     assert all(s.output_len == 1 for s in loaded[:4])
     assert loaded[0].arrival_s == plan.load_lead_s
@@ -86,22 +91,32 @@ def test_the_loaded_phase_keeps_the_probes_prompts_and_outlasts_them() -> None:
 def test_bad_plans_are_named(kw: dict, word: str) -> None:
     args = {"lengths": (8,), "per_length": 1, "gap_s": 0.1, "load_batch": 1,
             "load_input": 8, **kw}
-    with pytest.raises(BenchInputError, match=word):
+    with pytest.raises(InputError, match=word):
         probe.ProbePlan(**args)
+
+
+def test_an_older_record_gives_its_plan_by_its_argv() -> None:
+    plan = plan_from_record({"argv": ["--model", "m", "--lengths", "64,2048", "--gap-s", "0.5",
+                                      "--out", "/o"]})
+    assert plan == probe.ProbePlan((64, 2048), 20, 0.5, 16, 512)
+    with pytest.raises(InputError, match="plan"):
+        plan_from_record({})
 
 
 def test_bad_command_lines_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for argv, word in ((["--lengths", "a,b"], "--lengths"), (["--starts", "0"], "--starts"),
-                       ([], "--model"), (["--compare", str(tmp_path)], "prefill_ttft.json"),
-                       (["--compare", str(tmp_path), "--calibration", "x.json"],
-                        "--calibration")):
+                       ([], "--model")):
         with pytest.raises(SystemExit) as e:
             probe.main(["--out", str(tmp_path), *argv])
         assert e.value.code == 2
         assert word in capsys.readouterr().err
+    for argv, word in (([str(tmp_path)], "prefill_ttft.json"),
+                       ([str(tmp_path), "--calibration", "x.json"], "--calibration")):
+        assert sim_probes.main(argv) == 2
+        assert word in capsys.readouterr().err
 
 
-def test_compare_puts_the_simulator_beside_the_measurement(fake_url: str,
+def test_the_simulator_replays_the_probes_beside_the_measurement(fake_url: str,
                                                            tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert probe.main(["--url", fake_url, "--out", str(out), "--lengths", "64,2048",
@@ -114,7 +129,8 @@ def test_compare_puts_the_simulator_beside_the_measurement(fake_url: str,
     (out / "logs").mkdir()
     (out / "logs" / "server__0__bf16.log").write_text((tmp_path / "fake.log").read_text())
     calib = str(ROOT / "simulator" / "calibration" / "default.json")
-    rows, launches = probe.compare(out, {"triton": calib}, "h200")
+    rows, launches = sim_probes.compare(out, "h200", {"triton": calib})
+    assert launches[0]["calibration"].endswith("default.json")
     got = {(r["phase"], r["input_len"]): r for r in rows}
     assert set(got) == {(p, n) for p in probe.PHASES for n in (64, 2048)}
     for r in rows:
@@ -124,10 +140,11 @@ def test_compare_puts_the_simulator_beside_the_measurement(fake_url: str,
     # 2048-token prefill; the decode batch makes a probe wait
     assert got[("cached", 2048)]["model_ms"] < 0.5 * got[("fresh", 2048)]["model_ms"]
     assert got[("loaded", 64)]["model_ms"] > got[("cached", 64)]["model_ms"]
-    table = probe.format_comparison(rows)
+    table = sim_probes.format_comparison(rows)
     assert "cached" in table and "model" in table
-    with pytest.raises(BenchInputError, match="diffkv|triton"):
-        probe.compare(out, {"diffkv": calib}, "h200")
+    # no file for its backend: the GPU's shipped set, as diffkv-sim --gpu h200 runs
+    _, launches = sim_probes.compare(out, "h200", {"diffkv": calib})
+    assert launches[0]["calibration"].endswith("h200-triton.json")
 
 
 def test_a_prime_burst_runs_first_and_is_recorded(fake_url: str, tmp_path: Path) -> None:

@@ -1,2 +1,2 @@
 """Small bundled request traces (package data). See ATTRIBUTION.md for sources and licences;
-``simulator.workload.bundled`` loads them by name."""
+``sglang_diffkv.serving_io.bundled`` loads them by name."""

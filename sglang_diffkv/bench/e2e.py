@@ -54,9 +54,9 @@ from sglang_diffkv.bench.workloads import (
     sharegpt_trace,
     to_specs,
 )
-from simulator.errors import SimulatorInputError
-from simulator.workload.schema import Trace
-from simulator.workload.writer import write_mooncake_jsonl
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.trace import Trace
+from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
 
 MIN_WINDOW_S = 15.0
 STOP_EST_S = 15.0
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.dry_run:
             return dry_run(plan, a)
         return Harness(plan, a, argv).run()
-    except (BenchInputError, SimulatorInputError) as e:
+    except InputError as e:
         print(f"bench_e2e: error: {e}", file=sys.stderr)
         return 2
 

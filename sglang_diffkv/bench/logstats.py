@@ -3,7 +3,7 @@
 The harness notes the log's byte size right before a workload starts and right when its window
 ends, so each workload's lines are one byte slice of the file: no clock alignment between the
 client and the log's 1-second timestamps is needed. The scheduler lines are parsed by
-``simulator.validation.sglang_log.parse_server_log`` (Decode/Prefill batch lines, pool size);
+``sglang_diffkv.serving_io.sglang_log.parse_server_log`` (Decode/Prefill batch lines, pool size);
 this module adds what that parser does not keep:
 
 - SGLang 0.5.10's retraction warning ``KV cache pool is full. Retract requests. #retracted_reqs:
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from sglang_diffkv.bench.profile_lines import HOST_LINE_RE, parse_profile_line
-from simulator.errors import SimulatorInputError
-from simulator.validation.sglang_log import parse_server_log
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 _RETRACTED = re.compile(r"#retracted_reqs: (\d+)")
@@ -186,7 +186,7 @@ def slice_stats(path: str | Path, start: int = 0, end: int | None = None) -> dic
             f.write(text)
         try:
             log = parse_server_log(tmp)
-        except SimulatorInputError:
+        except InputError:
             log = None
     finally:
         os.unlink(tmp)
@@ -232,7 +232,7 @@ def startup_info(path: str | Path, end: int | None = None) -> dict[str, Any]:
         log = parse_server_log(path)
         out["max_total_num_tokens"] = log.max_total_num_tokens
         out["max_running_requests"] = log.max_running_requests
-    except SimulatorInputError:
+    except InputError:
         pass
     out["kv_alloc"] = next((m.group(0) for ln in lines if (m := _KV_ALLOC.search(ln))), None)
     seen: set[str] = set()

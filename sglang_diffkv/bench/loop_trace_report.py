@@ -8,11 +8,12 @@ extends cost the host compared with the first run's. CPU only.
 With --graph-max-bs N (the server's cuda_graph_max_bs), each row also gives the median wall
 time of the decode iterations at batch N/1.25 to N (CUDA graphs) and N+1 to 1.25 N (eager):
 where the eager steps are host-bound, the latter is the host's iteration around an eager
-decode step, the simulator's eager_decode_host_s (simulator/validation/runs.py
---eager-decode-host-ms). The iteration grows with the batch (per-request metadata and
-results), so the row also fits a line through the eager iterations' mean walls in bands of
-N/4 requests: its intercept and slope are --eager-decode-host-ms and
---eager-decode-host-per-req-us.
+decode step, the simulator's eager_decode_host_s. The iteration grows with the batch
+(per-request metadata and results), so the row also fits a line through the eager iterations'
+mean walls in bands of N/4 requests: its intercept and slope are eager_decode_host_s and
+eager_decode_host_per_req_s. Each figure here names the calibration field it measures;
+``diffkv-sim validate-runs`` takes it as the option of that name in the field's unit,
+seconds (``--eager-decode-host-s diffkv=S``), where these tables print ms.
 
 Each LABEL=PATH names a loop-*.jsonl[.gz] file, a folder holding them, or a scripts/bench_e2e.py
 result folder of a server started with SGLANG_DIFFKV_LOOP_TRACE=FOLDER/loop (results.json
@@ -42,10 +43,10 @@ this, not pre + post, is what it adds to every TTFT.
 
 A last table pools the one-prompt extends (run_batch of a prefill of one prompt, any length)
 of every result folder's ladder runs by server configuration: n, mean and spread. The mean is
-the simulator's eager prefill launch (simulator/validation/runs.py --eager-prefill-launch-ms),
-and the ladders' first-token latency, averaged over their requests, its
---first-token-latency-ms, and the median turnaround, the host's time from an extend's
-launches to the next step's launch, its --eager-prefill-turnaround-ms. Give it several starts
+the simulator's eager prefill launch (eager_prefill_launch_s), and the ladders' first-token
+latency, averaged over their requests, its first_token_latency_s, and the median turnaround,
+the host's time from an extend's launches to the next step's launch, its
+eager_prefill_turnaround_s. Give it several starts
 of one configuration, as the host's speed moves between starts:
 
     D=docs/data/h200-2026-11-25/s32-probe  # git checkout 8dc2c27 -- $D (its loop traces)
@@ -158,7 +159,7 @@ def one_token_ms(seg: list[Record]) -> list[float]:
 
 def one_prompt_ms(seg: list[Record]) -> list[float]:
     """Host ms of each run_batch of an extend of one prompt (any length): what the simulator's
-    eager prefill launch (``--eager-prefill-launch-ms``) stands for."""
+    eager prefill launch (``eager_prefill_launch_s``) stands for."""
     return [1e3 * (r.t1 - r.t0) for r in seg
             if r.phase == Phase.RUN and r.mode == Mode.EXTEND and r.size == 1]
 
@@ -167,7 +168,7 @@ def turnaround_ms(seg: list[Record]) -> list[float]:
     """Host ms from the end of each extend's run_batch (its launches) to the next step's
     launch, where the iteration after it launched one: a decode step's graph replay ends its
     run_batch, a prefill's launches begin with its run_batch. What the simulator's
-    ``--eager-prefill-turnaround-ms`` stands for: the GPU idles through it after a
+    ``eager_prefill_turnaround_s`` stands for: the GPU idles through it after a
     launch-bound prefill. An extend whose kernels outlast its launches is waited for inside
     it (a long prompt), hence the median."""
     its = timed_iterations(seg)
@@ -391,7 +392,7 @@ def ttft_split(times: dict[str, RequestTimes], sends: list[tuple[float, float]],
     first_token_ms, the mean of pre less that wait, plus post, over the requests whose way in
     and out no pause overlaps (first_token_all_ms: over all). A simulator whose scheduler
     forms each batch from the requests that arrived before it (so waits for the poll itself)
-    and models the pauses apart adds this latency to every TTFT (--first-token-latency-ms)."""
+    and models the pauses apart adds this latency to every TTFT (first_token_latency_s)."""
     got = sorted(times.values(), key=lambda t: t.received)
     received = [t.received for t in got]
     joined: list[tuple[float, float, RequestTimes]] = []
@@ -619,10 +620,10 @@ def format_edges(rows: list[dict]) -> list[str]:
     lines.append(
         f"decode iterations either side of the largest CUDA graph N: graphed, batch N/{EDGE:g} "
         f"to N; eager, N+1 to {EDGE:g} N (median wall: iteration start to the next); where "
-        "the eager steps are host-bound, their median is --eager-decode-host-ms. host ms + "
+        "the eager steps are host-bound, their median is eager_decode_host_s. host ms + "
         f"us/req x batch: a line through the mean walls of the eager iterations in bands "
-        f"of N/{HOST_BANDS} requests (--eager-decode-host-ms and "
-        "--eager-decode-host-per-req-us)")
+        f"of N/{HOST_BANDS} requests (eager_decode_host_s and "
+        "eager_decode_host_per_req_s)")
     return lines
 
 
@@ -646,11 +647,11 @@ def format_compare(rows: list[dict], seg_rows: list[dict]) -> list[str]:
 def launch_rows(launches: dict[str, list[float]], splits: Sequence[dict] = (),
                 turnarounds: dict[str, list[float]] | None = None) -> list[dict]:
     """Per configuration: how many one-prompt extends its ladder runs launched, and their mean,
-    median, 10th and 90th percentile host ms (the mean is --eager-prefill-launch-ms: the
+    median, 10th and 90th percentile host ms (the mean is eager_prefill_launch_s: the
     model's steps pay it on average); from ``splits`` (ttft_split_rows, which give only
     ladder runs a first_token_ms), that latency averaged over the joined requests that met no
-    GC pause (--first-token-latency-ms); and the median of ``turnarounds`` (turnaround_ms of every
-    extend, --eager-prefill-turnaround-ms)."""
+    GC pause (first_token_latency_s); and the median of ``turnarounds`` (turnaround_ms of every
+    extend, eager_prefill_turnaround_s)."""
     turnarounds = turnarounds or {}
     first: dict[str, tuple[float, int]] = {}
     for r in splits:
@@ -685,11 +686,11 @@ def format_launches(rows: list[dict]) -> list[str]:
     lines.append(
         "one-prompt extends (run_batch of a prefill of one prompt, any length) in the ladder "
         "runs of every result folder given, pooled by server configuration; the mean is "
-        "simulator/validation/runs.py's --eager-prefill-launch-ms. first-token: the ladder "
+        "the simulator's eager_prefill_launch_s. first-token: the ladder "
         "runs' pre less the poll wait, plus post, over their joined requests "
-        "(--first-token-latency-ms). turnaround: median host ms from an extend's launches to "
+        "(first_token_latency_s). turnaround: median host ms from an extend's launches to "
         "the next step's launch, over every extend followed by one "
-        "(--eager-prefill-turnaround-ms)")
+        "(eager_prefill_turnaround_s)")
     return lines
 
 
@@ -711,7 +712,7 @@ def format_host_lines(rows: list[dict], graph_max_bs: int) -> list[str]:
         f"decode iterations above the largest CUDA graph ({graph_max_bs}) of every run given, "
         "pooled by server configuration: host ms + us/req x batch through their mean walls "
         f"in bands of {graph_max_bs // HOST_BANDS} requests, the simulator's "
-        "--eager-decode-host-ms and --eager-decode-host-per-req-us")
+        "eager_decode_host_s and eager_decode_host_per_req_s")
     return lines
 
 

@@ -21,9 +21,9 @@ import numpy as np
 
 from sglang_diffkv.bench.client import RequestSpec
 from sglang_diffkv.bench.errors import BenchInputError
-from simulator.workload.bundled import load_named_trace
-from simulator.workload.generate import resample_arrivals
-from simulator.workload.schema import Trace, TraceRequest
+from sglang_diffkv.serving_io.arrivals import resample_arrivals
+from sglang_diffkv.serving_io.bundled import load_named_trace
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 
 WORKLOADS = ("longgen", "sharegpt", "ladder")
 

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import simpy
 
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from simulator.engine.replica import Replica
 from simulator.errors import SimulatorInputError
 from simulator.serving.request import SimRequest
 from simulator.serving.server import ResolvedServer
 from simulator.workload.generate import ClosedLoop
-from simulator.workload.schema import Trace, TraceRequest
 
 ROUTERS = ("round_robin", "least_outstanding", "random")
 

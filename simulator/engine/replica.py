@@ -18,9 +18,9 @@ from dataclasses import replace
 import numpy as np
 import simpy
 
+from sglang_diffkv.serving_io.trace import MOONCAKE_BLOCK_TOKENS
 from simulator.serving.request import SimRequest
 from simulator.serving.server import ResolvedServer
-from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS
 
 KIND_CODE = {"prefill": 0, "decode": 1, "mixed": 2}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS
+from sglang_diffkv.serving_io.trace import MOONCAKE_BLOCK_TOKENS
 
 
 class PrefixCache:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.trace import MOONCAKE_BLOCK_TOKENS
 from simulator.kv.formats import KVFormat
 from simulator.kv.pool import KVPool
 from simulator.serving.cost import CostModel
@@ -25,7 +26,6 @@ from simulator.serving.settings import DIFFKV_DEFAULT_CUDA_GRAPH_MAX_BS, ServerS
 from simulator.specs.calibration import Calibration
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
-from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)

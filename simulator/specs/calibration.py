@@ -54,7 +54,7 @@ GIB_FIELDS = ("cuda_context_gib", "post_load_overhead_gib")
 # (about 400 for a Llama-3-8B forward), which the GPU runs as they arrive: a short prompt's
 # step lasts as long as its launches, a long one's as long as its kernels, so the step pays
 # max(launches, kernels) in place of kernels + layers * ``eager_layer_overhead_s``.
-# scripts/probe_prefill_ttft.py --compare estimates it from lone prefills of several lengths;
+# diffkv-sim prefill-probes estimates it from lone prefills of several lengths;
 # 0 (the default): the sum
 # ``eager_prefill_turnaround_s`` is the host's time from the end of those launches to the
 # next step's launch: it streams the step before's tokens, forms the next batch and prepares
@@ -118,8 +118,8 @@ DECODE_HOST_PER_REQ_FIELD = "eager_decode_host_per_req_s_by_format"
 # (``eager_prefill_launch_s``) also hold SGLang's overlap loop: the host forms the next batch
 # only after launching the step, and streams the step before's tokens only after it
 # (``Replica``). The H200 loop traces show both (session 30); off unless asked for, as a file
-# that times no launches has nothing to hold (the H200 command asks, validate_simulator's
-# --launch-holds-loop)
+# that times no launches has nothing to hold (the H200 recipe asks, validate-runs'
+# --eager-launch-holds-loop)
 LAUNCH_HOLDS_LOOP_FIELD = "eager_launch_holds_loop"
 # optional: a factor (<= 1; 1 when absent) on the kernel time of a prefill step long after the
 # last one. Compute-bound work runs the GPU at its power limit, below its boost clock, within
@@ -402,16 +402,16 @@ class Calibration:
     release_overhead_s: float = 0.0
     first_token_latency_s: float = 0.0
     eager_prefill_launch_s: float = 0.0
-    eager_prefill_launches: dict[str, float] = field(default_factory=dict)
+    eager_prefill_launch_s_by_format: dict[str, float] = field(default_factory=dict)
     eager_prefill_turnaround_s: float = 0.0
-    eager_prefill_turnarounds: dict[str, float] = field(default_factory=dict)
+    eager_prefill_turnaround_s_by_format: dict[str, float] = field(default_factory=dict)
     eager_decode_host_s: float = 0.0
-    eager_decode_hosts: dict[str, float] = field(default_factory=dict)
+    eager_decode_host_s_by_format: dict[str, float] = field(default_factory=dict)
     eager_decode_host_per_req_s: float = 0.0
-    eager_decode_hosts_per_req: dict[str, float] = field(default_factory=dict)
+    eager_decode_host_per_req_s_by_format: dict[str, float] = field(default_factory=dict)
     eager_launch_holds_loop: bool = False
     decode_attention_scale: float = 1.0
-    decode_attention_scales: dict[str, float] = field(default_factory=dict)
+    decode_attention_scale_by_format: dict[str, float] = field(default_factory=dict)
     isolated_prefill_scale: float = 1.0
     prefill_clock_recovery_s: float = PREFILL_CLOCK_RECOVERY_S
     eager_decode_layer_overhead_s: float | None = None
@@ -438,28 +438,28 @@ class Calibration:
     def attention_scale(self, key: str) -> float:
         """The in-server decode attention factor of KV format ``key`` (its own where the
         file gives one, else the default ``decode_attention_scale``)."""
-        return self.decode_attention_scales.get(key, self.decode_attention_scale)
+        return self.decode_attention_scale_by_format.get(key, self.decode_attention_scale)
 
     def prefill_launch_s(self, key: str) -> float:
         """The host's time to launch an eager prefill step on KV format ``key`` (its own
         where the file gives one, else ``eager_prefill_launch_s``; 0: not timed)."""
-        return self.eager_prefill_launches.get(key, self.eager_prefill_launch_s)
+        return self.eager_prefill_launch_s_by_format.get(key, self.eager_prefill_launch_s)
 
     def prefill_turnaround_s(self, key: str) -> float:
         """The host's time from an eager prefill's launches to the next step's launch on KV
         format ``key`` (its own where the file gives one, else
         ``eager_prefill_turnaround_s``; 0: not timed)."""
-        return self.eager_prefill_turnarounds.get(key, self.eager_prefill_turnaround_s)
+        return self.eager_prefill_turnaround_s_by_format.get(key, self.eager_prefill_turnaround_s)
 
     def decode_host_s(self, key: str) -> float:
         """The host's time for an iteration around an eager decode step on KV format ``key``
         (its own where the file gives one, else ``eager_decode_host_s``; 0: not timed)."""
-        return self.eager_decode_hosts.get(key, self.eager_decode_host_s)
+        return self.eager_decode_host_s_by_format.get(key, self.eager_decode_host_s)
 
     def decode_host_per_req_s(self, key: str) -> float:
         """What that iteration adds per request in the batch on KV format ``key`` (its own
         where the file gives one, else ``eager_decode_host_per_req_s``; 0: a flat floor)."""
-        return self.eager_decode_hosts_per_req.get(key, self.eager_decode_host_per_req_s)
+        return self.eager_decode_host_per_req_s_by_format.get(key, self.eager_decode_host_per_req_s)
 
     def attention_eta(self, key: str) -> float:
         if key not in self.eta_mem_decode_attention:
@@ -530,10 +530,11 @@ class Calibration:
         return cls(gpu=gpu, eta_mem_decode_attention={k: float(v) for k, v in etas.items()},
                    provenance=dict(d["provenance"]), source_file=source, measured=measured,
                    measured_raw=dict(raw) if isinstance(raw, dict) else {},
-                   decode_attention_scale=scale, decode_attention_scales=scales,
-                   eager_prefill_launches=launches, eager_prefill_turnarounds=turnarounds,
-                   eager_decode_hosts=hosts,
-                   eager_decode_hosts_per_req=per_req,
+                   decode_attention_scale=scale, decode_attention_scale_by_format=scales,
+                   eager_prefill_launch_s_by_format=launches,
+                   eager_prefill_turnaround_s_by_format=turnarounds,
+                   eager_decode_host_s_by_format=hosts,
+                   eager_decode_host_per_req_s_by_format=per_req,
                    eager_launch_holds_loop=holds_loop,
                    eager_decode_layer_overhead_s=eager_decode,
                    isolated_prefill_scale=float(isolated),
@@ -550,16 +551,16 @@ class Calibration:
             d[EAGER_DECODE_FIELD] = self.eager_decode_layer_overhead_s
         if self.decode_attention_scale != 1.0:
             d[ATTENTION_SCALE_FIELD] = self.decode_attention_scale
-        if self.decode_attention_scales:
-            d[ATTENTION_SCALES_FIELD] = dict(self.decode_attention_scales)
-        if self.eager_prefill_launches:
-            d[PREFILL_LAUNCHES_FIELD] = dict(self.eager_prefill_launches)
-        if self.eager_prefill_turnarounds:
-            d[PREFILL_TURNAROUNDS_FIELD] = dict(self.eager_prefill_turnarounds)
-        if self.eager_decode_hosts:
-            d[DECODE_HOST_FIELD] = dict(self.eager_decode_hosts)
-        if self.eager_decode_hosts_per_req:
-            d[DECODE_HOST_PER_REQ_FIELD] = dict(self.eager_decode_hosts_per_req)
+        if self.decode_attention_scale_by_format:
+            d[ATTENTION_SCALES_FIELD] = dict(self.decode_attention_scale_by_format)
+        if self.eager_prefill_launch_s_by_format:
+            d[PREFILL_LAUNCHES_FIELD] = dict(self.eager_prefill_launch_s_by_format)
+        if self.eager_prefill_turnaround_s_by_format:
+            d[PREFILL_TURNAROUNDS_FIELD] = dict(self.eager_prefill_turnaround_s_by_format)
+        if self.eager_decode_host_s_by_format:
+            d[DECODE_HOST_FIELD] = dict(self.eager_decode_host_s_by_format)
+        if self.eager_decode_host_per_req_s_by_format:
+            d[DECODE_HOST_PER_REQ_FIELD] = dict(self.eager_decode_host_per_req_s_by_format)
         if self.eager_launch_holds_loop:
             d[LAUNCH_HOLDS_LOOP_FIELD] = True
         if self.isolated_prefill_scale != 1.0:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.serving_io.trace import Trace
 from simulator.engine.cluster import RunResult, simulate
 from simulator.kv.formats import KVFormat, make_format
 from simulator.kv.mix import TierMix
@@ -19,7 +20,6 @@ from simulator.specs.calibration_set import CalibrationSet
 from simulator.specs.gpu import GPUSpec
 from simulator.specs.model import ModelSpec
 from simulator.workload.generate import ClosedLoop
-from simulator.workload.schema import Trace
 
 
 @dataclass(frozen=True)

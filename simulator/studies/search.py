@@ -17,13 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sglang_diffkv.serving_io.arrivals import resample_arrivals
+from sglang_diffkv.serving_io.trace import Trace
 from simulator.engine.cluster import RunResult
 from simulator.errors import SimulatorInputError
 from simulator.metrics.slo import SLO
 from simulator.metrics.summary import per_request_arrays, slo_met, summarize
 from simulator.studies.scenario import Scenario
-from simulator.workload.generate import resample_arrivals, resized
-from simulator.workload.schema import Trace
+from simulator.workload.generate import resized
 
 # every trace length's answer is bisected to within REL_TOL, finer than the convergence
 # tolerance, so that two lengths agreeing within the tolerance is no artefact of the step

@@ -20,19 +20,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.serving_io.errors import InputError
 from simulator.errors import SimulatorInputError
 from simulator.specs.calibration import Calibration
 from simulator.specs.calibration_set import load_calibration_set
 from simulator.specs.gpu import load_gpu
 from simulator.validation.harness import HarnessResults, load_harness, merge_harness
+from simulator.validation.held_out import held_out_runs
 from simulator.validation.recipe import load_recipe
 from simulator.validation.repeats import repeat_rows
 
 
 def _no_prefill_launch(c: Calibration) -> Calibration:
     # the turnaround and the loop hold count from the launches: they go with them
-    return replace(c, eager_prefill_launch_s=0.0, eager_prefill_launches={},
-                   eager_prefill_turnaround_s=0.0, eager_prefill_turnarounds={},
+    return replace(c, eager_prefill_launch_s=0.0, eager_prefill_launch_s_by_format={},
+                   eager_prefill_turnaround_s=0.0, eager_prefill_turnaround_s_by_format={},
                    eager_launch_holds_loop=False)
 
 
@@ -43,13 +45,13 @@ def _no_prefill_launch(c: Calibration) -> Calibration:
 HOST_TERMS: dict[str, Callable[[Calibration], Calibration]] = {
     "eager_prefill_launch_s": _no_prefill_launch,
     "eager_prefill_turnaround_s": lambda c: replace(
-        c, eager_prefill_turnaround_s=0.0, eager_prefill_turnarounds={}),
+        c, eager_prefill_turnaround_s=0.0, eager_prefill_turnaround_s_by_format={}),
     "eager_launch_holds_loop": lambda c: replace(c, eager_launch_holds_loop=False),
     "eager_decode_host_s": lambda c: replace(
-        c, eager_decode_host_s=0.0, eager_decode_hosts={}, eager_decode_host_per_req_s=0.0,
-        eager_decode_hosts_per_req={}),
+        c, eager_decode_host_s=0.0, eager_decode_host_s_by_format={},
+        eager_decode_host_per_req_s=0.0, eager_decode_host_per_req_s_by_format={}),
     "eager_decode_host_per_req_s": lambda c: replace(
-        c, eager_decode_host_per_req_s=0.0, eager_decode_hosts_per_req={}),
+        c, eager_decode_host_per_req_s=0.0, eager_decode_host_per_req_s_by_format={}),
     "first_token_latency_s": lambda c: replace(c, first_token_latency_s=0.0),
     "release_overhead_s": lambda c: replace(c, release_overhead_s=0.0),
     "isolated_prefill_scale": lambda c: replace(
@@ -73,7 +75,7 @@ def _score(term: str) -> tuple[str, list[dict], list[dict]]:
     if term != ALL_TERMS:
         calibs = {k: HOST_TERMS[term](c) for k, c in calibs.items()}
     rows, _ = validate(_STATE["h"], calibs, _STATE["model"], _STATE["gpu"],
-                       _STATE["fitting"])
+                       _STATE["fitting"], _STATE["held"])
     print(f"ablate-host-terms: scored {term}", file=sys.stderr, flush=True)
     return term, rows, repeat_rows(rows)
 
@@ -97,12 +99,13 @@ def _largest_change(base: list[dict], other: list[dict]) -> dict[str, Any] | Non
 
 
 def ablate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu: str,
-           fitting: set[str], jobs: int = 1, terms: list[str] | None = None
-           ) -> list[dict[str, Any]]:
+           fitting: set[str], jobs: int = 1, terms: list[str] | None = None,
+           held: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One result per term (the shipped calibration ``calibs`` first): held-out PASS /
-    scored rows, the same against the mean of repeats, and the row whose error moves most."""
+    scored rows, the same against the mean of repeats, the rows held out by construction
+    (``held``, the recipe's ``held_out``) alone, and the row whose error moves most."""
     todo = [ALL_TERMS] + [t for t in (terms or list(HOST_TERMS)) if is_used(t, calibs)]
-    _STATE.update(h=h, calibs=calibs, model=model, gpu=gpu, fitting=fitting)
+    _STATE.update(h=h, calibs=calibs, model=model, gpu=gpu, fitting=fitting, held=held or {})
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
             scored = pool.map(_score, todo, chunksize=1)
@@ -112,6 +115,7 @@ def ablate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu: s
     out = []
     for term, rows, reps in scored:
         out.append({"term": term, "rows": _passes(rows), "repeats": _passes(reps),
+                    "held_out_rows": _passes([r for r in rows if r.get("held_out")]),
                     "largest_change": None if term == ALL_TERMS
                     else _largest_change(base_rows, rows),
                     "repeats_largest_change": None if term == ALL_TERMS
@@ -127,19 +131,21 @@ def _err(r: dict[str, Any], key: str) -> str:
 def ablation_table(results: list[dict[str, Any]]) -> str:
     """Markdown: term, held-out rows passing with / without, repeats the same, the largest
     error change."""
-    lines = ["| term removed | held-out rows PASS (of scored) | against the mean of repeats | "
-             "largest error change (row: with -> without) |", "|---|---|---|---|"]
+    lines = ["| term removed | validated rows PASS (of scored) | against the mean of repeats | "
+             "held out by construction | largest error change (row: with -> without) |",
+             "|---|---|---|---|---|"]
     for r in results:
         p, n = r["rows"]
         rp, rn = r["repeats"]
+        hp, hn = r.get("held_out_rows", (0, 0))
         c = r["largest_change"]
         change = "" if c is None else (f"{c['metric']}, {c['run']}: {_err(c, 'with')} -> "
                                        f"{_err(c, 'without')}")
-        lines.append(f"| {r['term']} | {p} / {n} | {rp} / {rn} | {change} |")
+        lines.append(f"| {r['term']} | {p} / {n} | {rp} / {rn} | {hp} / {hn} | {change} |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="diffkv-sim ablate-host-terms",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", required=True,
@@ -150,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--term", action="append", default=None, choices=list(HOST_TERMS),
                     help="score only these terms (repeatable; default: every one in use)")
     ap.add_argument("--json", default=None, help="write the results as JSON")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         if a.jobs < 1:
             raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
         r = load_recipe(a.recipe)
-        from simulator.validation.runs import results_arg, scratch_name
+        from simulator.validation.runs import is_fitting_run, results_arg, scratch_name
         scratch = Path(r.get("scratch", "results/validation-logs"))
         parts = []
         for arg in r["results"]:
@@ -168,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         shipped = load_calibration_set(load_gpu(gpu).key)
         calibs = {"base": shipped.for_key("bf16"), **shipped.by_backend}
         fitting = set(r.get("fit_run", [])) | set(r.get("fit_decode_run", []))
+        held = held_out_runs(h, r.get("held_out", []),
+                             [x for x in h.runs if is_fitting_run(x, fitting)])
         results = ablate(h, calibs, r.get("model", "llama-3-8b"), gpu, fitting, a.jobs,
-                         a.term)
-    except SimulatorInputError as e:
+                         a.term, held)
+    except InputError as e:
         print(f"diffkv-sim ablate-host-terms: error: {e}", file=sys.stderr)
         return 2
     print(ablation_table(results))

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.validation.sglang_log import ServerLog
+from sglang_diffkv.serving_io.sglang_log import ServerLog
 
 # (label, bench_serving key, function of the simulator summary)
 BENCH_METRICS: tuple[tuple[str, str, Any], ...] = (

@@ -51,10 +51,10 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.sglang_log import ServerLog, decode_intervals
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import ACT_BYTES, StepShape
 from simulator.serving.server import ResolvedServer
-from simulator.validation.sglang_log import ServerLog, decode_intervals
 
 MIN_SAMPLES = 8
 # below this relative spread (std / mean) of a feature across the samples (the intervals'
@@ -207,7 +207,7 @@ def calibration_file(server: ResolvedServer, fit: dict[str, Any], log_path: str)
                   if round(v, 4) != entry["decode_attention_scale"]}
         if others:
             entry["decode_attention_scale_by_format"] = {
-                **cal.decode_attention_scales, **others}
+                **cal.decode_attention_scale_by_format, **others}
     what = "fixed costs" if fit.get("fixed_only") else "decode efficiencies and fixed costs"
     entry["provenance"] = {
         **cal.provenance,

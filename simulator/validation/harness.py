@@ -44,14 +44,14 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.loaders import load_trace
+from sglang_diffkv.serving_io.sglang_log import ServerLog
+from sglang_diffkv.serving_io.trace import Trace
 from simulator.engine.cluster import RunResult
 from simulator.errors import SimulatorInputError
 from simulator.metrics.summary import per_request_arrays
 from simulator.serving.settings import ServerSettings
 from simulator.validation.prompt_cache import read_records, served_blocks, with_prompt_ids
-from simulator.validation.sglang_log import ServerLog
-from simulator.workload.loaders import load_trace
-from simulator.workload.schema import Trace
 
 # issue 8's targets: (relative error bound, or absolute for the ratio); None = reported only
 TARGETS = {"kv_pool": 0.01, "throughput": 0.05, "mean_batch": 0.05, "tpot": 0.05,
@@ -499,7 +499,7 @@ def windowed_summary(res: RunResult, window: float | None) -> dict[str, Any]:
 
 def measured_series(log_slice: str) -> tuple[list[float], list[int]]:
     """(seconds from the slice's first Decode line, #running-req) from timestamped lines."""
-    from simulator.validation.sglang_log import _DECODE
+    from sglang_diffkv.serving_io.sglang_log import _DECODE
 
     ts, bs = [], []
     import datetime as dt

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_diffkv.serving_io.sglang_log import ServerLog, decode_intervals
 from simulator.errors import SimulatorInputError
-from simulator.validation.sglang_log import ServerLog, decode_intervals
 
 MIN_CLEAN = 8   # decode-only intervals needed to fit the decode step's line
 

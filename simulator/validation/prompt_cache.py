@@ -27,8 +27,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from sglang_diffkv.serving_io.trace import Trace
 from simulator.errors import SimulatorInputError
-from simulator.workload.schema import Trace
 
 PROMPT_BLOCK_TOKENS = 16
 

@@ -2,13 +2,14 @@
 in a JSON file, in place of a command line thousands of characters long.
 
 Every key is the name of an option of ``diffkv-sim validate-runs`` with ``_`` for ``-`` (one
-name per knob: ``fit_run`` is ``--fit-run``), so the option parser stays the one place that
-checks the values, and a recipe and a command line can never mean different things:
+name per knob: ``fit_run`` is ``--fit-run``; a measured calibration input's key is also its
+calibration field, in the field's unit), so the option parser stays the one place that checks
+the values, and a recipe and a command line can never mean different things:
 
     "results": ["docs/data/.../e2e-s19-bf16-cold#c", ...]    the positional RESULTS_DIRs
     "gpu": "h200"                                             --gpu h200
     "fit_run": ["bf16/sharegpt#t", ...]                       --fit-run, repeated
-    "eager_prefill_launch_ms": {"triton": 18.6, "fp8": 21.1}  --eager-prefill-launch-ms K=V
+    "eager_prefill_launch_s": {"triton": 0.0186}              --eager-prefill-launch-s K=V
     "refine_hold": ["diffkv:seq_overhead_s"]                  --refine-hold diffkv:seq_overhead_s
     "shipped": true                                           --shipped
     "_about": "..."                                           a key starting with _: a note

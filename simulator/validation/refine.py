@@ -147,8 +147,8 @@ def with_terms(calib: Calibration, terms: dict[str, float]) -> Calibration:
         new = terms["decode_attention_scale"]
         ratio = new / calib.decode_attention_scale if calib.decode_attention_scale else 1.0
         changes["decode_attention_scale"] = new
-        changes["decode_attention_scales"] = {
-            k: v * ratio for k, v in calib.decode_attention_scales.items()}
+        changes["decode_attention_scale_by_format"] = {
+            k: v * ratio for k, v in calib.decode_attention_scale_by_format.items()}
     return replace(calib, **changes)
 
 

@@ -20,8 +20,9 @@ import hashlib
 from statistics import fmean
 from typing import Any
 
+from sglang_diffkv.serving_io.trace import Trace
 from simulator.validation.harness import row
-from simulator.workload.schema import Trace
+from simulator.validation.held_out import band
 
 
 def request_lengths_digest(trace: Trace) -> str:
@@ -68,11 +69,18 @@ def repeat_rows(rows: list[dict[str, Any]], min_runs: int = 2) -> list[dict[str,
         predicted = fmean(m["predicted"] for m in members)
         absolute = members[0]["absolute"]
         r = row(metric, group, mean, predicted, members[0]["target"], absolute=absolute)
+        loads = [m.get("load") for m in members]
         r.update({
             "group": group, "runs": [m["run"] for m in members], "measured_mean": mean,
             "measured_min": lo, "measured_max": hi,
             "spread": (hi - lo) / 2 if absolute else (hi - lo) / 2 / mean if mean else None,
             "within_range": lo <= predicted <= hi,
+            # held out when every run is (their kind), at the band of the runs' mean load
+            "held_out": (members[0].get("held_out")
+                         if all(m.get("held_out") for m in members) else None),
+            "load": fmean(loads) if None not in loads else None,
+            "band": (band(fmean(loads), "ladder") if None not in loads
+                     else members[0].get("band")),
         })
         out.append(r)
     return out

@@ -57,6 +57,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import ServerLog, parse_server_log
 from simulator.errors import SimulatorInputError
 from simulator.kv.mix import TierMix
 from simulator.metrics.summary import summarize
@@ -88,6 +90,7 @@ from simulator.validation.harness import (
     server_settings,
     windowed_summary,
 )
+from simulator.validation.held_out import band, band_table, held_out_runs
 from simulator.validation.recipe import expand_recipe
 from simulator.validation.refine import (
     DEFAULT_MAX_EVALS,
@@ -96,7 +99,6 @@ from simulator.validation.refine import (
     refine_costs,
 )
 from simulator.validation.repeats import group_label, repeat_key, repeat_rows
-from simulator.validation.sglang_log import ServerLog, parse_server_log
 from simulator.validation.step_fit import (
     OUTLIER_FACTOR,
     StepRows,
@@ -186,24 +188,62 @@ KV_FORMAT_KEYS = ("bf16", "fp8", "diffkv")  # the calibration keys of the KV for
 LAUNCH_KEYS = (*BACKENDS, "bf16", "fp8")  # backends, or a triton KV format
 
 
-def key_ms_arg(option: str, items: list[str], keys: tuple[str, ...],
-               unit: str = "MS") -> dict[str, float]:
-    """``OPTION KEY=MS`` items as {key: value}, each KEY one of ``keys``, the value in [0, 1000)
-    of ``unit`` (MS: milliseconds, US: microseconds)."""
-    words = {"MS": "milliseconds", "US": "microseconds"}[unit]
+# the measured inputs given on the command line, each an option named by its calibration field
+# (one name per knob: ``--eager-prefill-launch-s`` sets ``eager_prefill_launch_s``, in seconds
+# as the field is) as KEY=S items: KEY a backend (triton, diffkv) sets the field, KEY a triton
+# KV format (bf16, fp8) its own entry in the field's ``_by_format`` map where it has one
+GIVEN_SECONDS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "eager_prefill_launch_s": (LAUNCH_KEYS, "eager_prefill_launch_s_by_format"),
+    "eager_prefill_turnaround_s": (LAUNCH_KEYS, "eager_prefill_turnaround_s_by_format"),
+    "eager_decode_host_s": (LAUNCH_KEYS, "eager_decode_host_s_by_format"),
+    "eager_decode_host_per_req_s": (LAUNCH_KEYS, "eager_decode_host_per_req_s_by_format"),
+    "first_token_latency_s": (BACKENDS, None),
+    "prefill_step_overhead_s": (BACKENDS, None),
+}
+# options renamed to their calibration field (and its unit): named in one line when given
+RENAMED_OPTIONS = {
+    "--eager-prefill-launch-ms": "--eager-prefill-launch-s",
+    "--eager-prefill-turnaround-ms": "--eager-prefill-turnaround-s",
+    "--eager-decode-host-ms": "--eager-decode-host-s",
+    "--eager-decode-host-per-req-us": "--eager-decode-host-per-req-s",
+    "--first-token-latency-ms": "--first-token-latency-s",
+    "--launch-holds-loop": "--eager-launch-holds-loop",
+    "--diffkv-prefill-step-ms": "--prefill-step-overhead-s diffkv=S",
+    "--prefill-clock-recovery-ms": "--prefill-clock-recovery-s",
+}
+
+
+def option_of(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def key_seconds_arg(field: str, items: list[str]) -> dict[str, float]:
+    """The ``--FIELD KEY=S`` items as {key: seconds}, each KEY one of the field's keys
+    (``GIVEN_SECONDS``), S in [0, 1)."""
+    keys = GIVEN_SECONDS[field][0]
     out: dict[str, float] = {}
     for item in items:
-        key, sep, ms = item.partition("=")
+        key, sep, text = item.partition("=")
         try:
-            value = float(ms)
+            value = float(text)
         except ValueError:
             value = math.nan
-        if not sep or key not in keys or not 0 <= value < 1e3:
+        if not sep or key not in keys or not 0 <= value < 1:
             raise SimulatorInputError(
-                f"{option} {item!r}: want KEY={unit}, KEY one of {', '.join(keys)}, {unit} a "
-                f"number of {words} in [0, 1000)")
+                f"{option_of(field)} {item!r}: want KEY=S, KEY one of {', '.join(keys)}, S "
+                f"the calibration field {field} in seconds, in [0, 1)")
         out[key] = value
     return out
+
+
+def renamed_option(argv: list[str]) -> str | None:
+    """The first option of ``argv`` that was renamed, as a one-line message naming the new."""
+    for word in argv:
+        old = word.partition("=")[0]
+        if old in RENAMED_OPTIONS:
+            return (f"{old} is now {RENAMED_OPTIONS[old]} (one name per knob: the option is "
+                    "its calibration field, in the field's unit: seconds)")
+    return None
 
 
 HOLDABLE = tuple(n for n in UNITS if n != "first_token_latency_s")
@@ -224,21 +264,15 @@ def refine_hold_arg(items: list[str]) -> dict[str, frozenset[str]]:
     return {be: frozenset(terms) for be, terms in out.items()}
 
 
-def eager_launch_arg(items: list[str]) -> dict[str, float]:
-    """``--eager-prefill-launch-ms KEY=MS`` items as {key: ms}, KEY a backend (triton,
-    diffkv) or one of the triton backend's KV formats (bf16, fp8: that format's own)."""
-    return key_ms_arg("--eager-prefill-launch-ms", items, LAUNCH_KEYS)
-
-
-def with_given_ms(base: Calibration, be: str, given: dict[str, float], default: str,
-                  by_format: str, per_second: float = 1e3) -> Calibration:
-    """``base`` with a ``KEY=MS`` option's values for backend ``be``: KEY ``be`` sets field
-    ``default``, KEY a KV format its entry in the mapping field ``by_format``; the option's
-    unit is 1 / ``per_second`` seconds (1e6: a ``KEY=US`` option)."""
+def with_given_seconds(base: Calibration, be: str, given: dict[str, float], field: str
+                       ) -> Calibration:
+    """``base`` with a ``--FIELD KEY=S`` option's values for backend ``be``: KEY ``be`` sets
+    ``field``, KEY a KV format its entry in the field's ``_by_format`` map."""
     if be in given:
-        base = replace(base, **{default: given[be] / per_second})
-    own = {k: v / per_second for k, v in given.items() if k not in BACKENDS}
-    if own:
+        base = replace(base, **{field: given[be]})
+    own = {k: v for k, v in given.items() if k not in BACKENDS}
+    by_format = GIVEN_SECONDS[field][1]
+    if own and by_format is not None:
         base = replace(base, **{by_format: {**getattr(base, by_format), **own}})
     return base
 
@@ -247,28 +281,51 @@ def with_given(calib: Calibration, be: str, a: argparse.Namespace) -> Calibratio
     """Backend ``be``'s calibration with the measured inputs the options give it (launches,
     host iterations, the loop hold, the first-token latency), fitted or not."""
     base = calib
-    if a.diffkv_prefill_step_ms and be == "diffkv":
-        base = replace(calib, prefill_step_overhead_s=a.diffkv_prefill_step_ms / 1e3)
-    base = with_given_ms(base, be, a.eager_prefill_launch_ms, "eager_prefill_launch_s",
-                         "eager_prefill_launches")
-    base = with_given_ms(base, be, a.eager_prefill_turnaround_ms, "eager_prefill_turnaround_s",
-                         "eager_prefill_turnarounds")
+    for field in GIVEN_SECONDS:
+        base = with_given_seconds(base, be, getattr(a, field), field)
     for fmt in (f for f in KV_FORMAT_KEYS if backend(f) == be):
         if base.prefill_turnaround_s(fmt) > 0.0 and base.prefill_launch_s(fmt) == 0.0:
             raise SimulatorInputError(
-                f"--eager-prefill-turnaround-ms gives {fmt} a turnaround but {fmt} has no eager "
-                "prefill launch time (--eager-prefill-launch-ms, or the calibration's): the "
+                f"--eager-prefill-turnaround-s gives {fmt} a turnaround but {fmt} has no eager "
+                "prefill launch time (--eager-prefill-launch-s, or the calibration's): the "
                 "turnaround counts from the end of those launches")
-    base = with_given_ms(base, be, a.eager_decode_host_ms, "eager_decode_host_s",
-                         "eager_decode_hosts")
-    base = with_given_ms(base, be, a.eager_decode_host_per_req_us,
-                         "eager_decode_host_per_req_s", "eager_decode_hosts_per_req", 1e6)
-    if be in a.launch_holds_loop:
+    if be in a.eager_launch_holds_loop:
         base = replace(base, eager_launch_holds_loop=True)
-    first_token = a.first_token_latency_ms.get(be)
-    if first_token is not None:
-        base = replace(base, first_token_latency_s=first_token / 1e3)
     return base
+
+
+# the inputs a fit takes as given, measured (GIVEN_SECONDS's fields, their per-format maps and
+# the loop hold), reported by field name
+GIVEN_FIELDS = (*(f for field, (_, m) in GIVEN_SECONDS.items() for f in (field, m) if f),
+                "eager_launch_holds_loop")
+
+
+def given_note(given: dict[str, Any]) -> str:
+    """The report's words for a backend's measured inputs (``fit_backend``'s ``given``): each
+    phrase names its calibration field, which is also its option."""
+    def ms(v: float) -> str:
+        return f"{1e3 * v:.1f} ms"
+    phrases = {
+        "prefill_step_overhead_s": lambda v: f"the prefill step cost given: {ms(v)} (from the "
+                                             "backend profile; kept only if not fitted)",
+        "eager_prefill_launch_s": lambda v: f"an eager prefill step lasts max({ms(v)} of "
+                                            "launches, its kernels and per-token cost)",
+        "eager_prefill_turnaround_s": lambda v: f"the host's turnaround after them {ms(v)}",
+        "eager_decode_host_s": lambda v: "a decode step above the largest CUDA graph lasts at "
+                                         f"least the host's iteration, {ms(v)}, in place of "
+                                         "its per-layer term",
+        "eager_decode_host_per_req_s": lambda v: f"that iteration adds {1e6 * v:.1f} us per "
+                                                 "request",
+        "eager_launch_holds_loop": lambda v: "its eager prefill launches hold the overlap loop",
+        "first_token_latency_s": lambda v: f"the client's first-token latency given: {ms(v)}",
+    }
+    out = []
+    for field, v in given.items():
+        if isinstance(v, dict):
+            out += [f"{field}.{k} {1e3 * x:.4g} ms" for k, x in v.items()]
+        else:
+            out.append(f"{phrases[field](v)} ({field})")
+    return "".join(f"; {x}" for x in out)
 
 
 def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
@@ -277,7 +334,7 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     interval fit, then the refinement where ``--refine-on-metrics`` asks for it."""
     be, keys = job
     base = with_given(calib, be, a)
-    first_token = a.first_token_latency_ms.get(be)
+    first_token = a.first_token_latency_s.get(be)
     hold = a.refine_hold[be]
     if first_token is not None:
         # measured: the refinement keeps it, as it keeps a held term
@@ -288,30 +345,13 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     if be in a.refine_on_metrics:
         fitted_cal, info = refine(h, info, fitted_cal, calib, a.model, a.gpu, a.refine_evals,
                                   hold=hold)
-    if first_token is not None:
-        info["first_token_s"] = base.first_token_latency_s
-    if base.eager_prefill_launch_s:
-        info["eager_launch_s"] = base.eager_prefill_launch_s
-    if base.eager_prefill_launches:
-        info["eager_launches_s"] = dict(base.eager_prefill_launches)
-    if base.eager_prefill_turnaround_s:
-        info["eager_turnaround_s"] = base.eager_prefill_turnaround_s
-    if base.eager_prefill_turnarounds:
-        info["eager_turnarounds_s"] = dict(base.eager_prefill_turnarounds)
-    if base.eager_launch_holds_loop:
-        info["launch_holds_loop"] = True
-    if base.eager_decode_host_s:
-        info["eager_decode_host_s"] = base.eager_decode_host_s
-    if base.eager_decode_hosts:
-        info["eager_decode_hosts_s"] = dict(base.eager_decode_hosts)
-    if base.eager_decode_host_per_req_s:
-        info["eager_decode_host_per_req_s"] = base.eager_decode_host_per_req_s
-    if base.eager_decode_hosts_per_req:
-        info["eager_decode_hosts_per_req_s"] = dict(base.eager_decode_hosts_per_req)
-    if base.prefill_step_overhead_s != calib.prefill_step_overhead_s:
-        info["given_prefill_step_s"] = base.prefill_step_overhead_s
-        info["prefill_source"] = ("--diffkv-prefill-step-ms, from the backend "
-                                  "profile; kept only if not fitted")
+    # the measured inputs this backend was given, by calibration field (= option name)
+    given = {f: getattr(base, f) for f in GIVEN_FIELDS
+             if getattr(base, f) and (f != "first_token_latency_s" or first_token is not None)
+             and (f != "prefill_step_overhead_s"
+                  or base.prefill_step_overhead_s != calib.prefill_step_overhead_s)}
+    if given:
+        info["given"] = {f: dict(v) if isinstance(v, dict) else v for f, v in given.items()}
     return be, fitted_cal, info
 
 
@@ -380,8 +420,8 @@ def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: C
     data = json.loads(path.read_text())
     entry = next(iter(data["gpus"].values()))
     entry.update(how.after)
-    if refined.decode_attention_scales:
-        entry["decode_attention_scale_by_format"] = refined.decode_attention_scales
+    if refined.decode_attention_scale_by_format:
+        entry["decode_attention_scale_by_format"] = refined.decode_attention_scale_by_format
     entry["provenance"]["refined"] = how.note()
     write_calibration(path, data)
     return load_calibration(load_gpu(gpu).key, path), {**info, "refinement": how.note(),
@@ -430,8 +470,12 @@ def _mean(xs: list[int]) -> float | None:
 
 
 def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu: str,
-             fitting: set[str]) -> tuple[list[dict], dict[str, Any]]:
-    """Rows for every run; a fitting run's rows are marked in-sample and carry no target."""
+             fitting: set[str], held: dict[str, str] | None = None
+             ) -> tuple[list[dict], dict[str, Any]]:
+    """Rows for every run; a fitting run's rows are marked in-sample and carry no target; a
+    held-out run's (``held``: run key -> kind, ``held_out.held_out_runs``) are marked
+    ``held_out`` with its kind; every row of a run carries its load and load band."""
+    held = held or {}
     rows: list[dict] = []
     sims: dict[str, Any] = {}
     pools_done: set[str] = set()
@@ -450,8 +494,11 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
             f"{r.workload}@{r.rate_req_s:.2f}rps" if r.rate_req_s else r.workload
             for r in run.earlier)
         group = repeat_key(run.config, run.workload, run.rate_req_s, trace, after)
+        load = (run.rate_req_s / run.saturation_req_s
+                if run.rate_req_s and run.saturation_req_s else None)
         sims[run.key] = {"summary": s, "format": fmt, "run": run, "in_sample": in_sample,
-                         "full": summarize(res), "group": group}
+                         "full": summarize(res), "group": group,
+                         "held_out": held.get(run.key)}
         c = run.client
 
         def tg(name: str, in_sample: bool = in_sample) -> float | None:
@@ -461,11 +508,15 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
         def add(metric: str, measured: float | None, predicted: float | None,
                 target: float | None, note: str = "", key: str = run.key, tag: str = tag,
                 in_sample: bool = in_sample, group: str = group,
-                fit_target: float | None = None, absolute: bool = False) -> None:
+                fit_target: float | None = None, absolute: bool = False,
+                load: float | None = load, where: str = band(load, run.workload)) -> None:
             r = row(metric, key, measured, predicted, target, absolute=absolute,
                     note="; ".join(x for x in (note, tag) if x))
             r["in_sample"] = in_sample
             r["group"] = group
+            r["held_out"] = held.get(key)
+            r["load"] = load
+            r["band"] = where
             if fit_target is not None:
                 r["fit_target"] = fit_target
             rows.append(r)
@@ -479,6 +530,7 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
                     note="" if fmt != "diffkv" else "DiffKV: SGLang's logical slots at the "
                     "planning mix vs the simulated pool's tokens at the run's mix")
             r["in_sample"] = False   # start-up arithmetic: nothing is fitted to it
+            r["held_out"], r["load"], r["band"] = None, None, None
             rows.append(r)
         if s["prefix_hit_rate"] is not None and log.prefix_hit_rate is not None:
             # an input, not a prediction: the cache the replay rebuilt (prompt_cache) against
@@ -512,8 +564,6 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
             add("TTFT mean (ms)", c.get("mean_ttft_ms"), s["mean_ttft_ms"], None,
                 "saturation (all at t=0): no target", fit_target=TARGETS["ttft"])
         elif run.workload == "ladder":
-            load = (run.rate_req_s / run.saturation_req_s
-                    if run.rate_req_s and run.saturation_req_s else None)
             sims[run.key]["load"] = load
             lt = (f"{run.rate_req_s:.2f} req/s = {load:.0%} of the sharegpt steady req/s"
                   if load is not None else "load ?")
@@ -586,6 +636,10 @@ def ratio_rows(sims: dict[str, Any]) -> list[dict]:
                         None if fitted else TARGETS["ratio_pp"], absolute=True, note=note)
                 r["in_sample"] = bool(fitted)
                 r["group"] = f"{d['run'].config} : {b['group']}"
+                # held out when both runs are: the kind of the DiffKV run's
+                both = d.get("held_out") and b.get("held_out")
+                r["held_out"] = d["held_out"] if both else None
+                r["load"], r["band"] = None, "saturation"
                 out.append(r)
     return out
 
@@ -694,8 +748,67 @@ def plots(sims: dict[str, Any], h: HarnessResults, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _score(rows: list[dict]) -> tuple[int, int]:
+    scored = [r for r in rows if r["verdict"] in ("PASS", "MISS")]
+    return sum(r["verdict"] == "PASS" for r in scored), len(scored)
+
+
+def held_out_summary(rows: list[dict], reps: list[dict]) -> list[str]:
+    """The report's second line: the held-out rows' score, and at 50-80% load."""
+    out = [r for r in rows if r.get("held_out")]
+    if not out:
+        return []
+    p, n = _score(out)
+    rp, rn = _score([r for r in reps if r.get("held_out")])
+    mp, mn = _score([r for r in out if r.get("band") == "50-80%"])
+    return [f"Held out by construction (`--held-out`; below): **{p} PASS, {n - p} MISS** of "
+            f"{n} rows with a target; at 50-80% load {mp} / {mn}; against the mean of "
+            f"held-out repeats {rp} / {rn}.", ""]
+
+
+def held_out_section(rows: list[dict], reps: list[dict], held: dict[str, str]) -> list[str]:
+    """The report's held-out rows, apart: a score by load band (held-out trace, held-out load
+    level, the mean of held-out repeats, and the validated runs that are not held out), the
+    runs, and their rows."""
+    out = [r for r in rows if r.get("held_out")]
+    rest = [r for r in rows if not r.get("held_out")]
+    kinds = {k: sorted(run for run, kind in held.items() if kind == k)
+             for k in ("trace", "load level")}
+    groups = {"held-out trace": [r for r in out if r["held_out"] == "trace"],
+              "held-out load level": [r for r in out if r["held_out"] == "load level"],
+              "held out, mean of repeats": [r for r in reps if r.get("held_out")],
+              "not held out": rest}
+    return [
+        "## Held out by construction",
+        "",
+        "The recipe's held-out runs (`--held-out`, `simulator/validation/held_out.py`): no "
+        "fitting run matches them, and none replays their request files. A *held-out trace* "
+        "draws its request lengths from a trace no fitting run draws from; a *held-out load "
+        "level* draws from a fitted trace at a rate or request count no fitting run ran. "
+        "Load: a ladder's request rate over its server's ShareGPT saturation rate; "
+        "saturation: bursts (every request at t = 0) and partial windows. PASS / rows with a "
+        "target:",
+        "",
+        band_table(groups),
+        "",
+        f"- held-out traces ({len(kinds['trace'])} runs): {', '.join(kinds['trace']) or 'none'}",
+        f"- held-out load levels ({len(kinds['load level'])} runs): "
+        f"{', '.join(kinds['load level']) or 'none'}",
+        "",
+        table(out) if out else "none",
+        "",
+        "## Validated, not held out",
+        "",
+        "Runs neither fitted nor held out: other server starts of a fitted trace at a fitted "
+        "rate, bursts on request files a fitting run replays, the KV pools.",
+        "",
+        table(rest) if rest else "none",
+    ]
+
+
 def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Calibration,
-           fitinfos: list[dict], plot_paths: list[Path], doc: Path, argv: list[str]) -> str:
+           fitinfos: list[dict], plot_paths: list[Path], doc: Path, argv: list[str],
+           held: dict[str, str] | None = None) -> str:
     rows = [r for r in all_rows if not r.get("in_sample")]
     insample = [r for r in all_rows if r.get("in_sample")]
     n_pass = sum(r["verdict"] == "PASS" for r in rows)
@@ -716,11 +829,12 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
         f"requests, on several server starts): **{r_pass} PASS, {len(reps) - r_pass} MISS** of "
         f"{len(reps)} rows; {r_inside} predictions lie inside the measured range.",
         "",
+        *held_out_summary(rows, reps),
         "Targets (issue 8): KV pool within 1%; saturation throughput and mean batch within 5%; "
         "TPOT within 5%; TTFT within 10% below 80% load; DiffKV/bf16 throughput ratio within "
         "5 points. Error = predicted / measured - 1 (the ratio: predicted - measured).",
         "",
-        table(rows),
+        *(held_out_section(rows, reps, held) if held else [table(rows)]),
         "",
         "## Against the mean of repeated runs",
         "",
@@ -767,37 +881,7 @@ def report(all_rows: list[dict], reps: list[dict], h: HarnessResults, calib: Cal
     for fi in fitinfos:
         lines.append(f"- {fi['backend']} step costs (`{_rel(Path(fi['file']))}`): "
                      + step_costs_note(fi, fi["run"])
-                     + (f"; the prefill step cost given: {1e3 * fi['given_prefill_step_s']:.1f}"
-                        f" ms ({fi['prefill_source']})" if fi.get("given_prefill_step_s")
-                        else "")
-                     + (f"; an eager prefill step lasts max({1e3 * fi['eager_launch_s']:.1f} ms "
-                        "of launches, its kernels and per-token cost) (--eager-prefill-launch-ms)"
-                        if fi.get("eager_launch_s") else "")
-                     + "".join(f"; {k}'s launches {1e3 * v:.1f} ms"
-                               for k, v in fi.get("eager_launches_s", {}).items())
-                     + (f"; the host's turnaround after them {1e3 * fi['eager_turnaround_s']:.1f}"
-                        " ms (--eager-prefill-turnaround-ms)"
-                        if fi.get("eager_turnaround_s") else "")
-                     + "".join(f"; {k}'s turnaround {1e3 * v:.1f} ms"
-                               for k, v in fi.get("eager_turnarounds_s", {}).items())
-                     + ("; a decode step above the largest CUDA graph lasts at least the "
-                        f"host's iteration, {1e3 * fi.get('eager_decode_host_s', 0.0):.1f} ms "
-                        "(--eager-decode-host-ms)"
-                        + (f" + {1e6 * fi['eager_decode_host_per_req_s']:.1f} us per request"
-                           " (--eager-decode-host-per-req-us)"
-                           if fi.get("eager_decode_host_per_req_s") else "")
-                        + ", in place of its per-layer term"
-                        if fi.get("eager_decode_host_s") or fi.get("eager_decode_host_per_req_s")
-                        else "")
-                     + "".join(f"; {k}'s eager decode iteration {1e3 * v:.1f} ms"
-                               for k, v in fi.get("eager_decode_hosts_s", {}).items())
-                     + "".join(f"; {k}'s eager decode iteration {1e6 * v:.1f} us per request"
-                               for k, v in fi.get("eager_decode_hosts_per_req_s", {}).items())
-                     + ("; its eager prefill launches hold the overlap loop "
-                        "(--launch-holds-loop)" if fi.get("launch_holds_loop") else "")
-                     + (f"; the client's first-token latency given: "
-                        f"{1e3 * fi['first_token_s']:.1f} ms (--first-token-latency-ms)"
-                        if "first_token_s" in fi else ""))
+                     + given_note(fi.get("given", {})))
         if fi.get("refinement"):
             lines.append(f"  - then {fi['refinement']}")
         if fi["dropped"]:
@@ -883,6 +967,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "fits the fixed step costs of its backend (triton or diffkv); "
                          "repeatable: a backend's runs are fitted together; never validated; "
                          "'none' keeps the file's (default: bf16/longgen)")
+    ap.add_argument("--held-out", action="append", default=[], metavar="PATTERN",
+                    help="runs kept out of the fit by construction, as a shell pattern on run "
+                         "keys CONFIG/LABEL (e.g. '*/ladder@23.03rps#*': a load level; '*#z': "
+                         "one folder's runs); a fitting run that one matches, or that replays "
+                         "a held-out run's request file, is refused; the report scores them "
+                         "apart, by load band (simulator/validation/held_out.py); repeatable")
     ap.add_argument("--skip-run", action="append", default=[],
                     help="CONFIG/LABEL of a run in the given folders to leave out entirely "
                          "(e.g. one superseded by a run of a later commit); repeatable")
@@ -891,72 +981,73 @@ def build_parser() -> argparse.ArgumentParser:
                          "fitted: a saturation run whose large and eager decode batches the "
                          "open-loop runs do not reach, while its prefill bursts (long prompts, "
                          "full chunks) are left out of the prefill costs; never validated")
-    ap.add_argument("--eager-prefill-launch-ms", action="append", default=[],
-                    metavar="KEY=MS",
-                    help="host time to launch an eager prefill step's kernels, for KEY: a "
+    ap.add_argument("--eager-prefill-launch-s", action="append", default=[],
+                    metavar="KEY=S",
+                    help="host time, s, to launch an eager prefill step's kernels, for KEY: a "
                          "backend (triton or diffkv) or a triton KV format (bf16, fp8) whose "
-                         "launches differ: its step lasts max(launches, kernels + the "
-                         "per-prompt-token cost) instead "
-                         "of their sum (calibration fields eager_prefill_launch_s and "
-                         "eager_prefill_launch_s_by_format), from "
-                         "scripts/probe_prefill_ttft.py --compare or a loop trace's run_batch "
-                         "host time of an extend; triton's launches begin under the decode "
-                         "step before (the overlap scheduler), DiffKV's after it (its prefill "
-                         "allocation waits for that step); repeatable; default: the "
-                         "calibration's (0: the sum)")
-    ap.add_argument("--eager-prefill-turnaround-ms", action="append", default=[],
-                    metavar="KEY=MS",
-                    help="the host's time from the end of an eager prefill's launches to the "
-                         "next step's launch (it streams the step before's tokens and forms "
-                         "and prepares the next batch), for KEY as in "
-                         "--eager-prefill-launch-ms, which KEY needs: the GPU idles through "
-                         "it, so a launch-bound prefill step lasts launches + this "
-                         "(calibration fields eager_prefill_turnaround_s and "
-                         "eager_prefill_turnaround_s_by_format); measured as "
-                         "scripts/loop_trace_report.py's median turnaround over the ladders' "
-                         "extends; repeatable; default: the calibration's (0: none)")
-    ap.add_argument("--eager-decode-host-ms", action="append", default=[],
-                    metavar="KEY=MS",
-                    help="the host's time for a scheduler iteration around a decode step "
+                         "launches differ (calibration fields eager_prefill_launch_s and "
+                         "eager_prefill_launch_s_by_format): its step lasts max(launches, "
+                         "kernels + the per-prompt-token cost) instead of their sum; from "
+                         "diffkv-sim prefill-probes or a loop trace's run_batch host time of an "
+                         "extend; triton's launches begin under the decode step before (the "
+                         "overlap scheduler), DiffKV's after it (its prefill allocation waits "
+                         "for that step); repeatable; default: the calibration's (0: the sum)")
+    ap.add_argument("--eager-prefill-turnaround-s", action="append", default=[],
+                    metavar="KEY=S",
+                    help="the host's time, s, from the end of an eager prefill's launches to "
+                         "the next step's launch (it streams the step before's tokens and "
+                         "forms and prepares the next batch), for KEY as in "
+                         "--eager-prefill-launch-s, which KEY needs (calibration fields "
+                         "eager_prefill_turnaround_s and eager_prefill_turnaround_s_by_format): "
+                         "the GPU idles through it, so a launch-bound prefill step lasts "
+                         "launches + this; measured as python -m "
+                         "sglang_diffkv.bench.loop_trace_report's median turnaround over the "
+                         "ladders' extends; repeatable; default: the calibration's (0: none)")
+    ap.add_argument("--eager-decode-host-s", action="append", default=[],
+                    metavar="KEY=S",
+                    help="the host's time, s, for a scheduler iteration around a decode step "
                          "that no CUDA graph runs (batch above cuda_graph_max_bs), for KEY as "
-                         "in --eager-prefill-launch-ms: such a step lasts max(this, its "
+                         "in --eager-prefill-launch-s (calibration fields eager_decode_host_s "
+                         "and eager_decode_host_s_by_format): such a step lasts max(this, its "
                          "kernels and fixed costs) instead of kernels + a fitted cost per "
-                         "layer, and its Decode intervals leave the interval fit (calibration "
-                         "fields eager_decode_host_s and eager_decode_host_s_by_format); "
-                         "measured as scripts/loop_trace_report.py --graph-max-bs's eager "
-                         "median on a fitting run, or the intercept of its line over the "
-                         "eager batches (--eager-decode-host-per-req-us); repeatable; "
-                         "default: the calibration's (0: the per-layer cost)")
-    ap.add_argument("--eager-decode-host-per-req-us", action="append", default=[],
-                    metavar="KEY=US",
-                    help="what that host iteration adds per request in the batch, for KEY as "
-                         "in --eager-prefill-launch-ms: the floor is --eager-decode-host-ms + "
-                         "this x batch (calibration fields eager_decode_host_per_req_s and "
-                         "eager_decode_host_per_req_s_by_format); measured with the "
-                         "intercept, as scripts/loop_trace_report.py --graph-max-bs's line "
-                         "over a fitting run's eager iterations; repeatable; default: the "
-                         "calibration's (0: a flat floor)")
-    ap.add_argument("--launch-holds-loop", action="append", default=[], choices=BACKENDS,
+                         "layer, and its Decode intervals leave the interval fit; measured as "
+                         "loop_trace_report --graph-max-bs's eager median on a fitting run, or "
+                         "the intercept of its line over the eager batches "
+                         "(--eager-decode-host-per-req-s); repeatable; default: the "
+                         "calibration's (0: the per-layer cost)")
+    ap.add_argument("--eager-decode-host-per-req-s", action="append", default=[],
+                    metavar="KEY=S",
+                    help="what that host iteration adds per request in the batch, s, for KEY "
+                         "as in --eager-prefill-launch-s (calibration fields "
+                         "eager_decode_host_per_req_s and "
+                         "eager_decode_host_per_req_s_by_format): the floor is "
+                         "--eager-decode-host-s + this x batch; measured with the intercept, as "
+                         "loop_trace_report --graph-max-bs's line over a fitting run's eager "
+                         "iterations; repeatable; default: the calibration's (0: a flat floor)")
+    ap.add_argument("--eager-launch-holds-loop", action="append", default=[], choices=BACKENDS,
                     metavar="BACKEND",
-                    help="BACKEND's eager prefill launches (--eager-prefill-launch-ms) also "
+                    help="BACKEND's eager prefill launches (--eager-prefill-launch-s) also "
                          "hold the overlap loop: the next batch is formed once they end, and "
                          "the step before's tokens stream only then (calibration field "
                          "eager_launch_holds_loop); repeatable; default: the calibration's "
                          "(off)")
-    ap.add_argument("--diffkv-prefill-step-ms", type=float, default=0.0,
-                    help="fixed cost of a DiffKV prefill step beyond the modelled kernels "
-                         "(its extend path's scoring/compression launches), from the backend "
-                         "profile (scripts/profile_backend_ops.py), for when the DiffKV "
-                         "fitting runs hold no prefill steps to fit it from (default: 0)")
+    ap.add_argument("--prefill-step-overhead-s", action="append", default=[],
+                    metavar="BACKEND=S",
+                    help="fixed cost, s, of a prefill step beyond the modelled kernels "
+                         "(calibration field prefill_step_overhead_s), e.g. the DiffKV extend "
+                         "path's scoring/compression launches from the backend profile, for "
+                         "when BACKEND's fitting runs hold no prefill steps to fit it from "
+                         "(kept only if not fitted); repeatable; default: the calibration's")
     ap.add_argument("--isolated-prefill-scale", type=float, default=None,
                     help="factor on the kernel time of a prefill step that follows no prefill "
                          "step (it runs below the power limit that the kernel grids and a "
                          "burst's back-to-back chunks run at), measured by "
                          "simulator/calibration/sustained_prefill.py: a step's time alone over its "
                          "time back to back; default: the calibration's (1 when it has none)")
-    ap.add_argument("--prefill-clock-recovery-ms", type=float, default=None,
-                    help="how fast the clocks come back after a prefill step: a prefill step "
-                         "GAP ms after the previous one runs at isolated + (1 - isolated) * "
+    ap.add_argument("--prefill-clock-recovery-s", type=float, default=None,
+                    help="how fast, s, the clocks come back after a prefill step (calibration "
+                         "field prefill_clock_recovery_s): a prefill step GAP s after the "
+                         "previous one runs at isolated + (1 - isolated) * "
                          "exp(-GAP / this); 0: at once (any step in between and it runs at "
                          "--isolated-prefill-scale); default: the calibration's (0 when it has "
                          "none). simulator/calibration/sustained_prefill.py --duty measures it")
@@ -980,13 +1071,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "attention across batch and context, while the fitting runs' metrics "
                          "barely move with it below the batches a burst runs; TERM one of "
                          f"{', '.join(HOLDABLE)}; repeatable")
-    ap.add_argument("--first-token-latency-ms", action="append", default=[],
-                    metavar="BACKEND=MS",
-                    help="the client's first-token latency beyond the scheduler (HTTP, "
+    ap.add_argument("--first-token-latency-s", action="append", default=[],
+                    metavar="BACKEND=S",
+                    help="the client's first-token latency, s, beyond the scheduler (HTTP, "
                          "tokenizer and detokenizer processes) for BACKEND (triton or "
-                         "diffkv), measured, e.g. scripts/loop_trace_report.py's pre + post "
-                         "ms at low load; the refinement keeps it instead of fitting it to "
-                         "the fitting runs' TTFT; repeatable; default: fitted")
+                         "diffkv; calibration field first_token_latency_s), measured, e.g. "
+                         "loop_trace_report's pre + post at low load; the refinement keeps it "
+                         "instead of fitting it to the fitting runs' TTFT; repeatable; default: "
+                         "fitted")
     ap.add_argument("--refine-evals", type=int, default=DEFAULT_MAX_EVALS,
                     help="simulations the refinement may run per backend "
                          "(default: %(default)s)")
@@ -1009,7 +1101,10 @@ def main(argv: list[str] | None = None) -> int:
     args_used = list(argv if argv is not None else sys.argv[1:])
     try:
         argv = expand_recipe(args_used, PROG)
-    except SimulatorInputError as e:
+        renamed = renamed_option(argv)
+        if renamed:
+            raise SimulatorInputError(renamed)
+    except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     ap = build_parser()
@@ -1021,21 +1116,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SimulatorInputError(
                 f"--isolated-prefill-scale {a.isolated_prefill_scale:g} must be in "
                 f"[{ISOLATED_PREFILL_MIN:g}, 1]")
-        a.eager_prefill_launch_ms = eager_launch_arg(a.eager_prefill_launch_ms)
-        a.eager_prefill_turnaround_ms = key_ms_arg(
-            "--eager-prefill-turnaround-ms", a.eager_prefill_turnaround_ms, LAUNCH_KEYS)
+        for field in GIVEN_SECONDS:
+            setattr(a, field, key_seconds_arg(field, getattr(a, field)))
         a.refine_hold = refine_hold_arg(a.refine_hold)
-        a.eager_decode_host_ms = key_ms_arg("--eager-decode-host-ms", a.eager_decode_host_ms,
-                                            LAUNCH_KEYS)
-        a.eager_decode_host_per_req_us = key_ms_arg(
-            "--eager-decode-host-per-req-us", a.eager_decode_host_per_req_us, LAUNCH_KEYS, "US")
-        a.first_token_latency_ms = key_ms_arg("--first-token-latency-ms",
-                                              a.first_token_latency_ms, BACKENDS)
-        recovery_ms = a.prefill_clock_recovery_ms
-        if recovery_ms is not None and not 0 <= recovery_ms <= PREFILL_CLOCK_RECOVERY_MAX_S * 1e3:
+        recovery = a.prefill_clock_recovery_s
+        if recovery is not None and not 0 <= recovery <= PREFILL_CLOCK_RECOVERY_MAX_S:
             raise SimulatorInputError(
-                f"--prefill-clock-recovery-ms {recovery_ms:g} must be in "
-                f"[0, {PREFILL_CLOCK_RECOVERY_MAX_S * 1e3:g}]")
+                f"--prefill-clock-recovery-s {recovery:g} must be in "
+                f"[0, {PREFILL_CLOCK_RECOVERY_MAX_S:g}]")
         parts = []
         for arg in a.results:
             d, tag, rename = results_arg(arg)
@@ -1050,8 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
         calib = load_calibration(load_gpu(a.gpu).key, a.calibration)
         if a.isolated_prefill_scale is not None:
             calib = replace(calib, isolated_prefill_scale=a.isolated_prefill_scale)
-        if recovery_ms is not None:
-            calib = replace(calib, prefill_clock_recovery_s=recovery_ms / 1e3)
+        if recovery is not None:
+            calib = replace(calib, prefill_clock_recovery_s=recovery)
         doc = Path(a.doc)
         plot_dir = plot_dir_of(a)
         plot_dir.mkdir(parents=True, exist_ok=True)
@@ -1066,6 +1154,9 @@ def main(argv: list[str] | None = None) -> int:
         fit_runs = [] if a.shipped else [
             k for k in (a.fit_run or ["bf16/longgen"]) if k.lower() != "none"]
         fit_runs += a.fit_decode_run
+        # held out by construction: checked before anything is fitted
+        fit_keys = set(fit_runs)
+        held = held_out_runs(h, a.held_out, [r for r in h.runs if is_fitting_run(r, fit_keys)])
         by_backend: dict[str, list[str]] = {}
         for key in fit_runs:
             cfg = h.configs.get(h.run(key).config, {})
@@ -1087,19 +1178,19 @@ def main(argv: list[str] | None = None) -> int:
             shipped = load_calibration_set(load_gpu(a.gpu).key)
             calibs = {"base": shipped.for_key("bf16"), **shipped.by_backend}
             calib = calibs["base"]
-        rows, sims = validate(h, calibs, a.model, a.gpu, fitting)
-    except SimulatorInputError as e:
+        rows, sims = validate(h, calibs, a.model, a.gpu, fitting, held)
+    except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(table(rows))
     paths = plots(sims, h, plot_dir)
     doc.parent.mkdir(parents=True, exist_ok=True)
     reps = repeat_rows(rows)
-    doc.write_text(report(rows, reps, h, calib, fitinfos, paths, doc, args_used)
+    doc.write_text(report(rows, reps, h, calib, fitinfos, paths, doc, args_used, held)
                    + kept_findings(doc))
     print(f"wrote {doc} and {len(paths)} plot(s) in {plot_dir}")
     if a.json:
-        payload = {"rows": rows, "repeats": reps,
+        payload = {"rows": rows, "repeats": reps, "held_out": held,
                    "fit": fitinfos[0] if fitinfos else None, "fits": fitinfos}
         Path(a.json).write_text(json.dumps(payload, indent=1, default=str))
     return 0

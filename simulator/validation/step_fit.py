@@ -60,11 +60,11 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.sglang_log import ServerLog, decode_intervals
 from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
 from simulator.serving.server import ResolvedServer
 from simulator.validation.fit import SPREAD_MIN, _nnls, _shape, prefill_samples, prefill_shape
-from simulator.validation.sglang_log import ServerLog, decode_intervals
 
 COSTS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
          "prefill_seq_overhead_s", "prefill_token_overhead_s", "release_overhead_s",

@@ -13,10 +13,10 @@ import gzip
 import sys
 from pathlib import Path
 
+from sglang_diffkv.serving_io.loaders import _azure_day_seconds, _azure_time
+from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
 from simulator.workload.generate import synthetic_trace
 from simulator.workload.lengths import length_model
-from simulator.workload.loaders import _azure_day_seconds, _azure_time
-from simulator.workload.writer import write_mooncake_jsonl
 
 OUT = Path(__file__).resolve().parents[2] / "traces"
 

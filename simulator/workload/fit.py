@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.loaders import load_trace
+from sglang_diffkv.serving_io.trace import Trace
 from simulator.workload.lengths import LengthModel, Marginal
-from simulator.workload.loaders import load_trace
-from simulator.workload.schema import Trace
 
 FITTED = {
     "azure-conv": ("azure2023_conv_full.csv.gz", "Azure LLM inference 2023 conv (CC-BY-4.0)"),

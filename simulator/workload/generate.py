@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from sglang_diffkv.serving_io.arrivals import gamma_arrivals
+from sglang_diffkv.serving_io.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 from simulator.errors import SimulatorInputError
-from simulator.workload.arrivals import gamma_arrivals
 from simulator.workload.lengths import LengthModel
-from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 
 def synthetic_trace(lengths: LengthModel, n: int, rate: float, seed: int, cv: float = 1.0,
@@ -25,14 +25,6 @@ def synthetic_trace(lengths: LengthModel, n: int, rate: float, seed: int, cv: fl
     label = name or f"{lengths.name}-n{n}-r{rate:g}" + ("" if cv == 1 else f"-cv{cv:g}")
     source = f"synthetic from {lengths.name}, seed {seed}"
     return Trace.from_requests(reqs, name=label, source=source)
-
-
-def resample_arrivals(trace: Trace, rate: float, seed: int, cv: float = 1.0) -> Trace:
-    """The trace's lengths (in order) with new Gamma(cv) arrivals at ``rate``."""
-    rng = np.random.default_rng(seed)
-    arr = gamma_arrivals(rate, cv, len(trace), rng)
-    tag = "inf" if math.isinf(rate) else f"{rate:g}"
-    return trace.with_arrivals(arr.tolist(), name=f"{trace.name}@{tag}rps")
 
 
 @dataclass(frozen=True)

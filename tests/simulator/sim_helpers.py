@@ -32,13 +32,11 @@ H100_DATA = ROOT / "docs" / "data" / "h100-2026-11-22"  # the measured runs of 2
 
 
 def validator_options(vs: ModuleType, **given: Any) -> SimpleNamespace:
-    """validate_simulator's parsed options as ``with_given`` and ``fit_backend`` read them:
+    """validate-runs' parsed options as ``with_given`` and ``fit_backend`` read them:
     none given (no launches, no holds), then ``given``."""
     return SimpleNamespace(**{
-        "diffkv_prefill_step_ms": 0.0, "eager_prefill_launch_ms": {},
-        "eager_prefill_turnaround_ms": {}, "eager_decode_host_ms": {},
-        "eager_decode_host_per_req_us": {}, "launch_holds_loop": [],
-        "first_token_latency_ms": {}, "refine_hold": vs.refine_hold_arg([]),
+        **{field: {} for field in vs.GIVEN_SECONDS}, "eager_launch_holds_loop": [],
+        "refine_hold": vs.refine_hold_arg([]),
         "model": "llama-3-8b", "gpu": "h200", "prefill_fit": "all", "fit_decode_run": [],
         "refine_on_metrics": [], **given})
 

@@ -13,12 +13,12 @@ import pytest
 from sim_helpers import scenario
 
 import simulator
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 from simulator.cli import main
-from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
 from simulator.specs.calibration import load_calibration
 from simulator.validation.fit import decode_samples, fit_decode
-from simulator.validation.sglang_log import parse_server_log
 
 TRUE = {"eta_mem_gemm": 0.7, "bf16": 0.6, "step_overhead_s": 3e-4, "seq_overhead_s": 1e-6}
 
@@ -109,5 +109,5 @@ def test_calibrate_command_writes_a_usable_calibration(tmp_path):
 def test_too_few_lines_is_an_error(tmp_path):
     p = tmp_path / "server.log"
     p.write_text("max_total_num_tokens=1000\n")
-    with pytest.raises(SimulatorInputError, match="at least 8"):
+    with pytest.raises(InputError, match="at least 8"):
         fit_decode(scenario().server("bf16"), decode_samples(parse_server_log(p)))

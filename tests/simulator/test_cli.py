@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from sglang_diffkv.serving_io.loaders import load_trace
 from simulator.cli import build_parser, main
-from simulator.workload.loaders import load_trace
 
 
 def run(*argv: str) -> tuple[int, str]:

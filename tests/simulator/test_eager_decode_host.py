@@ -80,7 +80,7 @@ def test_an_eager_decode_step_lasts_the_host_iteration_or_its_kernels():
         assert cost.step_time(s) == summed.step_time(s)
         assert cost.host_bound_floor(s) == 0.0
     # a KV format's own value wins over the default; a format without one keeps the sum
-    own = replace(c, eager_decode_hosts={"fp8": 2 * host})
+    own = replace(c, eager_decode_host_s_by_format={"fp8": 2 * host})
     assert replace(sc, calibration=own).server("fp8").cost.step_time(small) == pytest.approx(
         2 * host)
     assert replace(sc, calibration=own).server("bf16").cost.step_time(small) == (
@@ -125,23 +125,27 @@ def test_the_interval_fit_leaves_host_bound_eager_intervals_out(tmp_path):
 
 def test_validate_simulator_reads_the_option_per_backend_or_format(tmp_path, capsys):
     vs = importlib.import_module("simulator.validation.runs")
-    rc = vs.main([str(tmp_path), "--eager-decode-host-ms", "diffkv=slow",
+    rc = vs.main([str(tmp_path), "--eager-decode-host-s", "diffkv=slow",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "--eager-decode-host-ms 'diffkv=slow'" in err and "KEY one of" in err
-    assert vs.key_ms_arg("--eager-decode-host-ms", ["diffkv=38.1", "fp8=20"],
-                         vs.LAUNCH_KEYS) == {"diffkv": 38.1, "fp8": 20.0}
+    assert "--eager-decode-host-s 'diffkv=slow'" in err and "KEY one of" in err
+    assert vs.key_seconds_arg("eager_decode_host_s", ["diffkv=0.0381", "fp8=0.02"]) == {
+        "diffkv": 0.0381, "fp8": 0.02}
+    # the option named in milliseconds is gone: one name per knob, in the field's unit
+    rc = vs.main([str(tmp_path), "--eager-decode-host-ms", "diffkv=38.1"])
+    assert rc == 2
+    assert "--eager-decode-host-ms is now --eager-decode-host-s" in capsys.readouterr().err
 
 
 def test_the_option_sets_the_backends_value_and_a_formats_own():
     vs = importlib.import_module("simulator.validation.runs")
     cal = load_calibration("h100")
-    given = {"diffkv": 38.1, "fp8": 20.0}
-    dk = vs.with_given_ms(cal, "diffkv", given, "eager_decode_host_s", "eager_decode_hosts")
+    given = {"diffkv": 0.0381, "fp8": 0.02}
+    dk = vs.with_given_seconds(cal, "diffkv", given, "eager_decode_host_s")
     assert dk.eager_decode_host_s == pytest.approx(0.0381)
-    assert dk.eager_decode_hosts == {"fp8": pytest.approx(0.02)}
-    tr = vs.with_given_ms(cal, "triton", given, "eager_decode_host_s", "eager_decode_hosts")
+    assert dk.eager_decode_host_s_by_format == {"fp8": pytest.approx(0.02)}
+    tr = vs.with_given_seconds(cal, "triton", given, "eager_decode_host_s")
     assert tr.eager_decode_host_s == 0.0
     assert (tr.decode_host_s("fp8"), tr.decode_host_s("bf16")) == (pytest.approx(0.02), 0.0)
 
@@ -164,23 +168,21 @@ def test_the_host_iteration_grows_with_the_eager_batch():
         sc.calibration, eager_decode_host_per_req_s=per_req_s)).server("bf16").cost
     assert alone.layer_overhead(_decode(top + 1)) == 0.0
     assert alone.step_time(_decode(top + 1)) == pytest.approx(per_req_s * (top + 1))
-    own = replace(cal, eager_decode_hosts_per_req={"fp8": 2 * per_req_s})
+    own = replace(cal, eager_decode_host_per_req_s_by_format={"fp8": 2 * per_req_s})
     fp8 = replace(sc, calibration=own).server("fp8").cost
     assert fp8.host_bound_floor(_decode(top + 1)) == pytest.approx(
         base_s + 2 * per_req_s * (top + 1))
 
 
-def test_validate_simulator_reads_the_per_request_option_in_microseconds(tmp_path, capsys):
+def test_validate_simulator_reads_the_per_request_option_in_seconds(tmp_path, capsys):
     vs = importlib.import_module("simulator.validation.runs")
-    rc = vs.main([str(tmp_path), "--eager-decode-host-per-req-us", "diffkv=-3",
+    rc = vs.main([str(tmp_path), "--eager-decode-host-per-req-s", "diffkv=-3",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "--eager-decode-host-per-req-us 'diffkv=-3'" in err and "microseconds" in err
-    given = vs.key_ms_arg("--eager-decode-host-per-req-us", ["diffkv=52.4", "fp8=20"],
-                          vs.LAUNCH_KEYS, "US")
+    assert "--eager-decode-host-per-req-s 'diffkv=-3'" in err and "seconds" in err
+    given = vs.key_seconds_arg("eager_decode_host_per_req_s", ["diffkv=52.4e-6", "fp8=2e-5"])
     cal = load_calibration("h100")
-    dk = vs.with_given_ms(cal, "diffkv", given, "eager_decode_host_per_req_s",
-                          "eager_decode_hosts_per_req", 1e6)
+    dk = vs.with_given_seconds(cal, "diffkv", given, "eager_decode_host_per_req_s")
     assert dk.eager_decode_host_per_req_s == pytest.approx(52.4e-6)
     assert dk.decode_host_per_req_s("fp8") == pytest.approx(20e-6)

@@ -1,6 +1,6 @@
 """An eager prefill step whose launches the calibration times (``eager_prefill_launch_s``)
 runs its kernels under them and lasts the longer of the two: the calibration field, the cost
-model, validate_simulator's option, and the probe's fit that estimates it."""
+model, validate-runs' option, and the probe fit (diffkv-sim prefill-probes) that estimates it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from sim_helpers import scenario
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
 from simulator.serving.cost import StepShape
 from simulator.specs.calibration import load_calibration
 
@@ -33,7 +33,7 @@ def test_the_field_loads_round_trips_and_names_a_bad_value(tmp_path):
     assert "eager_prefill_launch_s" not in load_calibration("h100").to_dict()
     f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
         "eager_prefill_launch_s": -0.001}}}))
-    with pytest.raises(SimulatorInputError, match="eager_prefill_launch_s"):
+    with pytest.raises(InputError, match="eager_prefill_launch_s"):
         load_calibration("h100", str(f))
 
 
@@ -53,7 +53,7 @@ def test_a_kv_format_may_have_its_own_launch_time(tmp_path):
     for bad in ({"fp8": -0.001}, [0.01]):
         f.write_text(json.dumps({"version": 1, "gpus": {"h100": base | {
             "eager_prefill_launch_s_by_format": bad}}}))
-        with pytest.raises(SimulatorInputError, match="eager_prefill_launch_s_by_format"):
+        with pytest.raises(InputError, match="eager_prefill_launch_s_by_format"):
             load_calibration("h100", str(f))
 
 
@@ -113,20 +113,21 @@ def test_the_per_prompt_token_cost_runs_under_the_launches_with_the_kernels():
 
 def test_validate_simulator_reads_the_option_per_backend(tmp_path, capsys):
     vs = importlib.import_module("simulator.validation.runs")
-    assert vs.eager_launch_arg(["triton=8.9", "diffkv=13.8"]) == {"triton": 8.9,
-                                                                  "diffkv": 13.8}
-    assert vs.eager_launch_arg(["triton=15", "fp8=17.4"]) == {"triton": 15.0, "fp8": 17.4}
-    for bad in ("flashinfer=3", "triton", "triton=-1", "diffkv=fast"):
-        with pytest.raises(SimulatorInputError, match="--eager-prefill-launch-ms"):
-            vs.eager_launch_arg([bad])
-    rc = vs.main([str(tmp_path), "--eager-prefill-launch-ms", "triton=x",
+    def launch(items: list[str]) -> dict[str, float]:
+        return vs.key_seconds_arg("eager_prefill_launch_s", items)
+    assert launch(["triton=0.0089", "diffkv=0.0138"]) == {"triton": 0.0089, "diffkv": 0.0138}
+    assert launch(["triton=0.015", "fp8=0.0174"]) == {"triton": 0.015, "fp8": 0.0174}
+    for bad in ("flashinfer=0.003", "triton", "triton=-1", "diffkv=fast", "triton=18.6"):
+        with pytest.raises(InputError, match="--eager-prefill-launch-s"):
+            launch([bad])
+    rc = vs.main([str(tmp_path), "--eager-prefill-launch-s", "triton=x",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
-    assert "--eager-prefill-launch-ms 'triton=x'" in capsys.readouterr().err
+    assert "--eager-prefill-launch-s 'triton=x'" in capsys.readouterr().err
 
 
 def test_the_probe_fit_finds_the_launch_time_it_was_built_with():
-    from sglang_diffkv.bench import prefill_ttft as probe
+    from simulator.validation import prefill_probes as probe
     launch, offset = 9.0, 10.0
     kernels = [3.1, 4.4, 6.0, 11.8, 23.1, 104.0]
     points = [(k, offset + max(launch, k)) for k in kernels]
@@ -164,7 +165,7 @@ def test_launches_begun_under_the_step_before_count_toward_the_floor():
 def _two_requests(sc, overlap: bool, fmt: str = "bf16"):
     """A on an idle server at 0 s, decoding 40 tokens; B, alike, arriving while A decodes:
     (step kinds, step times) of the run."""
-    from simulator.workload.schema import Trace, TraceRequest
+    from sglang_diffkv.serving_io.trace import Trace, TraceRequest
     cal = replace(sc.calibration, eager_prefill_launch_s=0.05)  # every prefill launch-bound
     run = replace(sc, calibration=cal, settings=replace(
         sc.settings, disable_overlap_schedule=not overlap))

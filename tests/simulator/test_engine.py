@@ -11,6 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sim_helpers import scenario
 
+from sglang_diffkv.serving_io.arrivals import resample_arrivals
+from sglang_diffkv.serving_io.bundled import load_named_trace
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from simulator.engine.cluster import simulate
 from simulator.kv.mix import TierMix
 from simulator.metrics.slo import SLO
@@ -18,10 +21,8 @@ from simulator.metrics.summary import per_request_arrays, summarize
 from simulator.report import table
 from simulator.serving.cost import StepShape
 from simulator.studies.search import max_rate, replicas_for, steady_max_rate
-from simulator.workload.bundled import load_named_trace
-from simulator.workload.generate import ClosedLoop, resample_arrivals, synthetic_trace
+from simulator.workload.generate import ClosedLoop, synthetic_trace
 from simulator.workload.lengths import length_model
-from simulator.workload.schema import Trace, TraceRequest
 
 
 def _decode_time(srv, bs: int, kv: int) -> float:

@@ -45,5 +45,5 @@ def test_counts_and_the_largest_change_come_from_the_rows():
     assert (c["metric"], c["run"]) == ("TPOT mean (ms)", "a")
     assert abs(c["with"] - 0.02) < 1e-9 and abs(c["without"] - 0.10) < 1e-9
     text = ablation_table([{"term": "x", "rows": (1, 2), "repeats": (0, 0),
-                            "largest_change": c}])
-    assert "| x | 1 / 2 | 0 / 0 | TPOT mean (ms), a: +2.0% -> +10.0% |" in text
+                            "held_out_rows": (1, 1), "largest_change": c}])
+    assert "| x | 1 / 2 | 0 / 0 | 1 / 1 | TPOT mean (ms), a: +2.0% -> +10.0% |" in text

@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 from sim_helpers import scenario
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from simulator.serving.cost import StepShape
 from simulator.specs.calibration import load_calibration
-from simulator.workload.schema import Trace, TraceRequest
 
 SINK: list = []
 
@@ -37,7 +37,7 @@ def test_the_field_loads_round_trips_and_names_a_bad_value(tmp_path):
     assert load_calibration("h100").isolated_prefill_scale == 1.0
     assert "isolated_prefill_scale" not in load_calibration("h100").to_dict()
     for bad in (0.3, 1.1, True, "fast"):
-        with pytest.raises(SimulatorInputError, match=f"isolated_prefill_scale={bad!r}"):
+        with pytest.raises(InputError, match=f"isolated_prefill_scale={bad!r}"):
             load_calibration("h100", str(_calib_file(tmp_path, isolated_prefill_scale=bad)))
 
 
@@ -47,7 +47,7 @@ def test_the_recovery_loads_round_trips_and_names_a_bad_value(tmp_path):
     assert cal.to_dict()["prefill_clock_recovery_s"] == 0.05
     assert "prefill_clock_recovery_s" not in load_calibration("h100").to_dict()
     for bad in (-0.1, 11.0, True, "slow"):
-        with pytest.raises(SimulatorInputError, match=f"prefill_clock_recovery_s={bad!r}"):
+        with pytest.raises(InputError, match=f"prefill_clock_recovery_s={bad!r}"):
             load_calibration("h100", str(_calib_file(tmp_path, prefill_clock_recovery_s=bad)))
 
 
@@ -119,7 +119,7 @@ def test_validate_simulator_rejects_a_scale_above_one(tmp_path, capsys):
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
     assert "--isolated-prefill-scale 1.09 must be in [0.5, 1]" in capsys.readouterr().err
-    rc = vs.main([str(tmp_path), "--prefill-clock-recovery-ms", "-5",
+    rc = vs.main([str(tmp_path), "--prefill-clock-recovery-s", "-5",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
-    assert "--prefill-clock-recovery-ms -5 must be in [0, 10000]" in capsys.readouterr().err
+    assert "--prefill-clock-recovery-s -5 must be in [0, 10]" in capsys.readouterr().err

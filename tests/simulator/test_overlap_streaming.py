@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 from sim_helpers import scenario
 
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from simulator.serving.cost import StepShape
-from simulator.workload.schema import Trace, TraceRequest
 
 LAUNCH_S = 0.05
 
@@ -131,13 +131,14 @@ def test_validate_simulator_turns_it_on_per_backend(monkeypatch, capsys, tmp_pat
         seen["base"] = base
         return keys[0], base, {"backend": keys[0]}
     monkeypatch.setattr(vs, "fit", fake_fit)
-    a = validator_options(vs, eager_prefill_launch_ms={"diffkv": 30.0},
-                          launch_holds_loop=["diffkv"], plots=str(tmp_path),
+    a = validator_options(vs, eager_prefill_launch_s={"diffkv": 0.03},
+                          eager_launch_holds_loop=["diffkv"], plots=str(tmp_path),
                           doc=str(tmp_path / "d.md"))
     _, cal, info = vs.fit_backend(None, a, scenario().calibration, (backend, [backend]))
     assert cal.eager_launch_holds_loop is (backend == "diffkv")
-    assert info.get("launch_holds_loop", False) is (backend == "diffkv")
+    assert info.get("given", {}).get("eager_launch_holds_loop", False) is (backend == "diffkv")
     with pytest.raises(SystemExit) as bad:
-        vs.main([str(tmp_path), "--launch-holds-loop", "vllm", "--doc", str(tmp_path / "d.md")])
+        vs.main([str(tmp_path), "--eager-launch-holds-loop", "vllm", "--doc",
+                 str(tmp_path / "d.md")])
     assert bad.value.code == 2
-    assert "--launch-holds-loop: invalid choice: 'vllm'" in capsys.readouterr().err
+    assert "--eager-launch-holds-loop: invalid choice: 'vllm'" in capsys.readouterr().err

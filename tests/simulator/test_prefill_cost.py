@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 from simulator.validation.prefill_cost import prefill_cost
-from simulator.validation.sglang_log import parse_server_log
 
 STEPS = 10
 
@@ -67,9 +67,9 @@ def test_too_few_clean_intervals_are_named(tmp_path):
     log.decode_line_no = log.decode_line_no[:6]
     log.decode_running = log.decode_running[:6]
     log.decode_gen_throughput = log.decode_gen_throughput[:6]
-    with pytest.raises(SimulatorInputError, match="decode-only intervals"):
+    with pytest.raises(InputError, match="decode-only intervals"):
         prefill_cost(log, STEPS)
-    with pytest.raises(SimulatorInputError, match="decode_log_interval 0"):
+    with pytest.raises(InputError, match="decode_log_interval 0"):
         prefill_cost(log, 0)
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from sim_helpers import scenario
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 from simulator.specs.calibration import load_calibration
 from simulator.validation.fit import calibration_file, prefill_samples, prefill_shape
-from simulator.validation.sglang_log import parse_server_log
 from simulator.validation.step_fit import fit_step_costs, step_rows
 
 TRUE = {"prefill_step_overhead_s": 0.02, "prefill_seq_overhead_s": 5e-4,
@@ -121,7 +121,7 @@ def test_one_shape_charges_the_residual_per_token_and_keeps_the_step_cost(tmp_pa
 
 
 def test_too_few_samples_raise_and_interleaved_steps_are_timed_by_their_interval(tmp_path):
-    with pytest.raises(SimulatorInputError, match="need at least 8 timed intervals"):
+    with pytest.raises(InputError, match="need at least 8 timed intervals"):
         _fit(tmp_path, _varied()[:4])
     # a Decode line after each Prefill line: no back-to-back pair, so no burst rows; each
     # prefill step is timed inside its Decode interval instead

@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 from sim_helpers import h100_calibration_with, scenario, validator_options
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from simulator.serving.cost import StepShape
 from simulator.specs.calibration import load_calibration
 from simulator.validation.step_fit import _kernels
-from simulator.workload.schema import Trace, TraceRequest
 
 LAUNCH, TURN = 0.009, 0.0027
 
@@ -46,12 +46,12 @@ def test_the_fields_load_round_trip_and_name_a_bad_value(tmp_path):
     plain = load_calibration("h100")
     assert plain.prefill_turnaround_s("bf16") == 0.0
     assert "eager_prefill_turnaround_s" not in plain.to_dict()
-    with pytest.raises(SimulatorInputError, match="eager_prefill_turnaround_s=-0.001"):
+    with pytest.raises(InputError, match="eager_prefill_turnaround_s=-0.001"):
         load({"eager_prefill_launch_s": LAUNCH, "eager_prefill_turnaround_s": -0.001})
     # it counts from the end of timed launches: without them it would never be used
-    with pytest.raises(SimulatorInputError, match="needs eager_prefill_launch_s"):
+    with pytest.raises(InputError, match="needs eager_prefill_launch_s"):
         load({"eager_prefill_turnaround_s": TURN})
-    with pytest.raises(SimulatorInputError,
+    with pytest.raises(InputError,
                        match=r"turnaround_s_by_format\.fp8=0\.002 needs a launch time"):
         load({"eager_prefill_launch_s_by_format": {"bf16": LAUNCH},
               "eager_prefill_turnaround_s_by_format": {"fp8": 0.002}})
@@ -111,16 +111,16 @@ def test_validate_simulator_reads_the_option_and_names_a_turnaround_without_laun
     vs = importlib.import_module("simulator.validation.runs")
     base = scenario().calibration
     ns = validator_options(
-        vs, eager_prefill_launch_ms=vs.eager_launch_arg(["diffkv=29.9"]),
-        eager_prefill_turnaround_ms=vs.key_ms_arg("--eager-prefill-turnaround-ms",
-                                                  ["diffkv=2.7", "fp8=2.0"], vs.LAUNCH_KEYS))
+        vs, eager_prefill_launch_s=vs.key_seconds_arg("eager_prefill_launch_s", ["diffkv=0.0299"]),
+        eager_prefill_turnaround_s=vs.key_seconds_arg("eager_prefill_turnaround_s",
+                                                      ["diffkv=0.0027", "fp8=0.002"]))
     dk = vs.with_given(base, "diffkv", ns)
     assert (dk.eager_prefill_launch_s, dk.eager_prefill_turnaround_s) == pytest.approx(
         (0.0299, 0.0027))
     # fp8 has no launch time: its turnaround could never apply
-    with pytest.raises(SimulatorInputError, match="gives fp8 a turnaround but fp8 has no"):
+    with pytest.raises(InputError, match="gives fp8 a turnaround but fp8 has no"):
         vs.with_given(base, "triton", ns)
-    rc = vs.main([str(tmp_path), "--eager-prefill-turnaround-ms", "diffkv=-1",
+    rc = vs.main([str(tmp_path), "--eager-prefill-turnaround-s", "diffkv=-1",
                   "--doc", str(tmp_path / "d.md")])
     assert rc == 2
-    assert "--eager-prefill-turnaround-ms 'diffkv=-1'" in capsys.readouterr().err
+    assert "--eager-prefill-turnaround-s 'diffkv=-1'" in capsys.readouterr().err

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from sim_helpers import req, scenario, token_scheduler
 
+from sglang_diffkv.serving_io.bundled import load_named_trace
 from simulator.metrics.summary import summarize
 from simulator.serving.prefix_cache import PrefixCache
-from simulator.workload.bundled import load_named_trace
 
 SINK: list = []
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from sim_helpers import H100_DATA, req, token_scheduler
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
+from sglang_diffkv.serving_io.writer import mooncake_lines
 from simulator.serving.prefix_cache import PrefixCache
 from simulator.validation.harness import load_harness, windowed_summary
 from simulator.validation.prompt_cache import (
@@ -22,8 +24,6 @@ from simulator.validation.prompt_cache import (
     served_blocks,
     with_prompt_ids,
 )
-from simulator.workload.schema import Trace, TraceRequest
-from simulator.workload.writer import mooncake_lines
 
 SINK: list = []
 
@@ -54,9 +54,9 @@ def test_trace_gets_ids_by_position_and_keeps_its_block_size():
     assert w.requests[0].prefix_hash_ids == prompt_block_ids(3, 0, 40, 8)
     assert len(w.requests[1].prefix_hash_ids) == 1
     assert w.head(1).prefix_block_tokens == 8 and w.rebased().prefix_block_tokens == 8
-    with pytest.raises(SimulatorInputError, match="512-token blocks"):
+    with pytest.raises(InputError, match="512-token blocks"):
         mooncake_lines(w)                      # Mooncake hash ids name 512-token blocks
-    with pytest.raises(SimulatorInputError, match="prefix_block_tokens"):
+    with pytest.raises(InputError, match="prefix_block_tokens"):
         Trace(t.requests, prefix_block_tokens=0)
 
 
@@ -112,7 +112,7 @@ def test_replay_inputs_check_the_records_against_the_trace(tmp_path):
     h = load_harness(root)
     first, second = h.runs
     assert second.seed == 5 and second.earlier == (first,)
-    with pytest.raises(SimulatorInputError, match="no request records"):
+    with pytest.raises(InputError, match="no request records"):
         second.replay_inputs()
     trace, warm = second.replay_inputs(radix_cache=False)     # no radix cache: not needed
     assert warm == [] and trace.requests[0].prefix_hash_ids == prompt_block_ids(5, 0, 40)
@@ -123,11 +123,11 @@ def test_replay_inputs_check_the_records_against_the_trace(tmp_path):
     assert warm == [prompt_block_ids(5, 0, 40)]
     _records(root / "logs" / "requests__bf16__ladder@2rps.jsonl.gz",
              [{"index": 1, "input_len": 21, "tokens": 3, "first_token_s": 5.1, "end_s": 5.3}])
-    with pytest.raises(SimulatorInputError, match="request 1 .21 prompt tokens. is not"):
+    with pytest.raises(InputError, match="request 1 .21 prompt tokens. is not"):
         load_harness(root).runs[1].replay_inputs()
     bad = root / "logs" / "requests__bf16__ladder@1rps.jsonl.gz"
     bad.write_bytes(gzip.compress(b'{"index": 0}\n'))
-    with pytest.raises(SimulatorInputError, match="line 1: not a request record"):
+    with pytest.raises(InputError, match="line 1: not a request record"):
         read_records(bad)
 
 

@@ -75,10 +75,10 @@ def _calibration():
 
 def test_with_terms_moves_per_format_attention_factors_by_the_same_ratio():
     base = replace(_calibration(), decode_attention_scale=0.8,
-                   decode_attention_scales={"fp8": 0.9})
+                   decode_attention_scale_by_format={"fp8": 0.9})
     c = with_terms(base, {"decode_attention_scale": 0.4, "step_overhead_s": 2e-3})
     assert c.decode_attention_scale == pytest.approx(0.4)
-    assert c.decode_attention_scales["fp8"] == pytest.approx(0.45)
+    assert c.decode_attention_scale_by_format["fp8"] == pytest.approx(0.45)
     assert c.step_overhead_s == pytest.approx(2e-3)
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from simulator.validation.harness import row
 from simulator.validation.repeats import (
     group_label,
@@ -9,7 +10,6 @@ from simulator.validation.repeats import (
     repeat_rows,
     request_lengths_digest,
 )
-from simulator.workload.schema import Trace, TraceRequest
 
 
 def _trace(lengths, spacing=0.1):

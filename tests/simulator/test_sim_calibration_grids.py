@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from sim_helpers import scenario
 
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 from simulator.calibration.build import build_calibration
-from simulator.errors import SimulatorInputError
 from simulator.serving.cost import StepShape
 from simulator.specs.calibration import EtaGrid1D, EtaGrid2D, load_calibration
 from simulator.validation.fit import decode_samples, prefill_shape
-from simulator.validation.sglang_log import parse_server_log
 from simulator.validation.step_fit import fit_step_costs, step_rows
 
 
@@ -58,15 +58,15 @@ def test_2d_grid_bilinear_and_held():
 ])
 def test_bad_grids_name_the_value(tmp_path, bad, match):
     path = _write(tmp_path, _entry_with({"gemm": {"qkv": bad}}))
-    with pytest.raises(SimulatorInputError, match=match):
+    with pytest.raises(InputError, match=match):
         load_calibration("h100", path)
 
 
 def test_unknown_op_and_kind_are_errors(tmp_path):
-    with pytest.raises(SimulatorInputError, match="unknown op"):
+    with pytest.raises(InputError, match="unknown op"):
         load_calibration("h100", _write(tmp_path, _entry_with(
             {"gemm": {"mlp": {"m": [1], "eta": [0.5]}}})))
-    with pytest.raises(SimulatorInputError, match="unknown grid kind"):
+    with pytest.raises(InputError, match="unknown grid kind"):
         load_calibration("h100", _write(tmp_path, _entry_with({"allreduce": {}})))
 
 
@@ -139,11 +139,11 @@ def test_build_and_cost_model_reproduce_measured_times(tmp_path):
 def test_build_rejects_bad_rows_with_their_number():
     meas = _measurements()
     meas["decode"][2]["time_s"] = -1
-    with pytest.raises(SimulatorInputError, match="decode row 3: time_s=-1"):
+    with pytest.raises(InputError, match="decode row 3: time_s=-1"):
         build_calibration(meas)
     meas = _measurements()
     meas["decode"].append({"format": "diffkv", "batch": 1, "context": 64, "time_s": 1e-5})
-    with pytest.raises(SimulatorInputError, match="read_bytes=None"):
+    with pytest.raises(InputError, match="read_bytes=None"):
         build_calibration(meas)
 
 

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from sim_helpers import scenario
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
+from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
 from simulator.serving.settings import ServerSettings
 from simulator.specs.calibration import load_calibration
 from simulator.validation.harness import load_harness, row, windowed_summary
 from simulator.validation.prompt_cache import served_blocks, with_prompt_ids
-from simulator.workload.schema import Trace, TraceRequest
-from simulator.workload.writer import write_mooncake_jsonl
 
 HIDDEN_STEP_S = 1.0e-3
 T0 = dt.datetime(2026, 11, 22, 9, 0, 0)
@@ -240,10 +240,10 @@ def test_row_arithmetic():
 
 
 def test_bad_inputs_are_named(tmp_path, results):
-    with pytest.raises(SimulatorInputError, match="results.json.*No such file"):
+    with pytest.raises(InputError, match="results.json.*No such file"):
         load_harness(tmp_path)
     (tmp_path / "results.json").write_text('{"configs": {}, \n "runs": [oops]}')
-    with pytest.raises(SimulatorInputError, match="line 2: invalid JSON"):
+    with pytest.raises(InputError, match="line 2: invalid JSON"):
         load_harness(tmp_path)
     data = json.loads((results / "results.json").read_text())
     data["runs"][1]["trace_file"] = "logs/traces/missing.jsonl"
@@ -252,7 +252,7 @@ def test_bad_inputs_are_named(tmp_path, results):
 
     shutil.copytree(results, root)
     (root / "results.json").write_text(json.dumps(data))
-    with pytest.raises(SimulatorInputError, match=r"runs\[1\]: trace file .*missing.jsonl"):
+    with pytest.raises(InputError, match=r"runs\[1\]: trace file .*missing.jsonl"):
         load_harness(root)
     data["runs"][1]["trace_file"] = "logs/traces/bf16__sharegpt.jsonl"
     (root / "logs" / "traces" / "bf16__sharegpt.jsonl").write_text(
@@ -260,14 +260,14 @@ def test_bad_inputs_are_named(tmp_path, results):
         '{"timestamp": 1, "input_length": -3, "output_length": 5}\n')
     (root / "results.json").write_text(json.dumps(data))
     h = load_harness(root)
-    from simulator.workload.loaders import load_trace
+    from sglang_diffkv.serving_io.loaders import load_trace
 
-    with pytest.raises(SimulatorInputError, match="line 2"):
+    with pytest.raises(InputError, match="line 2"):
         load_trace(h.runs[1].trace_path)
     assert _script().main([str(root), "--doc", str(tmp_path / "x.md")]) == 2
     del data["runs"][0]["server_log"]
     (root / "results.json").write_text(json.dumps(data))
-    with pytest.raises(SimulatorInputError, match=r"runs\[0\]: missing field 'server_log'"):
+    with pytest.raises(InputError, match=r"runs\[0\]: missing field 'server_log'"):
         load_harness(root)
 
 
@@ -298,7 +298,7 @@ def test_several_result_folders_are_merged_and_fitting_runs_stay_out(results, tm
     assert set(merged.configs) == set(whole.configs) and merged.sources == parts
     for r in merged.runs:
         assert r.log_slice == whole.run(r.key).log_slice
-    with pytest.raises(SimulatorInputError, match="configuration 'bf16' is in both"):
+    with pytest.raises(InputError, match="configuration 'bf16' is in both"):
         merge_harness([load_harness(parts[0]), load_harness(parts[0])])
     # the script on the split folders gives the rows of the single folder, fit held out
     out_json = tmp_path / "rows.json"
@@ -313,7 +313,7 @@ def test_several_result_folders_are_merged_and_fitting_runs_stay_out(results, tm
 
 
 def _log_with_args(tmp_path: Path, args: str) -> object:
-    from simulator.validation.sglang_log import parse_server_log
+    from sglang_diffkv.serving_io.sglang_log import parse_server_log
 
     p = tmp_path / "server.log"
     p.write_text(f"[{T0:%Y-%m-%d %H:%M:%S}] server_args=ServerArgs({args})\n"
@@ -368,7 +368,7 @@ def test_same_configuration_in_two_folders_keeps_each_runs_log(results, tmp_path
     data = json.loads((parts[1] / "results.json").read_text())
     data["configs"]["bf16"]["command"] += " --disable-cuda-graph"
     (parts[1] / "results.json").write_text(json.dumps(data))
-    with pytest.raises(SimulatorInputError, match="different command"):
+    with pytest.raises(InputError, match="different command"):
         merge_harness([load_harness(p) for p in parts])
 
 
@@ -378,7 +378,7 @@ def test_a_tagged_folder_repeats_runs_under_its_own_keys(results, tmp_path):
     and stays the ladder's saturation source."""
     from simulator.validation.harness import merge_harness
 
-    with pytest.raises(SimulatorInputError, match="repeat"):
+    with pytest.raises(InputError, match="repeat"):
         merge_harness([load_harness(results), load_harness(results)])
     merged = merge_harness([load_harness(results), load_harness(results, tag="s8")])
     keys = [r.key for r in merged.runs]
@@ -388,7 +388,7 @@ def test_a_tagged_folder_repeats_runs_under_its_own_keys(results, tmp_path):
     assert merged.run("bf16/sharegpt#s8").key == "bf16/sharegpt#s8"
     ladder = merged.run("bf16/ladder@0.5x#s8")
     assert ladder.raw.get("saturation_from", "bf16/sharegpt") == "bf16/sharegpt"
-    with pytest.raises(SimulatorInputError, match="run tag 'a b'"):
+    with pytest.raises(InputError, match="run tag 'a b'"):
         load_harness(results, tag="a b")
     out_json = tmp_path / "rows.json"
     assert _script().main([str(results), f"{results}#s8", "--fit-run", "bf16/longgen#s8",
@@ -493,7 +493,7 @@ def test_a_renamed_configuration_merges_beside_the_default_one(results, tmp_path
     data = json.loads((other / "results.json").read_text())
     data["configs"]["bf16"]["command"] += " --cuda-graph-max-bs 1536"
     (other / "results.json").write_text(json.dumps(data))
-    with pytest.raises(SimulatorInputError, match="different command"):
+    with pytest.raises(InputError, match="different command"):
         merge_harness([load_harness(results), load_harness(other, tag="g")])
     mod = _script()
     d, tag, rename = mod.results_arg(f"{other}#g@bf16=bf16-graphs")
@@ -503,15 +503,15 @@ def test_a_renamed_configuration_merges_beside_the_default_one(results, tmp_path
     run = merged.run("bf16-graphs/sharegpt#g")
     assert run.config == "bf16-graphs" and run.server_log.is_relative_to(other)
     assert "bf16-graphs" in merged.server_logs and merged.run("bf16/sharegpt").config == "bf16"
-    with pytest.raises(SimulatorInputError, match="no configuration fp8 to rename"):
+    with pytest.raises(InputError, match="no configuration fp8 to rename"):
         load_harness(other, tag="g", rename={"fp8": "x"})
-    with pytest.raises(SimulatorInputError, match="two configurations one name"):
+    with pytest.raises(InputError, match="two configurations one name"):
         load_harness(other, tag="g", rename={"bf16": "diffkv"})
-    with pytest.raises(SimulatorInputError, match="configuration name 'a b'"):
+    with pytest.raises(InputError, match="configuration name 'a b'"):
         load_harness(other, tag="g", rename={"bf16": "a b"})
     for bad, why in ((f"{other}#g@bf16", "write OLD=NEW"), (f"{other}#g@=x", "write OLD=NEW"),
                      (f"{other}#@bf16=x", "needs a tag")):
-        with pytest.raises(SimulatorInputError, match=why):
+        with pytest.raises(InputError, match=why):
             mod.results_arg(bad)
     assert mod.results_arg(str(other)) == (str(other), None, {})
 
@@ -522,9 +522,9 @@ def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
     simulated: list[list[str]] = []
     validate = vs.validate
 
-    def spy(h, calibs, model, gpu, fitting):
+    def spy(h, calibs, model, gpu, fitting, held=None):
         simulated.append([r.key for r in h.runs])
-        return validate(h, calibs, model, gpu, fitting)
+        return validate(h, calibs, model, gpu, fitting, held)
 
     vs.validate = spy
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
@@ -587,7 +587,7 @@ def test_refine_hold_takes_a_term_for_every_backend_or_one(capsys, tmp_path):
                     "diffkv": {"decode_attention_scale", "prefill_token_overhead_s"}}
     assert vs.refine_hold_arg([]) == {"triton": frozenset(), "diffkv": frozenset()}
     for bad in ("first_token_latency_s", "flashinfer:step_overhead_s", "diffkv:speed"):
-        with pytest.raises(SimulatorInputError, match="--refine-hold"):
+        with pytest.raises(InputError, match="--refine-hold"):
             vs.refine_hold_arg([bad])
     assert vs.main([str(tmp_path), "--doc", str(tmp_path / "d.md"),
                     "--refine-hold", "triton:first_token_latency_s"]) == 2
@@ -601,7 +601,7 @@ def test_a_given_first_token_latency_is_kept_by_the_refinement(results, tmp_path
     doc = tmp_path / "d.md"
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
                     "--refine-on-metrics", "triton", "--refine-evals", "12",
-                    "--first-token-latency-ms", "triton=7.5"]) == 0
+                    "--first-token-latency-s", "triton=0.0075"]) == 0
     fit = json.loads(out_json.read_text())["fit"]
     assert "first_token_latency_s" not in fit["refine"]["names"]
     assert "step_overhead_s" in fit["refine"]["names"]
@@ -610,12 +610,12 @@ def test_a_given_first_token_latency_is_kept_by_the_refinement(results, tmp_path
     assert "first-token latency given: 7.5 ms" in doc.read_text()
     # without refinement the given latency still lands in the fitted file
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
-                    "--first-token-latency-ms", "triton=4"]) == 0
+                    "--first-token-latency-s", "triton=0.004"]) == 0
     fit = json.loads(out_json.read_text())["fit"]
     entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
     assert entry["first_token_latency_s"] == pytest.approx(0.004)
-    for bad in ("triton", "bf16=7", "diffkv=-1", "triton=x"):
-        assert vs.main([str(results), "--doc", str(doc), "--first-token-latency-ms",
+    for bad in ("triton", "bf16=0.007", "diffkv=-1", "triton=x", "triton=7.5"):
+        assert vs.main([str(results), "--doc", str(doc), "--first-token-latency-s",
                         bad]) == 2
 
 
@@ -626,18 +626,18 @@ def test_a_given_eager_decode_host_time_lands_in_the_fitted_file(results, tmp_pa
     doc = tmp_path / "d.md"
     # (fp8's own: the bf16 fitting run's eager intervals stay in the interval fit)
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
-                    "--eager-decode-host-ms", "fp8=20",
-                    "--eager-decode-host-ms", "diffkv=38.1"]) == 0
+                    "--eager-decode-host-s", "fp8=0.02",
+                    "--eager-decode-host-s", "diffkv=0.0381"]) == 0
     fit = json.loads(out_json.read_text())["fit"]
     entry = next(iter(json.loads(Path(fit["file"]).read_text())["gpus"].values()))
     assert entry["eager_decode_host_s_by_format"] == {"fp8": pytest.approx(0.02)}
     assert "eager_decode_host_s" not in entry      # diffkv's value: not this backend's
     text = doc.read_text()
-    assert "fp8's eager decode iteration 20.0 ms" in text
+    assert "eager_decode_host_s_by_format.fp8 20 ms" in text
     assert "lasts at least" not in text
     # the backend's own: the fitting run's eager intervals leave the fit, too few remain
-    assert vs.main([str(results), "--doc", str(doc), "--eager-decode-host-ms",
-                    "triton=38.1"]) == 2
+    assert vs.main([str(results), "--doc", str(doc), "--eager-decode-host-s",
+                    "triton=0.0381"]) == 2
     assert "eager decode intervals left out" in capsys.readouterr().err
 
 
@@ -691,7 +691,7 @@ def test_given_inputs_reach_a_backend_without_fitting_runs(results, tmp_path):
         return {r["run"]: r["predicted"] for r in json.loads(out_json.read_text())["rows"]
                 if r["metric"] == "TTFT mean (ms)"}
 
-    plain, given = ttft(), ttft("--first-token-latency-ms", "triton=50")
+    plain, given = ttft(), ttft("--first-token-latency-s", "triton=0.05")
     assert plain and plain.keys() == given.keys()
     # the file's costs, plus the given client latency on triton's first tokens: all of an
     # open-loop run's, some of a burst's inside its window, none of DiffKV's

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from sim_helpers import scenario
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 from simulator.specs.calibration import load_calibration
 from simulator.validation.fit import _shape, prefill_shape
-from simulator.validation.sglang_log import parse_server_log
 from simulator.validation.step_fit import LaunchFloors, _kernels, fit_step_costs, step_rows
 
 TRUE = {"step_overhead_s": 5e-4, "seq_overhead_s": 1e-5, "prefill_step_overhead_s": 8e-3,
@@ -207,7 +207,7 @@ def test_eager_decode_steps_give_the_eager_launch_cost(tmp_path):
 
 def test_too_few_rows_is_a_clear_error(tmp_path):
     log = _log(tmp_path, _intervals()[:3])
-    with pytest.raises(SimulatorInputError, match="at least 8"):
+    with pytest.raises(InputError, match="at least 8"):
         fit_step_costs(_server(), step_rows(_server(), log, "fit", True))
 
 
@@ -231,7 +231,7 @@ def test_formats_share_fixed_costs_and_get_their_own_attention_scale(tmp_path):
     data = calibration_file(_server("bf16", **start), {**fit, "fixed_only": True}, "logs")
     path = write_calibration(tmp_path / "cal.json", data)
     cal = load_calibration("h100", path)
-    assert set(cal.decode_attention_scales) == {"fp8"}
+    assert set(cal.decode_attention_scale_by_format) == {"fp8"}
     fp8 = replace(scenario(), calibration=cal).server("fp8")
     bf16 = replace(scenario(), calibration=cal).server("bf16")
     assert fp8.cost.attention_scale == pytest.approx(1.3, rel=0.03)
@@ -246,7 +246,7 @@ def test_a_bad_per_format_scale_is_refused(tmp_path):
     data["gpus"]["h100"]["decode_attention_scale_by_format"] = {"fp8": 0}
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(SimulatorInputError,
+    with pytest.raises(InputError,
                        match=r"decode_attention_scale_by_format.fp8=0 must be in \(0, 4\]"):
         load_calibration("h100", path)
 

@@ -1,4 +1,4 @@
-"""Fuzzed trace rows in every format: a row is either refused with one SimulatorInputError
+"""Fuzzed trace rows in every format: a row is either refused with one InputError
 line naming the file, the line and the field, or loaded and replayed by the simulator.
 Example counts come from the hypothesis profile (tests/conftest.py)."""
 
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sim_helpers import scenario
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.loaders import MAX_TIME_S, load_trace
 from simulator.studies.scenario import Scenario
-from simulator.workload.loaders import MAX_TIME_S, load_trace
 
 JUNK = st.one_of(
     st.none(), st.booleans(), st.text(max_size=6), st.lists(st.integers(), max_size=2),
@@ -116,7 +116,7 @@ def test_fuzzed_trace_rows_are_refused_by_line_or_replay(case, gz):
         path.write_bytes(gzip.compress(data) if gz else data)
         try:
             trace = load_trace(path, fmt)
-        except SimulatorInputError as e:
+        except InputError as e:
             msg = str(e)
             assert "\n" not in msg, msg
             row_line = 3 if fmt in NAMES else 2  # the fuzzed row (CSV: after the header)

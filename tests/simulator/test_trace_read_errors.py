@@ -1,5 +1,5 @@
 """Trace files that cannot be read to the end, or hold times no clock has, give one
-SimulatorInputError line with the file and the line; the CLI prints it without a traceback."""
+InputError line with the file and the line; the CLI prints it without a traceback."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.loaders import MAX_TIME_S, load_trace
 from simulator.cli import main
-from simulator.errors import SimulatorInputError
-from simulator.workload.loaders import MAX_TIME_S, load_trace
 
 ROW = '{"timestamp": 0, "input_length": 5, "output_length": 2}\n'
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
@@ -71,7 +71,7 @@ def test_unreadable_files_and_impossible_times_name_file_and_line(tmp_path):
         for f in (fmt, None):  # given, and guessed from the first line
             try:
                 load_trace(path, f)
-            except SimulatorInputError as e:
+            except InputError as e:
                 msg = str(e)
             else:
                 raise AssertionError(f"{path.name} was accepted")

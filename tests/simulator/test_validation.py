@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 from simulator.cli import main
-from simulator.errors import SimulatorInputError
 from simulator.validation.bench_result import read_bench_result
 from simulator.validation.compare import compare_runs, rel_error
-from simulator.validation.sglang_log import parse_server_log
 
 LOG = """\
 [2026-11-22 09:00:05] max_total_num_tokens=409000, chunked_prefill_size=8192, \
@@ -40,7 +40,7 @@ def test_server_log_lines_are_parsed(tmp_path):
     assert log.decode_gen_throughput == [3.62, 8.44, 1.0]
     assert log.prefill_new_tokens == [900] and log.prefix_hit_rate == pytest.approx(0.1)
     p.write_text("hello\nworld\n")
-    with pytest.raises(SimulatorInputError, match="is this an SGLang server log"):
+    with pytest.raises(InputError, match="is this an SGLang server log"):
         parse_server_log(p)
 
 
@@ -50,13 +50,13 @@ def test_bench_result_file(tmp_path):
                  + json.dumps({"output_throughput": 20.0}) + "\n")
     assert read_bench_result(p)["output_throughput"] == 20.0
     assert read_bench_result(p, 0)["duration"] == 2.0
-    with pytest.raises(SimulatorInputError, match="index 5"):
+    with pytest.raises(InputError, match="index 5"):
         read_bench_result(p, 5)
     p.write_text('{"output_throughput": 1}\n{oops\n')
-    with pytest.raises(SimulatorInputError, match="line 2: invalid JSON"):
+    with pytest.raises(InputError, match="line 2: invalid JSON"):
         read_bench_result(p)
     p.write_text('{"foo": 1}\n')
-    with pytest.raises(SimulatorInputError, match="not a bench_serving result"):
+    with pytest.raises(InputError, match="not a bench_serving result"):
         read_bench_result(p)
 
 

@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_keys_become_options_lists_repeat_objects_give_key_value_items():
     argv = recipe_argv({
         "results": ["a#x", "b"], "gpu": "h200", "fit_run": ["bf16/sharegpt#x", "fp8/longgen"],
-        "eager_prefill_launch_ms": {"triton": 18.6, "fp8": 21.1}, "a_list": {"k": [1.5, 2]},
+        "eager_prefill_launch_s": {"triton": 0.0186, "fp8": 0.0211}, "a_list": {"k": [1.5, 2]},
         "shipped": True, "jobs": 2,
-        "isolated_prefill_scale": 0.92, "launch_holds_loop": [], "plots": False})
+        "isolated_prefill_scale": 0.92, "eager_launch_holds_loop": [], "plots": False})
     assert argv == ["a#x", "b", "--gpu", "h200", "--fit-run", "bf16/sharegpt#x",
-                    "--fit-run", "fp8/longgen", "--eager-prefill-launch-ms", "triton=18.6",
-                    "--eager-prefill-launch-ms", "fp8=21.1", "--a-list", "k=1.5,2",
+                    "--fit-run", "fp8/longgen", "--eager-prefill-launch-s", "triton=0.0186",
+                    "--eager-prefill-launch-s", "fp8=0.0211", "--a-list", "k=1.5,2",
                     "--shipped", "--jobs", "2", "--isolated-prefill-scale", "0.92"]
 
 
@@ -79,12 +79,28 @@ def test_the_h200_recipe_is_the_reports_old_command():
     at = [i for i, x in enumerate(old) if x in ("--host-launches-ms", "--frontend-gc")]
     assert len(at) == 4
     old = [x for i, x in enumerate(old) if not any(i in (j, j + 1) for j in at)]
+    # and with the options since named by their calibration field, in its unit (seconds)
+    renamed = {"--eager-prefill-launch-ms": ("--eager-prefill-launch-s", 1e-3),
+               "--eager-prefill-turnaround-ms": ("--eager-prefill-turnaround-s", 1e-3),
+               "--first-token-latency-ms": ("--first-token-latency-s", 1e-3),
+               "--eager-decode-host-ms": ("--eager-decode-host-s", 1e-3),
+               "--eager-decode-host-per-req-us": ("--eager-decode-host-per-req-s", 1e-6),
+               "--launch-holds-loop": ("--eager-launch-holds-loop", None)}
+    for i, x in enumerate(old[:-1]):
+        if x in renamed:
+            new, scale = renamed[x]
+            key, _, v = old[i + 1].partition("=")
+            old[i:i + 2] = [new, old[i + 1] if scale is None else f"{key}={float(v) * scale:.10g}"]
     from simulator.validation.runs import build_parser
 
     p = build_parser()
     a, b = (vars(p.parse_intermixed_args(x)) for x in (old, expand_recipe(["--recipe", "h200"])))
     a.pop("scratch"), b.pop("scratch")
+    # the held-out runs came after that command: they fit and predict nothing, they only
+    # refuse a fitting run that is held out and report the held-out rows apart
+    assert a.pop("held_out") == [] and b.pop("held_out")
     assert a == b
+    assert not any(x in renamed for x in expand_recipe(["--recipe", "h200"]))
 
 
 def test_the_cli_hands_the_tools_their_arguments(capsys):
@@ -92,3 +108,20 @@ def test_the_cli_hands_the_tools_their_arguments(capsys):
     assert "nope.json: no such file" in capsys.readouterr().err
     assert cli_main(["ablate-host-terms", "--recipe", "h300"]) == 2
     assert "shipped: h100, h200" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_the_shipped_calibration_is_the_reports_fit(name):
+    """What `diffkv-sim --gpu GPU` loads is what the GPU's report validated: where the
+    report's fitted files are committed beside it, the shipped files hold the same fit."""
+    import json
+
+    doc = ROOT / load_recipe(name)["doc"]
+    for backend in ("triton", "diffkv"):
+        fitted = doc.with_suffix("") / f"calibration-fitted-{backend}.json"
+        if not fitted.exists():
+            continue
+        shipped = json.loads((ROOT / "simulator" / "calibration" /
+                              f"{name}-{backend}.json").read_text())
+        assert shipped["gpus"] == json.loads(fitted.read_text())["gpus"], (name, backend)
+        assert doc.name in shipped["validated_by"]

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulator.errors import SimulatorInputError
-from simulator.workload.arrivals import gamma_arrivals, poisson_arrivals
-from simulator.workload.bundled import BUNDLED_TRACES, bundled_path, load_named_trace
-from simulator.workload.generate import resample_arrivals, synthetic_trace
+from sglang_diffkv.serving_io.arrivals import gamma_arrivals, poisson_arrivals, resample_arrivals
+from sglang_diffkv.serving_io.bundled import BUNDLED_TRACES, bundled_path, load_named_trace
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.loaders import detect_format, load_trace
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
+from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
+from simulator.workload.generate import synthetic_trace
 from simulator.workload.lengths import length_model, length_model_names
-from simulator.workload.loaders import detect_format, load_trace
-from simulator.workload.schema import Trace, TraceRequest
-from simulator.workload.writer import write_mooncake_jsonl
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -94,30 +94,30 @@ BAD_ROWS = [
 @pytest.mark.parametrize("name,text,fmt,line,what", BAD_ROWS)
 def test_loaders_reject_bad_rows_with_file_and_line(tmp_path, name, text, fmt, line, what):
     p = write(tmp_path, name, text)
-    with pytest.raises(SimulatorInputError) as e:
+    with pytest.raises(InputError) as e:
         load_trace(p, fmt)
     msg = str(e.value)
     assert str(p) in msg and f"{line}:" in msg and what in msg
 
 
 def test_missing_file_and_unknown_format(tmp_path):
-    with pytest.raises(SimulatorInputError, match="does not exist"):
+    with pytest.raises(InputError, match="does not exist"):
         load_trace(tmp_path / "nope.jsonl")
     p = write(tmp_path, "x.txt", "hello\n")
-    with pytest.raises(SimulatorInputError, match="cannot tell the trace format"):
+    with pytest.raises(InputError, match="cannot tell the trace format"):
         load_trace(p)
-    with pytest.raises(SimulatorInputError, match="unknown"):
+    with pytest.raises(InputError, match="unknown"):
         load_trace(p, "parquet")
 
 
 def test_schema_validates_values():
-    with pytest.raises(SimulatorInputError, match="output_tokens=0"):
+    with pytest.raises(InputError, match="output_tokens=0"):
         TraceRequest(0.0, 10, 0)
-    with pytest.raises(SimulatorInputError, match="max_new_tokens=3"):
+    with pytest.raises(InputError, match="max_new_tokens=3"):
         TraceRequest(0.0, 10, 5, max_new_tokens=3)
-    with pytest.raises(SimulatorInputError, match="arrival_s"):
+    with pytest.raises(InputError, match="arrival_s"):
         TraceRequest(float("nan"), 10, 5)
-    with pytest.raises(SimulatorInputError, match="no requests"):
+    with pytest.raises(InputError, match="no requests"):
         Trace(())
 
 
@@ -125,7 +125,7 @@ def test_trace_sorts_by_arrival_and_scales_time():
     t = Trace((TraceRequest(2.0, 1, 1), TraceRequest(1.0, 2, 2)))
     assert [r.input_tokens for r in t.requests] == [2, 1]
     assert t.time_scaled(0.5).requests[-1].arrival_s == pytest.approx(0.5)
-    with pytest.raises(SimulatorInputError, match="time scale"):
+    with pytest.raises(InputError, match="time scale"):
         t.time_scaled(0)
 
 
@@ -153,7 +153,7 @@ def test_generators_are_seeded_and_match_their_parameters():
     assert p.mean() == pytest.approx(0.25, rel=0.03) and p.std() / p.mean() == pytest.approx(
         1.0, rel=0.05)
     assert np.all(gamma_arrivals(float("inf"), 1.0, 5, np.random.default_rng(0)) == 0)
-    with pytest.raises(SimulatorInputError, match="rate"):
+    with pytest.raises(InputError, match="rate"):
         poisson_arrivals(0.0, 3, np.random.default_rng(0))
 
 
@@ -173,7 +173,7 @@ def test_fitted_lengths_reproduce_the_source_statistics():
     _, out = lg.sample(5000, np.random.default_rng(0))
     assert out.min() >= 512 and out.max() <= 7680
     assert set(length_model_names()) >= {"sharegpt", "long-generation", "azure-conv"}
-    with pytest.raises(SimulatorInputError, match="unknown length model"):
+    with pytest.raises(InputError, match="unknown length model"):
         length_model("nope")
 
 
@@ -197,7 +197,7 @@ def test_bundled_traces_load_and_are_small():
     assert (folder / "ATTRIBUTION.md").is_file()
     assert (folder / "LICENSE-APACHE-2.0.txt").is_file()
     assert (folder / "LICENSE-CC-BY-4.0.txt").is_file()
-    with pytest.raises(SimulatorInputError, match="neither a bundled trace"):
+    with pytest.raises(InputError, match="neither a bundled trace"):
         load_named_trace("no-such-trace")
 
 
@@ -215,5 +215,5 @@ def test_resized_and_scaled_traces_keep_the_lengths():
     assert [r.input_tokens for r in s.requests] == [2 * r.input_tokens for r in base.requests]
     assert [r.output_tokens for r in s.requests] == [
         max(1, round(r.output_tokens * 0.5)) for r in base.requests]
-    with pytest.raises(SimulatorInputError, match="input scale=0"):
+    with pytest.raises(InputError, match="input scale=0"):
         scale_lengths(base, 0.0)

@@ -1,6 +1,6 @@
 """Loaders for the public trace formats; each returns a Trace in the internal schema.
 
-Every bad row raises SimulatorInputError naming the file, the 1-based line number and what was
+Every bad row raises InputError naming the file, the 1-based line number and what was
 wrong; so does a file that cannot be read to the end (a truncated or corrupt ``.gz``, bytes that
 are not UTF-8, a CSV field past the csv module's limit, JSON nested too deeply). Files may be
 gzip-compressed (``.gz``). Arrival times are rebased so the first request arrives at t = 0.
@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from sglang_diffkv.value_text import short_repr
-from simulator.errors import SimulatorInputError
-from simulator.workload.schema import Trace, TraceRequest
 
 FORMATS = ("mooncake", "azure", "burstgpt", "sglang")
 
@@ -53,7 +53,7 @@ def _open_bytes(path: Path) -> IO[bytes]:
             return gzip.open(path, "rb")
         return open(path, "rb")  # noqa: SIM115 - closed by the caller's with
     except OSError as e:
-        raise SimulatorInputError(f"cannot read trace file {str(path)!r}: {e.strerror}") from e
+        raise InputError(f"cannot read trace file {str(path)!r}: {e.strerror}") from e
 
 
 def _read_error(e: BaseException) -> str:
@@ -75,14 +75,14 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             try:
                 raw = f.readline()
             except (OSError, EOFError, zlib.error) as e:
-                raise SimulatorInputError(f"{path}: line {lineno + 1}: {_read_error(e)}") from None
+                raise InputError(f"{path}: line {lineno + 1}: {_read_error(e)}") from None
             if not raw:
                 return
             lineno += 1
             try:
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise SimulatorInputError(
+                raise InputError(
                     f"{path}: line {lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
                     f"column {e.start + 1})") from None
             yield lineno, text
@@ -120,7 +120,7 @@ def detect_format(path: Path) -> str:
         if "request tokens" in low:
             return "burstgpt"
         break
-    raise SimulatorInputError(
+    raise InputError(
         f"{path}: cannot tell the trace format from its first line; pass the format "
         f"explicitly (one of {', '.join(FORMATS)})"
     )
@@ -176,9 +176,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             obj = _json_object(s)
         except _RowError as e:
-            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from None
+            raise InputError(f"{path}: line {lineno}: {e}") from None
         if not isinstance(obj, dict):
-            raise SimulatorInputError(f"{path}: line {lineno}: expected a JSON object")
+            raise InputError(f"{path}: line {lineno}: expected a JSON object")
         yield lineno, obj
 
 
@@ -234,8 +234,8 @@ def _load_jsonl(path: Path, row: Callable[[dict[str, Any]], TraceRequest]) -> li
     for lineno, obj in _jsonl_rows(path):
         try:
             out.append(row(obj))
-        except (_RowError, SimulatorInputError) as e:
-            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from e
+        except (_RowError, InputError) as e:
+            raise InputError(f"{path}: line {lineno}: {e}") from e
     return out
 
 
@@ -249,18 +249,18 @@ def _csv_rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict
         except StopIteration:
             return
         except csv.Error as e:  # e.g. a field past csv.field_size_limit()
-            raise SimulatorInputError(f"{path}: line {lineno}: CSV error: {e}") from None
+            raise InputError(f"{path}: line {lineno}: CSV error: {e}") from None
         if not row or all(not c.strip() for c in row):
             continue
         if header is None:
             header = [c.strip() for c in row]
             missing = [c for c in required if c not in header]
             if missing:
-                raise SimulatorInputError(f"{path}: line {lineno}: header "
+                raise InputError(f"{path}: line {lineno}: header "
                                           f"{short_repr(header)} lacks column(s) {missing}")
             continue
         if len(row) != len(header):
-            raise SimulatorInputError(
+            raise InputError(
                 f"{path}: line {lineno}: expected {len(header)} columns, got {len(row)}"
             )
         yield lineno, dict(zip(header, row, strict=True))
@@ -306,7 +306,7 @@ def _load_azure(path: Path) -> list[TraceRequest]:
             inp = _int(row["ContextTokens"], "ContextTokens", 1)
             outp = _int(row["GeneratedTokens"], "GeneratedTokens", 1)
         except _RowError as e:
-            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from e
+            raise InputError(f"{path}: line {lineno}: {e}") from e
         out.append((inp, outp))
     t0 = min(times) if times else 0.0
     return [TraceRequest(t - t0, i, o) for t, (i, o) in zip(times, out, strict=True)]
@@ -325,7 +325,7 @@ def _load_burstgpt(path: Path) -> tuple[list[TraceRequest], int]:
             inp = _int(row["Request tokens"], "Request tokens", 0)
             outp = _int(row["Response tokens"], "Response tokens", 0)
         except _RowError as e:
-            raise SimulatorInputError(f"{path}: line {lineno}: {e}") from e
+            raise InputError(f"{path}: line {lineno}: {e}") from e
         if outp == 0 or inp == 0:
             skipped += 1
             continue
@@ -340,7 +340,7 @@ def load_trace(path: str | Path, fmt: str | None = None, name: str | None = None
     """Load a trace file in one of FORMATS (guessed from the first line when ``fmt`` is None)."""
     p = Path(path)
     if not p.is_file():
-        raise SimulatorInputError(f"trace file {str(p)!r} does not exist")
+        raise InputError(f"trace file {str(p)!r} does not exist")
     fmt = detect_format(p) if fmt is None else fmt
     note = ""
     if fmt == "mooncake":
@@ -353,8 +353,8 @@ def load_trace(path: str | Path, fmt: str | None = None, name: str | None = None
         reqs, skipped = _load_burstgpt(p)
         note = f" ({skipped} failed rows with 0 tokens skipped)" if skipped else ""
     else:
-        raise SimulatorInputError(f"trace format {fmt!r} is unknown; choose one of {FORMATS}")
+        raise InputError(f"trace format {fmt!r} is unknown; choose one of {FORMATS}")
     if not reqs:
-        raise SimulatorInputError(f"{p}: no requests in the file")
+        raise InputError(f"{p}: no requests in the file")
     stem = p.name.split(".")[0]
     return Trace.from_requests(reqs, name=name or stem, source=f"{p} [{fmt}]{note}").rebased()

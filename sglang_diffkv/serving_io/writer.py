@@ -1,4 +1,4 @@
-"""Write a Trace as Mooncake JSONL: the file that drives both this simulator and
+"""Write a Trace as Mooncake JSONL: the file that drives both diffkv-sim and
 ``python -m sglang.bench_serving --dataset-name mooncake --dataset-path F
 --use-trace-timestamps``."""
 
@@ -8,14 +8,14 @@ import gzip
 import json
 from pathlib import Path
 
-from simulator.errors import SimulatorInputError
-from simulator.workload.schema import MOONCAKE_BLOCK_TOKENS, Trace
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.trace import MOONCAKE_BLOCK_TOKENS, Trace
 
 
 def mooncake_lines(trace: Trace) -> list[str]:
     if (trace.prefix_block_tokens != MOONCAKE_BLOCK_TOKENS
             and any(r.prefix_hash_ids for r in trace.requests)):
-        raise SimulatorInputError(
+        raise InputError(
             f"trace {trace.name!r} has prefix ids of {trace.prefix_block_tokens}-token blocks; "
             f"Mooncake's hash_ids name {MOONCAKE_BLOCK_TOKENS}-token blocks")
     lines = []

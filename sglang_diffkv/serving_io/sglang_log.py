@@ -16,10 +16,11 @@ running batch; their mean is compared with the simulator's decode-step mean.
 by the wall time of that interval, which includes any prefill forwards (and idle time) in it.
 ``decode_intervals`` walks the spans between consecutive Decode lines: each is the interval's
 decode steps plus the prefill steps of the Prefill lines inside it, so only those without a
-Prefill line measure decode steps alone (``fit.decode_samples``).
+Prefill line measure decode steps alone (``simulator.validation.fit.decode_samples``).
 For Prefill lines the new sequences, SGLang's ``input throughput`` (the previous Prefill line's
 new tokens over the time between the two lines) and whether the previous scheduler line was a
-Prefill line are kept, so back-to-back prefill steps can be timed (``fit.prefill_samples``).
+Prefill line are kept, so back-to-back prefill steps can be timed
+(``simulator.validation.fit.prefill_samples``).
 Line numbers (1-based) are kept so a fit can name the lines it used.
 """
 
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
 
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 _POOL = re.compile(r"max_total_num_tokens=(\d+)")
@@ -123,7 +124,7 @@ def parse_server_log(path: str | Path) -> ServerLog:
     try:
         text = p.read_text(errors="replace")
     except OSError as e:
-        raise SimulatorInputError(f"cannot read SGLang log {str(p)!r}: {e.strerror}") from e
+        raise InputError(f"cannot read SGLang log {str(p)!r}: {e.strerror}") from e
     log = ServerLog(str(p))
     after_prefill = False    # the last scheduler line was a Prefill line
     for no, line in enumerate(text.splitlines(), start=1):
@@ -159,7 +160,7 @@ def parse_server_log(path: str | Path) -> ServerLog:
         if m := _RETRACT.search(line):
             log.retractions += int(next(g for g in m.groups() if g is not None))
     if log.max_total_num_tokens is None and not log.decode_running:
-        raise SimulatorInputError(
+        raise InputError(
             f"{p}: no 'max_total_num_tokens=' start-up line and no 'Decode batch' lines; is "
             "this an SGLang server log?")
     return log

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from simulator.errors import SimulatorInputError
+from sglang_diffkv.serving_io.errors import InputError
 
 # Mooncake traces name 512-token prompt blocks
 MOONCAKE_BLOCK_TOKENS = 512
@@ -39,17 +39,17 @@ class TraceRequest:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.arrival_s, (int, float)) and math.isfinite(self.arrival_s)):
-            raise SimulatorInputError(f"arrival_s={self.arrival_s!r} must be a finite number")
+            raise InputError(f"arrival_s={self.arrival_s!r} must be a finite number")
         if self.arrival_s < 0:
-            raise SimulatorInputError(f"arrival_s={self.arrival_s!r} must be >= 0")
+            raise InputError(f"arrival_s={self.arrival_s!r} must be >= 0")
         for name in ("input_tokens", "output_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SimulatorInputError(f"{name}={v!r} must be an integer >= 1")
+                raise InputError(f"{name}={v!r} must be an integer >= 1")
         m = self.max_new_tokens
         bad = isinstance(m, bool) or not isinstance(m, int) or m < self.output_tokens
         if m is not None and bad:
-            raise SimulatorInputError(
+            raise InputError(
                 f"max_new_tokens={m!r} must be an integer >= output_tokens={self.output_tokens}"
             )
 
@@ -70,10 +70,10 @@ class Trace:
 
     def __post_init__(self) -> None:
         if not self.requests:
-            raise SimulatorInputError(f"trace {self.name!r} has no requests")
+            raise InputError(f"trace {self.name!r} has no requests")
         b = self.prefix_block_tokens
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise SimulatorInputError(f"prefix_block_tokens={b!r} must be an integer >= 1 "
+            raise InputError(f"prefix_block_tokens={b!r} must be an integer >= 1 "
                                       "(tokens per prefix hash id)")
         arrivals = [r.arrival_s for r in self.requests]
         if any(b < a for a, b in zip(arrivals, arrivals[1:], strict=False)):
@@ -99,7 +99,7 @@ class Trace:
 
     def head(self, n: int) -> Trace:
         if n < 1:
-            raise SimulatorInputError(f"n={n} must be >= 1")
+            raise InputError(f"n={n} must be >= 1")
         return replace(self, requests=self.requests[:n])
 
     def rebased(self) -> Trace:
@@ -113,7 +113,7 @@ class Trace:
     def time_scaled(self, factor: float) -> Trace:
         """Inter-arrival times multiplied by ``factor`` (< 1 replays faster)."""
         if not (factor > 0 and math.isfinite(factor)):
-            raise SimulatorInputError(f"time scale factor={factor!r} must be a positive number")
+            raise InputError(f"time scale factor={factor!r} must be a positive number")
         t0 = self.requests[0].arrival_s
         return replace(
             self, requests=tuple(replace(r, arrival_s=(r.arrival_s - t0) * factor)
@@ -136,7 +136,7 @@ class Trace:
                      ) -> Trace:
         """The trace with request i's field ``attr`` set to ``values[i]`` (and ``changes``)."""
         if len(values) != len(self):
-            raise SimulatorInputError(
+            raise InputError(
                 f"got {what} for {len(values)} requests; the trace has {len(self)}"
             )
         return replace(self, requests=tuple(replace(r, **{attr: v}) for r, v in zip(

@@ -5,19 +5,18 @@ import json
 import pytest
 
 from sglang_diffkv.bench import host_probe as probe
-from simulator.calibration.host_probe import python_loop_ms
 
 
 def test_python_loop_reads_positive_and_scales_with_size():
-    small = python_loop_ms(repeat=3, n=2_000)
-    large = python_loop_ms(repeat=3, n=200_000)
+    small = probe.python_loop_ms(repeat=3, n=2_000)
+    large = probe.python_loop_ms(repeat=3, n=200_000)
     assert 0 < small < large
 
 
 @pytest.mark.parametrize("repeat,n", [(0, 10), (1, 0), (-1, 5)])
 def test_python_loop_rejects_bad_sizes(repeat, n):
     with pytest.raises(ValueError, match=f"repeat={repeat}, n={n}"):
-        python_loop_ms(repeat, n)
+        probe.python_loop_ms(repeat, n)
 
 
 def test_probe_script_writes_one_json_line(tmp_path, capsys, monkeypatch):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from simulator.errors import SimulatorInputError
-from simulator.workload.loaders import load_trace
-from simulator.workload.schema import Trace
+from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.loaders import load_trace
+from sglang_diffkv.serving_io.trace import Trace
 
 # name -> (file, format, one-line description)
 BUNDLED_TRACES: dict[str, tuple[str, str, str]] = {
@@ -29,7 +29,7 @@ BUNDLED_TRACES: dict[str, tuple[str, str, str]] = {
 
 def bundled_path(name: str) -> Path:
     if name not in BUNDLED_TRACES:
-        raise SimulatorInputError(
+        raise InputError(
             f"unknown bundled trace {name!r}; available: {', '.join(BUNDLED_TRACES)}")
     ref = resources.files("traces").joinpath(BUNDLED_TRACES[name][0])
     with resources.as_file(ref) as p:
@@ -42,5 +42,5 @@ def load_named_trace(spec: str, fmt: str | None = None) -> Trace:
         return load_trace(bundled_path(spec), BUNDLED_TRACES[spec][1], name=spec)
     if Path(spec).is_file():
         return load_trace(spec, fmt)
-    raise SimulatorInputError(
+    raise InputError(
         f"trace {spec!r} is neither a bundled trace ({', '.join(BUNDLED_TRACES)}) nor a file")

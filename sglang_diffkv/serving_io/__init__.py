@@ -1,0 +1,14 @@
+"""What the bench harness and the simulator both read, in one place that imports neither
+(tests/test_import_rules.py): the bench produces these files and the simulator replays them or
+is validated against them. Imports the core package root only.
+
+  errors         ``InputError``: the one exception a bad trace, log, record or option raises
+                 (the simulator's and the bench's input errors are its subclasses)
+  trace          the one internal trace schema: ``Trace``, ``TraceRequest``
+  loaders        public trace formats (Mooncake, Azure, BurstGPT, SGLang custom) -> ``Trace``
+  bundled        the small traces shipped in the ``traces`` package, by name
+  writer         ``Trace`` -> Mooncake JSONL (what sglang.bench_serving and diffkv-sim replay)
+  arrivals       seeded arrival processes; ``resample_arrivals`` re-times a trace
+  sglang_log     an SGLang server log: pool size, server args, Decode / Prefill lines
+  prefill_probe  the lone-prefill probe's plan, record and summary
+"""
