@@ -10,8 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -303,3 +305,36 @@ def test_a_candidate_that_dies_mid_run_leaves_the_reference_rows(fakes, tmp_path
     text = capsys.readouterr().out
     assert f"- candidate {dead}: needle/128/0 (" in text and "): no answer: " in text
     assert f"- candidate {dead}: 3 prompt(s) from needle/128/1 on: not sent: {dead}: " in text
+
+
+def test_the_gpu_script_rehearsed_on_the_fake_server(tmp_path):
+    """scripts/gpu_served_quality.sh with REHEARSE=1 (the fake server in SGLang's place): one
+    table per candidate in summary.md as each finishes, everything else in results.tar.gz
+    (at most eight files come back from a GPU call), and a candidate the budget cannot hold
+    skipped with a line."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_served_quality.sh"
+
+    def rehearse(name: str, budget: int, candidates: str) -> tuple[int, Path]:
+        out = tmp_path / name
+        env = {**os.environ, "REHEARSE": "1", "OUT": str(out), "WORK": str(tmp_path / "work"),
+               "BUDGET_S": str(budget), "CANDIDATES": candidates, "KL_TOKENS": "4"}
+        done = subprocess.run(["bash", str(script), "--cases", "1", "--lengths", "256",
+                               "--tasks", "needle,continuation"], env=env,
+                              capture_output=True, text=True, timeout=300)
+        return done.returncode, out
+
+    rc, out = rehearse("full", 300, "sglang_diffkv/presets/smollm2-135m.json fp8")
+    summary = (out / "summary.md").read_text()
+    assert rc == 0, summary
+    assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "summary.md"]
+    assert "### smollm2-135m (diffkv-eval served exit 0" in summary
+    assert "### fp8 (diffkv-eval served exit 0" in summary
+    assert summary.count("| needle | 256 |") == 2
+    # the preset's provenance beside it is the offline harness's KL for it
+    assert "Offline harness (preset provenance, eval split" in summary
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"./smollm2-135m.json", "./fp8.json", "./logs/reference.log"} <= names
+    rc, out = rehearse("short", 30, "fp8")  # a candidate is first guessed at 120 s
+    summary = (out / "summary.md").read_text()
+    assert rc == 3 and "fp8: skipped: " in summary and "BUDGET_S=30" in summary
