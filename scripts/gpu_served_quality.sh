@@ -181,7 +181,7 @@ for c in $CANDIDATES; do
   t_max=$(( $(left) - 10 )); [ "$t_max" -ge 1 ] || t_max=1
   timeout --signal=TERM "$t_max" python3 -m sglang_diffkv.eval.cli served \
     --reference http://127.0.0.1:30000 --candidate http://127.0.0.1:30001 --label "$name" \
-    --inflight "$INFLIGHT" --kl-tokens "$KL_TOKENS" ${off:+--offline "$off"} \
+    --inflight "$INFLIGHT" --timeout-s 120 --kl-tokens "$KL_TOKENS" ${off:+--offline "$off"} \
     --out "$W/$name.json" "$@" > "$W/$name.md" 2> "$W/logs/$name.client.log"
   rc=$?
   stop "$PID"; PID=

@@ -127,6 +127,15 @@ def check_reachable(url: str, timeout_s: float = 10.0) -> None:
             raise ServedError(f"{url}: not reachable: {e}") from None
 
 
+def healthy(url: str, timeout_s: float = 10.0) -> str | None:
+    """None when GET /health answers 200 within ``timeout_s``, else why not (one line)."""
+    try:
+        _request(url, "/health", None, timeout_s)
+    except RequestError as e:
+        return f"{url}: /health: {e}" if e.status is not None else f"{url}: not reachable: {e}"
+    return None
+
+
 def server_limits(url: str, timeout_s: float = 30.0) -> dict[str, int | None]:
     """SGLang's /server_info: the context length and the longest prompt it accepts
     (None where the server does not say)."""
@@ -311,8 +320,9 @@ def ask_all(url: str, cases: Sequence[TaskCase], inflight: int, timeout_s: float
             top_k: Callable[[TaskCase], int] = lambda c: 0,
             on_error: Callable[[TaskCase, str], None] = lambda c, e: None) -> list[Answer]:
     """Every case, ``inflight`` at a time. A request with no answer (refused, reset, timed
-    out) is an error row; if the server then does not answer /health either, it is down and
-    every prompt not yet sent is an error row too, without being sent."""
+    out) is an error row; if the server then does not answer /health with 200 within 10 s
+    either, it is down (or hung) and every prompt not yet sent is an error row too, without
+    being sent."""
     down: list[str] = []
     lock = threading.Lock()
 
@@ -325,12 +335,11 @@ def ask_all(url: str, cases: Sequence[TaskCase], inflight: int, timeout_s: float
             a = generate(url, c, timeout_s, top_k(c))
         except RequestError as e:
             a = Answer("", None, None, error=f"no answer: {e}")
-            try:
-                check_reachable(url, 10.0)
-            except ServedError as dead:
+            why = healthy(url, 10.0)
+            if why is not None:
                 with lock:
                     if not down:
-                        down.append(f"{dead} (after {c.key})")
+                        down.append(f"{why} (after {c.key})")
         if a.error is not None:
             on_error(c, a.error)
         return a
