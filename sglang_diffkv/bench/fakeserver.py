@@ -26,6 +26,19 @@ and no ``stream`` answers at once, as a "copy model": its ``text`` is the prompt
 its ``output_ids`` the last ``max_new_tokens`` bytes of it, so an answer is found exactly when
 the prompt still holds it. ``FAKE_FORGET="a,b"`` (``FakeState.forget``) drops the prompt's
 characters between fractions a and b, as a cache that lost the middle of the context would.
+Its tokenizer (``fake_token_count``) counts every digit as a token and the other characters
+at ``FAKE_CHARS_PER_TOKEN`` (default 4) a token, so a numbered word list takes about twice the
+tokens of prose per character, as in a real BPE tokenizer; ``meta_info.prompt_tokens`` and
+``POST /tokenize`` (``{"prompt": text or [texts]}`` -> ``{"tokens", "count",
+"max_model_len"}``, absent with ``FAKE_NO_TOKENIZE=1``) use it. ``--context-length`` (default
+8192, ``GET /server_info`` reports it and ``max_req_input_len`` = context - 6) is enforced as
+SGLang 0.5.17's tokenizer manager does: HTTP 400 ``{"error": {"message": "The input (N
+tokens) is longer than the model's context length (C tokens)."}}``, or the "Requested token
+count exceeds" one when the prompt fits but not with ``max_new_tokens``. With
+``return_logprob`` and ``top_logprobs_num`` k, ``meta_info.output_top_logprobs`` gives, per
+output position, the k most likely of the fake's distribution over the 256 byte ids,
+``[logprob, id, null]``: softmax of -|id - output id| / ``FAKE_LOGIT_T`` (default 4), so
+two fakes with different temperatures have a known KL (``fake_logprobs``).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -49,6 +63,24 @@ from sglang_diffkv.request_params import RequestParamError, thresholds_for_reque
 
 READY = "The server is fired up and ready to roll!"
 ERROR_HOOK_TOKENS = 99_991  # max_new_tokens that makes /generate stream an error chunk
+
+
+FAKE_VOCAB = 256  # the copy model's token ids are bytes
+
+
+def fake_token_count(text: str, chars_per_token: int = 4) -> int:
+    """The fake tokenizer: one token a digit, ``chars_per_token`` other characters a token."""
+    digits = sum(ch.isdigit() for ch in text)
+    return digits + -(-(len(text) - digits) // chars_per_token)
+
+
+def fake_logprobs(token: int, temperature: float) -> list[float]:
+    """The copy model's next-token log-distribution over the byte ids when it emits
+    ``token``: log-softmax of -|id - token| / temperature."""
+    z = [-abs(i - token) / temperature for i in range(FAKE_VOCAB)]
+    top = max(z)
+    norm = top + math.log(sum(math.exp(x - top) for x in z))
+    return [x - norm for x in z]
 
 
 def log(msg: str) -> None:
@@ -82,17 +114,45 @@ class FakeState:
     faults: frozenset[str] = frozenset()  # "accept_invalid", "short" (see the docstring)
     by_rid: dict[str, FakeReq] = field(default_factory=dict)
     forget: tuple[float, float] | None = None  # text prompts: the fraction range dropped
+    context_length: int = 8192
+    chars_per_token: int = 4
+    logit_t: float = 4.0
 
-    def copy_answer(self, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+    def count(self, text: str) -> int:
+        return fake_token_count(text, self.chars_per_token)
+
+    def length_error(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """SGLang 0.5.17's tokenizer-manager checks of a prompt against the context."""
+        ctx = self.context_length
+        if prompt_tokens >= ctx:
+            return (f"The input ({prompt_tokens} tokens) is longer than the model's context "
+                    f"length ({ctx} tokens).")
+        if prompt_tokens + max_new_tokens > ctx:
+            return ("Requested token count exceeds the model's maximum context length of "
+                    f"{ctx} tokens. You requested a total of {prompt_tokens + max_new_tokens} "
+                    f"tokens: {prompt_tokens} tokens from the input messages and "
+                    f"{max_new_tokens} tokens for the completion.")
+        return None
+
+    def copy_answer(self, prompt: str, max_new_tokens: int, top_logprobs_num: int = 0
+                    ) -> dict[str, Any]:
         """The text-mode answer (see the module docstring)."""
         kept = prompt
         if self.forget is not None:
             a, b = (int(f * len(prompt)) for f in self.forget)
             kept = prompt[:a] + prompt[b:]
         ids = list(kept.encode()[-max_new_tokens:])
-        return {"text": kept, "output_ids": ids,
-                "meta_info": {"prompt_tokens": len(prompt) // 4, "completion_tokens": len(ids),
-                              "finish_reason": {"type": "length"}}}
+        meta: dict[str, Any] = {"prompt_tokens": self.count(prompt),
+                                "completion_tokens": len(ids),
+                                "finish_reason": {"type": "length"}}
+        if top_logprobs_num > 0:
+            dists = [fake_logprobs(t, self.logit_t) for t in ids]
+            meta["output_token_logprobs"] = [[d[t], t, None] for d, t in zip(dists, ids,
+                                                                             strict=True)]
+            meta["output_top_logprobs"] = [
+                [[d[i], i, None] for i in sorted(range(FAKE_VOCAB), key=lambda i: -d[i])
+                 [:top_logprobs_num]] for d in dists]
+        return {"text": kept, "output_ids": ids, "meta_info": meta}
 
     def finish(self, r: FakeReq, reason: str) -> None:
         meta = {"completion_tokens": r.done, "finish_reason": {"type": reason}}
@@ -147,8 +207,13 @@ def make_app(state: FakeState) -> web.Application:
         ids = body.get("input_ids")
         sp = body.get("sampling_params") or {}
         if isinstance(body.get("text"), str) and not body.get("stream"):
-            return web.json_response(state.copy_answer(body["text"],
-                                                       int(sp.get("max_new_tokens", 16))))
+            new = int(sp.get("max_new_tokens", 16))
+            err = state.length_error(state.count(body["text"]), new)
+            if err is not None:
+                log(f"[http_server] Error: {err}")
+                return web.json_response({"error": {"message": err}}, status=400)
+            k = int(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else 0
+            return web.json_response(state.copy_answer(body["text"], new, k))
         if not isinstance(ids, list) or not ids or not body.get("stream"):
             return web.json_response({"error": {"message": "need input_ids and stream"}},
                                      status=400)
@@ -213,6 +278,24 @@ def make_app(state: FakeState) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        prompt = body.get("prompt")
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            return web.json_response({"object": "error", "message": "need prompt"}, status=400)
+        counts = [state.count(t) for t in texts]
+        tokens = [list(range(n)) for n in counts]
+        return web.json_response({
+            "tokens": tokens[0] if isinstance(prompt, str) else tokens,
+            "count": counts[0] if isinstance(prompt, str) else counts,
+            "max_model_len": state.context_length})
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"context_length": state.context_length,
+                                  "max_req_input_len": state.context_length - 6,
+                                  "version": "fake"})
+
     async def get_load(request: web.Request) -> web.Response:
         live = [r for r in state.running if not r.aborted]
         queued = [r for r in state.waiting if not r.aborted]
@@ -241,6 +324,9 @@ def make_app(state: FakeState) -> web.Application:
     app.router.add_get("/get_load", get_load)
     app.router.add_post("/freeze_gc", freeze_gc)
     app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    if os.environ.get("FAKE_NO_TOKENIZE") != "1":
+        app.router.add_post("/tokenize", tokenize)
     app.cleanup_ctx.append(ticker)
     return app
 
@@ -252,12 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--decode-log-interval", type=int, default=40)
+    p.add_argument("--context-length", type=int, default=8192)
     a, _ = p.parse_known_args(argv)
     state = FakeState(step_s=float(os.environ.get("FAKE_STEP_S", "0.01")),
                       stream_interval=a.stream_interval,
                       decode_log_interval=a.decode_log_interval,
                       max_running=int(os.environ.get("FAKE_MAX_RUNNING", "64")),
                       diffkv=a.attention_backend == "diffkv")
+    state.context_length = a.context_length
+    state.chars_per_token = int(os.environ.get("FAKE_CHARS_PER_TOKEN", "4"))
+    state.logit_t = float(os.environ.get("FAKE_LOGIT_T", "4"))
     if forget := os.environ.get("FAKE_FORGET"):
         a_, b_ = (float(x) for x in forget.split(","))
         state.forget = (a_, b_)
@@ -269,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     log(f"max_total_num_tokens={state.pool_tokens}, chunked_prefill_size=8192, "
         f"max_prefill_tokens=16384, max_running_requests={state.max_running}, "
-        "context_len=8192")
+        f"context_len={state.context_length}")
     if state.diffkv:
         log(f"DiffKV KV cache: config from SGLANG_DIFFKV_CONFIG="
             f"{os.environ.get('SGLANG_DIFFKV_CONFIG')}")

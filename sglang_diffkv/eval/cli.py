@@ -216,6 +216,12 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+# diffkv-eval served's exit status when the run finished but some prompts got an error from a
+# server (each is one stderr line and counted in its row); 1: a server could not be used at
+# all; 2: a bad argument
+SERVED_PROMPT_ERRORS = 3
+
+
 def cmd_served(args) -> int:
     from sglang_diffkv.eval import data, served, served_tasks
 
@@ -224,27 +230,96 @@ def cmd_served(args) -> int:
         print(f"diffkv-eval: error: --tasks {','.join(bad)}: unknown; choose from "
               f"{','.join(served_tasks.TASKS)}", file=sys.stderr)
         return 2
+    problems = [msg for bad, msg in (
+        (args.offline and not Path(args.offline).is_file(),
+         f"--offline {args.offline}: no such file"),
+        (args.kl_tokens < 0, f"--kl-tokens {args.kl_tokens}: must be >= 0"),
+        (args.kl_top_k < 1, f"--kl-top-k {args.kl_top_k}: must be >= 1"),
+        (not 0 < args.size_tolerance < 1,
+         f"--size-tolerance {args.size_tolerance}: must be in (0, 1)"),
+        (min(args.lengths, default=1) < 1, f"--lengths {args.lengths}: must be >= 1"),
+    ) if bad]
+    if problems:
+        print(f"diffkv-eval: error: {problems[0]}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     filler = data.wikitext(data.find(data.WIKITEXT, args.data_dir))
     cases = served_tasks.cases(args.tasks, args.lengths, args.cases, filler, args.seed)
-    log.info("%d prompts to %s (reference) and %s (candidate)", len(cases), args.reference,
-             args.candidate)
-    try:
-        result = served.run(args.reference, args.candidate, cases, args.inflight,
-                            args.timeout_s)
-    except served.ServedError as e:
+
+    def fail(e: Exception) -> int:
         print(f"diffkv-eval served: error: {e}", file=sys.stderr)
         return 1
+
+    try:
+        for url in (args.reference, args.candidate):
+            served.check_reachable(url)
+        limits = served.server_limits(args.reference)
+        if args.context_length:
+            limits = {"context_length": args.context_length, "max_req_input_len": None}
+        t0 = time.perf_counter()
+        cases = served.size_cases(
+            cases, filler, args.seed,
+            lambda prompts: served.count_tokens(args.reference, prompts, args.timeout_s,
+                                                args.inflight),
+            lambda c: served.token_cap(limits["context_length"], limits["max_req_input_len"],
+                                       c.max_new_tokens),
+            args.size_tolerance)
+    except served.ServedError as e:
+        return fail(e)
+    capped: dict[int, int] = {}
+    for c in cases:
+        if c.target < c.length:
+            capped[c.length] = min(c.target, capped.get(c.length, c.target))
+    log.info("%d prompts sized by %s's token count in %.1fs (context %s%s)", len(cases),
+             args.reference, time.perf_counter() - t0, limits["context_length"] or "unknown",
+             "".join(f"; {n} tokens capped at {t} or less (the answer's tokens)"
+                     for n, t in sorted(capped.items())))
+    log.info("%d prompts to %s (reference) and %s (candidate)", len(cases), args.reference,
+             args.candidate)
+
+    def error_line(who: str, key: str, tokens: int | None, e: str) -> str:
+        return (f"{who} {getattr(args, who)}: {key} "
+                f"({tokens if tokens is not None else '?'} tokens): {e}")
+
+    def on_error(who: str, c, e: str) -> None:
+        print(f"diffkv-eval served: {error_line(who, c.key, c.tokens, e)}", file=sys.stderr,
+              flush=True)
+
+    result = served.run(args.reference, args.candidate, cases, args.inflight, args.timeout_s,
+                        args.kl_tokens, args.kl_top_k, on_error)
+    if args.offline:
+        names = [args.offline_config] if args.offline_config else served.offline_names(
+            args.label)
+        result["offline"] = served.offline_kl(args.offline, names) or {
+            "file": args.offline, "kl_mean": None,
+            "note": f"{args.offline} has no config named {' or '.join(names) or '(no label)'}"}
     result["meta"] = {"reference": args.reference, "candidate": args.candidate,
                       "label": args.label, "tasks": args.tasks, "lengths": args.lengths,
-                      "cases": args.cases, "seed": args.seed, "commit": _commit(),
+                      "cases": args.cases, "seed": args.seed, "context": limits,
+                      "size_tolerance": args.size_tolerance, "kl_tokens": args.kl_tokens,
+                      "kl_top_k": args.kl_top_k, "commit": _commit(),
                       "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(served.table(result))
+    errors = result["errors"]
+    if errors:
+        print(f"\n{len(errors)} prompt(s) got an error from a server (left out of the pass "
+              "rates; the errors column):")
+        shown: set[tuple[str, str]] = set()
+        for e in errors:  # prompts not sent to a server found down: one line for them all
+            if e["error"].startswith(served.NOT_SENT):
+                if (e["server"], e["error"]) not in shown:
+                    n = sum(x["server"] == e["server"] and x["error"] == e["error"]
+                            for x in errors)
+                    shown.add((e["server"], e["error"]))
+                    print(f"- {e['server']} {getattr(args, e['server'])}: {n} prompt(s) from "
+                          f"{e['case']} on: {e['error']}")
+                continue
+            print(f"- {error_line(e['server'], e['case'], e['tokens'], e['error'])}")
     log.info("wrote %s (%.0fs)", out, result["seconds"])
-    return 0
+    return SERVED_PROMPT_ERRORS if errors else 0
 
 
 def cmd_report(args) -> int:
@@ -338,8 +413,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--answer-tokens", type=int, default=8)
     c.set_defaults(func=cmd_calibrate)
 
-    sv = sub.add_parser("served", help="the same prompts to a reference and a candidate "
-                                       "server: needles, RULER-style tasks, continuations")
+    sv = sub.add_parser(
+        "served", help="the same prompts to a reference and a candidate server: needles, "
+                       "RULER-style tasks, continuations",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit status: 0 every prompt answered by both servers; 1 a server could not "
+               "be used (not\nreachable, or unreachable while sizing the prompts): one line, "
+               "no results; 2 a bad\nargument; "
+               f"{SERVED_PROMPT_ERRORS} the run finished, but some prompts got an error from a "
+               "server (one\nstderr line each; counted in the table's errors column, left "
+               "out of the pass rates).")
     sv.add_argument("--reference", required=True, help="URL of the reference server (bf16)")
     sv.add_argument("--candidate", required=True, help="URL of the server under test")
     sv.add_argument("--label", default="", help="what the candidate serves, for the record")
@@ -347,13 +430,32 @@ def build_parser() -> argparse.ArgumentParser:
                     default=["needle", "multikey", "vartrack", "cwe", "continuation"],
                     help="comma list (default: all)")
     sv.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 7168],
-                    help="prompt lengths in tokens, about (default %(default)s)")
+                    help="prompt lengths in tokens: each prompt is sized by the reference's "
+                         "own token count to within --size-tolerance under it, or under the "
+                         "context less the answer's tokens (default %(default)s)")
+    sv.add_argument("--size-tolerance", type=float, default=0.03,
+                    help="how far under its length a sized prompt may be (default %(default)s)")
+    sv.add_argument("--context-length", type=int, default=0,
+                    help="the served context in tokens (default: the reference's /server_info)")
     sv.add_argument("--cases", type=int, default=8,
                     help="cases per task and length, depths spread over [0, 1] (default 8)")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--inflight", type=int, default=4, help="requests in flight per server")
     sv.add_argument("--timeout-s", type=float, default=600.0)
     sv.add_argument("--data-dir", default=None, help="folder with wikitext2_raw_test.txt")
+    sv.add_argument("--kl-tokens", type=int, default=0,
+                    help="also the KL of the candidate's next-token distributions against the "
+                         "reference's over the first N generated tokens of the continuation "
+                         "prompts, from top-k logprobs (default 0: off)")
+    sv.add_argument("--kl-top-k", type=int, default=20,
+                    help="top_logprobs_num asked of both servers for the KL (default 20)")
+    sv.add_argument("--offline", default=None,
+                    help="an offline harness results file (diffkv-eval run --out, calibrate "
+                         "--results, or a preset's .provenance.json) whose KL for the "
+                         "candidate's config is printed beside the served one")
+    sv.add_argument("--offline-config", default=None,
+                    help="the config's name in --offline (default: --label, its file stem, "
+                         "diffkv-<stem>)")
     sv.add_argument("--out", default="results/served.json")
     sv.set_defaults(func=cmd_served)
 

@@ -1,8 +1,10 @@
 """Text prompts with known answers for the served-path harness (``diffkv-eval served``).
 
-Each case is plain text (servers tokenise it themselves), sized to about ``length`` tokens of
-wikitext filler at CHARS_PER_TOKEN characters a token (the servers report the real prompt
-token count, which the report shows). Tasks, after RULER's synthetic ones:
+Each case is plain text (servers tokenise it themselves). ``build`` sizes it to ``chars``
+characters, by default ``length`` tokens at CHARS_PER_TOKEN characters a token; that is only a
+first guess (a numbered word list takes about twice the tokens of prose per character), so
+``diffkv-eval served`` rescales every case until the server's own token count is just under
+``length`` (sglang_diffkv.eval.served.size_cases). Tasks, after RULER's synthetic ones:
 
 - ``needle``: one passkey sentence at a depth of the filler; the answer is the passkey.
 - ``multikey``: several passkeys with different names; the question asks for one.
@@ -34,12 +36,14 @@ CWE_WORDS = ("apple", "river", "candle", "forest", "marble", "violet", "engine",
 @dataclass(frozen=True)
 class TaskCase:
     task: str
-    length: int  # target prompt length in tokens (approximate, see CHARS_PER_TOKEN)
+    length: int  # target prompt length in tokens (what --lengths asked for)
     index: int
     depth: float
     prompt: str
     expected: tuple[str, ...]  # empty for continuation
     max_new_tokens: int
+    tokens: int | None = None  # the server's token count of the prompt, once sized
+    target: int | None = None  # the count sizing aimed under: length, or less near the context
 
     @property
     def key(self) -> str:
@@ -52,12 +56,16 @@ def passed(case: TaskCase, answer: str) -> bool:
 
 
 def _filler(text: str, chars: int) -> str:
-    """``chars`` characters of ``text`` (repeated when short), cut at a sentence end."""
+    """``chars`` characters of ``text`` (repeated when short), cut at a sentence end if one
+    lies in the last 2 %, else at a word end (so the length follows ``chars`` closely)."""
     if chars <= 0:
         return ""
     body = (text * (chars // max(len(text), 1) + 1))[:chars]
     cut = body.rfind(". ")
-    return body[:cut + 1] if cut > chars // 2 else body
+    if cut >= chars * 0.98:
+        return body[:cut + 1]
+    cut = body.rfind(" ")
+    return body[:cut] if cut > chars // 2 else body
 
 
 def _insert(filler: str, piece: str, depth: float) -> str:
@@ -77,17 +85,20 @@ def _name(rng: random.Random) -> str:
 
 
 def build(task: str, length: int, index: int, depth: float, filler_text: str,
-          seed: int = 0) -> TaskCase:
-    """One case of ``task`` at about ``length`` tokens, its needle(s) at ``depth``."""
+          seed: int = 0, chars: int | None = None) -> TaskCase:
+    """One case of ``task`` of about ``chars`` characters (default ``length`` tokens at
+    CHARS_PER_TOKEN), its needle(s) at ``depth``. The answer (passkeys, names, common words)
+    and the continuation's start depend on (seed, task, length, index) only, so resizing a
+    case keeps them."""
     if task not in TASKS:
         raise ValueError(f"task {task!r} is unknown; choose from {', '.join(TASKS)}")
     if not 0 <= depth <= 1:
         raise ValueError(f"depth={depth} must be in [0, 1]")
     rng = random.Random(f"{seed}/{task}/{length}/{index}")
-    budget = length * CHARS_PER_TOKEN
+    budget = length * CHARS_PER_TOKEN if chars is None else chars
     new = ANSWER_TOKENS[task]
     if task == "continuation":
-        start = rng.randrange(max(len(filler_text) - budget, 1))
+        start = rng.randrange(len(filler_text))  # (not of the size: resizing keeps the start)
         return TaskCase(task, length, index, depth, _filler(filler_text[start:] + filler_text,
                                                             budget), (), new)
     if task == "needle":
