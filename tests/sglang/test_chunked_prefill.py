@@ -25,6 +25,7 @@ and position (batching differs between the runs, a request's outputs do not depe
 from __future__ import annotations
 
 import json
+import os
 
 import harness as H
 import pytest
@@ -431,3 +432,33 @@ def test_admission_counts_the_whole_prompt_at_its_first_chunk(monkeypatch):
     assert order.index("second") > len(order) - 1 - order[::-1].index("long")
     assert sorted(r.rid for r in s.finished) == ["long", "second"]
     assert_idle(s)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+def test_kernel_path_chunks_match_the_reference_path(monkeypatch):
+    """The same chunked run with the Triton kernels behind the ops seam (extend attention
+    over the stored chunks, whole prompts' scoring and compression) and with the torch
+    reference: the same stored counts after every step, outputs within bf16 rounding."""
+    monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
+    shape = H.ModelShape(dtype=torch.bfloat16)
+    runs = []
+    for kernels in ("1", "0"):
+        monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", kernels)
+        s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8), chunked_prefill_size=32)
+        assert s.runner.attn_backend.ops.use_kernels == (kernels == "1")
+        s.add_request("a", prompt(70), 4)
+        s.add_request("b", prompt(20, 1), 3)
+        s.run_until_idle()
+        assert_idle(s)
+        runs.append(s)
+    sk, sr = runs
+    assert sk.chunks == sr.chunks == [("a", 0, 32), ("a", 32, 32), ("a", 64, 6),
+                                      ("b", 0, 20)]
+    for rk, rr in zip(sk.records, sr.records, strict=True):
+        assert torch.equal(rk.counts_after, rr.counts_after)
+    ok, orr = outputs_by_position(sk), outputs_by_position(sr)
+    assert ok.keys() == orr.keys()
+    for key in ok:
+        w = orr[key].double()
+        assert float(torch.linalg.norm(ok[key].double() - w) / torch.linalg.norm(w)) < 2e-2, key
