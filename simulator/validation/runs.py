@@ -51,6 +51,7 @@ import multiprocessing
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from functools import partial
@@ -109,6 +110,15 @@ from simulator.validation.step_fit import (
 # the repository root: git provenance, relative paths in the report, default output folders
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "diffkv-sim validate-runs"  # the command, in messages and in the report
+
+_T0 = time.monotonic()
+
+
+def progress(msg: str) -> None:
+    """One line on stderr, with the seconds since the start: fitting and replaying every run
+    takes minutes."""
+    print(f"{PROG} [{time.monotonic() - _T0:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
 
 
 def slice_log(run: HarnessRun, whole: Path) -> ServerLog:
@@ -333,6 +343,7 @@ def fit_backend(h: HarnessResults, a: argparse.Namespace, calib: Calibration,
     """One backend's step costs from its fitting runs ``job`` = (backend, run keys): the
     interval fit, then the refinement where ``--refine-on-metrics`` asks for it."""
     be, keys = job
+    progress(f"{be}: fitting step costs on {len(keys)} run(s): {', '.join(keys)}")
     base = with_given(calib, be, a)
     first_token = a.first_token_latency_s.get(be)
     hold = a.refine_hold[be]
@@ -405,7 +416,14 @@ def refine(h: HarnessResults, info: dict[str, Any], fitted: Calibration, base: C
     runs = [r for r in h.runs if is_fitting_run(r, fitting)]
     sub = replace(h, runs=runs)
 
+    evals = 0
+
     def evaluate(c: Calibration) -> list[dict]:
+        nonlocal evals
+        evals += 1
+        if evals == 1 or evals % 5 == 0:
+            progress(f"{be}: refinement evaluation {evals} (at most {max_evals}) of "
+                     f"{len(runs)} run(s)")
         # no run counts as fitting here, so the rows carry the targets they would have
         return validate(sub, {"base": base, be: c}, model, gpu, set())[0]
 
@@ -470,8 +488,8 @@ def _mean(xs: list[int]) -> float | None:
 
 
 def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu: str,
-             fitting: set[str], held: dict[str, str] | None = None
-             ) -> tuple[list[dict], dict[str, Any]]:
+             fitting: set[str], held: dict[str, str] | None = None, *,
+             report_progress: bool = False) -> tuple[list[dict], dict[str, Any]]:
     """Rows for every run; a fitting run's rows are marked in-sample and carry no target; a
     held-out run's (``held``: run key -> kind, ``held_out.held_out_runs``) are marked
     ``held_out`` with its kind; every row of a run carries its load and load band."""
@@ -480,7 +498,9 @@ def validate(h: HarnessResults, calibs: dict[str, Calibration], model: str, gpu:
     sims: dict[str, Any] = {}
     pools_done: set[str] = set()
     base = calibs["base"]
-    for run in h.runs:
+    for i, run in enumerate(h.runs):
+        if report_progress:
+            progress(f"replaying run {i + 1}/{len(h.runs)}: {run.key}")
         in_sample = is_fitting_run(run, fitting)
         log = slice_log(run, run.server_log or h.server_logs[run.config])
         settings, fmt = server_settings(h.configs[run.config], log)
@@ -1178,7 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
             shipped = load_calibration_set(load_gpu(a.gpu).key)
             calibs = {"base": shipped.for_key("bf16"), **shipped.by_backend}
             calib = calibs["base"]
-        rows, sims = validate(h, calibs, a.model, a.gpu, fitting, held)
+        rows, sims = validate(h, calibs, a.model, a.gpu, fitting, held, report_progress=True)
     except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -38,11 +38,15 @@ def test_bands_split_a_ladder_by_its_load_and_bursts_are_saturation():
     assert set(BANDS) >= {"< 50%", "50-80%", ">= 80%", "saturation"}
 
 
-def test_held_out_rows_are_reported_apart_with_their_load_band(results, tmp_path):
+def test_held_out_rows_are_reported_apart_with_their_load_band(results, tmp_path, capsys):
     vs = _runs()
     doc, out = tmp_path / "d.md", tmp_path / "rows.json"
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out),
                     "--held-out", "bf16/ladder*"]) == 0
+    # minutes of fitting and replay say where they are, one line per stage and run
+    err = capsys.readouterr().err
+    assert "fitting step costs on 1 run(s): bf16/longgen" in err
+    assert "replaying run 1/" in err and "bf16/ladder@0.5x" in err
     got = json.loads(out.read_text())
     assert got["held_out"] == {"bf16/ladder@0.5x": "load level"}
     held = [r for r in got["rows"] if r["held_out"]]
