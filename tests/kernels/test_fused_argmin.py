@@ -68,7 +68,7 @@ class Pair:
         assert self.scan.hints is None and self.fused.hints is not None
         # records start as garbage: only the protocol may make one valid
         self.fused.hints.copy_(torch.randint(-(1 << 62), 1 << 62, self.fused.hints.shape,
-                                             generator=self.g))
+                                             generator=self.g).to(DEV))
         self.used = 0  # rows whose record the fused policy step took
         self.rows = 0
         self.seen: set[int] = set()
@@ -84,9 +84,9 @@ class Pair:
         assert torch.equal(a.manager.table, b.manager.table)
 
     def prefill(self, slots: list[int], lengths: list[int]) -> None:
-        req, lens = torch.tensor(slots), torch.tensor(lengths)
+        req, lens = torch.tensor(slots, device=DEV), torch.tensor(lengths, device=DEV)
         lmax = max(lengths)
-        qkv = [[torch.randn(len(slots), h, lmax, D, generator=self.g) for h in
+        qkv = [[torch.randn(len(slots), h, lmax, D, generator=self.g).to(DEV) for h in
                 (HKV * GROUP, HKV, HKV)] for _ in range(LAYERS)]
         for c in self.caches:
             c.begin_prefill(req, lens).raise_if_failed()
@@ -110,7 +110,7 @@ class Pair:
     def decode(self, slots: list[int], positions: list[int], expect_valid=None) -> None:
         """One kernel-path decode step of every layer on both caches, checked.
         ``expect_valid``: per batch row, whether its records must be valid (None: any)."""
-        req, pos = torch.tensor(slots), torch.tensor(positions)
+        req, pos = torch.tensor(slots, device=DEV), torch.tensor(positions, device=DEV)
         b = len(slots)
         for c in self.caches:
             c.begin_decode(req).raise_if_failed()
@@ -118,9 +118,8 @@ class Pair:
         steps = [o.begin_decode_step(req, pos, seq) for o in (self.scan, self.fused)]
         mix = self.cfg.bench_mix
         for layer in range(LAYERS):
-            k = torch.randn(b, HKV, D, generator=self.g).bfloat16()
-            v = torch.randn(b, HKV, D, generator=self.g).bfloat16()
-            q = torch.randn(b, HKV * GROUP, D, generator=self.g).bfloat16()
+            k, v, q = (torch.randn(b, h, D, generator=self.g).bfloat16().to(DEV)
+                       for h in (HKV, HKV, HKV * GROUP))
             fc = self.fc
             ref_pages, ref_counts = fc.pages.clone(), fc.manager.counts.clone()
             want = decode_policy_step_reference(
@@ -132,7 +131,7 @@ class Pair:
             valid = decode_hint.valid(self.fused.hints[req, layer], fc.counts[req, layer],
                                       first, pos, self.cfg.window)
             if expect_valid is not None:
-                exp = torch.tensor(expect_valid)[:, None].expand_as(valid)
+                exp = torch.tensor(expect_valid, device=DEV)[:, None].expand_as(valid)
                 assert torch.equal(valid, exp), (layer, valid, exp)
             self.used += int(valid.sum())
             self.rows += valid.numel()
@@ -164,14 +163,13 @@ class Pair:
     def reference_step(self, slots: list[int], positions: list[int]) -> None:
         """One decode step through the torch reference path on both caches (no record is
         armed or filled)."""
-        req, pos = torch.tensor(slots), torch.tensor(positions)
+        req, pos = torch.tensor(slots, device=DEV), torch.tensor(positions, device=DEV)
         b = len(slots)
         for c in self.caches:
             c.begin_decode(req).raise_if_failed()
         for layer in range(LAYERS):
-            k = torch.randn(b, HKV, D, generator=self.g)
-            v = torch.randn(b, HKV, D, generator=self.g)
-            q = torch.randn(b, HKV * GROUP, D, generator=self.g)
+            k, v, q = (torch.randn(b, h, D, generator=self.g).to(DEV)
+                       for h in (HKV, HKV, HKV * GROUP))
             for c in self.caches:
                 c.decode_layer_store(layer, req, pos, k, v)
                 c.decode_layer_attend(layer, req, q, SCALE)
@@ -236,8 +234,8 @@ def test_fused_argmin_through_a_serving_life(bench):
 
 def _one_policy_step(cache, req, pos, hints, g):
     b = req.shape[0]
-    k = torch.randn(b, HKV, D, generator=g).bfloat16()
-    v = torch.randn(b, HKV, D, generator=g).bfloat16()
+    k = torch.randn(b, HKV, D, generator=g).bfloat16().to(DEV)
+    v = torch.randn(b, HKV, D, generator=g).bfloat16().to(DEV)
     return decode_policy_step(cache.pages, cache.geometry, cache.manager.table,
                               cache.manager.counts, req, 0, pos, cache.alpha[req],
                               cache.config.window, k, v, shared=cache.manager.shared,
@@ -253,7 +251,8 @@ def test_valid_record_is_what_the_policy_takes_and_a_missing_merge_is_caught():
     pair.decode(slots, lens)
     pair.decode(slots, [n + 1 for n in lens], expect_valid=[True, True])
     c, hints = pair.fc, pair.fused.hints
-    req, pos = torch.tensor(slots), torch.tensor([n + 2 for n in lens])
+    req, pos = (torch.tensor(slots, device=DEV),
+                torch.tensor([n + 2 for n in lens], device=DEV))
     c.begin_decode(req).raise_if_failed()
     first = c.manager.shared[req, 0].long() * per_page(c)
     assert bool(decode_hint.valid(hints[req, 0], c.counts[req, 0], first, pos, 4).all())
@@ -275,8 +274,8 @@ def test_valid_record_is_what_the_policy_takes_and_a_missing_merge_is_caught():
     ref_pages, ref_counts = c.pages.clone(), c.manager.counts.clone()
     g1, g2 = (torch.Generator().manual_seed(7) for _ in range(2))
     d = _one_policy_step(c, req, pos2, hints, g1)
-    kk = torch.randn(2, HKV, D, generator=g2).bfloat16()
-    vv = torch.randn(2, HKV, D, generator=g2).bfloat16()
+    kk = torch.randn(2, HKV, D, generator=g2).bfloat16().to(DEV)
+    vv = torch.randn(2, HKV, D, generator=g2).bfloat16().to(DEV)
     want = decode_policy_step_reference(ref_pages, c.geometry, c.manager.table, ref_counts,
                                         req, 0, pos2, c.alpha[req], 4, kk, vv,
                                         shared=c.manager.shared)
