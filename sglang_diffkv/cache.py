@@ -598,6 +598,12 @@ class CompressedKVCache:
         m, o = self.manager, other.manager
         m.shared.copy_(o.shared)
         m._refs_buf.copy_(o._refs_buf)
+        if m.decode_hints is not None:
+            # the fused argmin's records follow the state they describe (or none is valid)
+            if o.decode_hints is not None:
+                m.decode_hints.copy_(o.decode_hints)
+            else:
+                m.decode_hints.fill_(-1)
         m.handles = {k: replace(h, pages=h.pages.to(self.device),
                                 n_tokens=h.n_tokens.to(self.device))
                      for k, h in o.handles.items()}

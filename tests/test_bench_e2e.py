@@ -13,8 +13,10 @@ import pytest
 from sglang_diffkv.bench.budget import Budget
 from sglang_diffkv.bench.e2e import main
 from sglang_diffkv.bench.errors import BenchInputError
+from sglang_diffkv.bench.server import parse_config_list
 from sglang_diffkv.bench.workloads import (
     LongGen,
+    auto_longgen_n,
     ladder_trace,
     parse_rates,
     parse_workloads,
@@ -35,6 +37,40 @@ def test_longgen_shape_and_seed() -> None:
     assert t == LongGen(n=64, seed=3).trace() and t != LongGen(n=64, seed=4).trace()
     with pytest.raises(BenchInputError, match="input range"):
         LongGen(input_min=800, input_max=700)
+
+
+def test_auto_longgen_n_from_the_reported_capacity() -> None:
+    lg = LongGen(input_min=256, input_max=768, output_len=4096)  # mean request 4608 tokens
+    # DiffKV on an H100 at 30/50/20: 1,774,212 logical slots, all-high capacity smaller
+    a = auto_longgen_n(lg, 1_774_212, 1_100_000, 1024)
+    assert a.capacity_tokens == 1_774_212 and a.n == math.ceil(2 * 1_774_212 / 4608) == 771
+    assert a.n > 512 and "max_total_num_tokens 1774212" in a.why and a.warning is None
+    # the all-high capacity counts where it is the larger
+    b = auto_longgen_n(lg, 400_000, 900_000, None, factor=1.5)
+    assert b.n == math.ceil(1.5 * 900_000 / 4608) and "all-high capacity 900000" in b.why
+    # an earlier configuration's N is never undercut; a low request limit is named
+    c = auto_longgen_n(lg, 423_862, None, 48, at_least=771)
+    assert c.n == 771 and "raised to 771" in c.why
+    assert c.warning is not None and "max_running_requests 48" in c.warning
+    with pytest.raises(BenchInputError, match="must be > 1"):
+        auto_longgen_n(lg, 1000, None, None, factor=1.0)
+    with pytest.raises(BenchInputError, match="no KV capacity"):
+        auto_longgen_n(lg, None, None, None)
+
+
+def test_measured_mix_and_variant_env_configs() -> None:
+    cfgs = parse_config_list("diffkv-mix,diffkv-measured,diffkv-fused",
+                             {"diffkv-fused": "bench-30-50-20"}, {"SGLANG_DIFFKV_PROFILE": "1"},
+                             {"diffkv-fused": {"SGLANG_DIFFKV_FUSED_ARGMIN": "1"}})
+    env = [c.env_dict for c in cfgs]
+    assert json.loads(env[1]["SGLANG_DIFFKV_CONFIG"]) == {"preset": "bench-measured"}
+    assert env[2]["SGLANG_DIFFKV_FUSED_ARGMIN"] == "1" and "SGLANG_DIFFKV_FUSED_ARGMIN" \
+        not in env[0] and env[2]["SGLANG_DIFFKV_CONFIG"] == "bench-30-50-20"
+    assert all(e["SGLANG_DIFFKV_PROFILE"] == "1" for e in env)
+    with pytest.raises(BenchInputError, match="variant environment .* not in --configs"):
+        parse_config_list("diffkv-mix", None, None, {"diffkv-x": {"A": "1"}})
+    with pytest.raises(BenchInputError, match="only configurations named 'diffkv'"):
+        parse_config_list("bf16", None, None, {"bf16": {"A": "1"}})
 
 
 def test_sharegpt_is_the_bundled_trace_at_t0() -> None:
@@ -123,6 +159,9 @@ def test_budget_shortens_then_skips() -> None:
     (["--diffkv-config", "diffkv-x={}"], "'diffkv-x', which is not in --configs"),
     (["--longgen-in", "300"], "expected MIN,MAX"),
     (["--sharegpt-n", "600", "--sharegpt-skip", "1500"], "n=600 after skip=1500"),
+    (["--longgen-n", "many"], "a number or 'auto'"),
+    (["--longgen-n-factor", "1"], "must be > 1"),
+    (["--diffkv-variant-env", "diffkv-mix=X"], "expected NAME:VALUE"),
 ])
 def test_cli_bad_input_exits_2_with_the_reason(args, match, capsys, tmp_path) -> None:
     assert main(["--dry-run", "--out", str(tmp_path), *args]) == 2
@@ -216,6 +255,38 @@ def test_harness_end_to_end_on_the_fake_server(fake_python, tmp_path, monkeypatc
             "logs/traces/diffkv-mix__ladder@1x.jsonl"} <= names
     assert "diffkv-mix" in printed and "ladder@1x" in printed
     assert "1.50" in printed  # the mm ms/step column
+
+
+@pytest.mark.slow
+def test_longgen_auto_sizes_n_from_each_servers_capacity(fake_python, tmp_path, monkeypatch,
+                                                         capsys) -> None:
+    """bf16 then DiffKV on the fake server (pool 20,000 tokens; DiffKV reports 30,000 all-high):
+    each longgen run gets 2x the requests of mean length its server holds, the later one
+    never fewer, with the reason printed and recorded; the request limit (8) is named."""
+    monkeypatch.setenv("FAKE_MAX_RUNNING", "8")
+    monkeypatch.setenv("FAKE_STEP_S", "0.005")
+    monkeypatch.setenv("FAKE_POOL_TOKENS", "20000")
+    monkeypatch.setenv("FAKE_ALL_HIGH", "30000")
+    out = tmp_path / "out"
+    rc = main(["--python", fake_python, "--out", str(out), "--port", str(_free_port()),
+               "--configs", "bf16,diffkv-measured", "--workloads", "longgen",
+               "--longgen-out", "400", "--longgen-window-s", "1", "--min-window-s", "0.5",
+               "--budget-s", "300", "--start-estimate-s", "5", "--warmup", "0"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["plan"]["longgen_n_auto"] is True
+    bf, dk = res["runs"]
+    mean = (256 + 768) / 2 + 400
+    assert bf["longgen_n"] == math.ceil(2 * 20000 / mean) == 44
+    assert dk["longgen_n"] == math.ceil(2 * 30000 / mean) == 66
+    assert "all-high capacity 30000" in dk["longgen_n_why"]
+    assert "max_running_requests 8" in bf["longgen_n_warning"]
+    assert not bf["longgen_request_bound"] and not dk["longgen_request_bound"]
+    assert bf["trace_file"].endswith("longgen-n44-o400.jsonl")
+    assert "N = 66: capacity 30000 tokens" in printed
+    assert json.loads(res["configs"]["diffkv-measured"]["env"]["SGLANG_DIFFKV_CONFIG"]) == {
+        "preset": "bench-measured"}
 
 
 @pytest.mark.slow

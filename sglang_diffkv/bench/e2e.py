@@ -20,12 +20,13 @@ import gzip
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,10 @@ from sglang_diffkv.bench.server import (
     shell_line,
 )
 from sglang_diffkv.bench.workloads import (
+    AUTO_FACTOR,
     WORKLOADS,
     LongGen,
+    auto_longgen_n,
     ladder_trace,
     parse_rates,
     parse_workloads,
@@ -106,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-s", type=float, default=60.0, help="sharegpt window (s)")
     p.add_argument("--longgen-window-s", type=float, default=120.0)
     p.add_argument("--ladder-window-s", type=float, default=45.0, help="window per rate (s)")
-    p.add_argument("--longgen-n", type=int, default=512)
+    p.add_argument("--longgen-n", default="auto",
+                   help="long-generation requests: a number, or 'auto' (default): "
+                        "--longgen-n-factor x the requests of mean length each server's "
+                        "reported KV capacity holds (never fewer than an earlier "
+                        "configuration's), so memory, not the request count, caps the batch")
+    p.add_argument("--longgen-n-factor", type=float, default=AUTO_FACTOR,
+                   help="auto N's multiple of the capacity in requests (> 1)")
     p.add_argument("--longgen-out", type=int, default=4096)
     p.add_argument("--longgen-in", default="256,768", help="MIN,MAX prompt tokens (uniform)")
     p.add_argument("--sharegpt-n", type=int, default=1500)
@@ -127,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diffkv-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of every diffkv variant (default "
                         "SGLANG_DIFFKV_PROFILE=1; give SGLANG_DIFFKV_PROFILE=0 to turn it off)")
+    p.add_argument("--diffkv-variant-env", action="append", default=[],
+                   metavar="NAME:KEY=VALUE",
+                   help="extra environment of one diffkv variant, e.g. "
+                        "'diffkv-fused:SGLANG_DIFFKV_FUSED_ARGMIN=1' for one side of an A/B")
     p.add_argument("--server-args", default="", help="extra launch_server arguments, all "
                    "configurations (one shell-quoted string)")
     p.add_argument("--seed", type=int, default=0)
@@ -165,7 +178,9 @@ class Plan:
     configs: list[ServerConfig]
     workloads: list[str]
     launch: LaunchOptions
-    longgen: LongGen
+    longgen: LongGen  # (with --longgen-n auto, its n is replaced per server)
+    longgen_auto: bool
+    longgen_factor: float
     sharegpt_n: int
     sharegpt_source: str
     sharegpt_skip: int
@@ -176,8 +191,12 @@ class Plan:
 
 def make_plan(a: argparse.Namespace) -> Plan:
     diffkv_env = {"SGLANG_DIFFKV_PROFILE": "1", **_kv_pairs(a.diffkv_env, "--diffkv-env")}
+    variant_env: dict[str, dict[str, str]] = {}
+    for item in a.diffkv_variant_env:
+        ((name, kv),) = _kv_pairs([item], "--diffkv-variant-env", ":").items()
+        variant_env.setdefault(name, {}).update(_kv_pairs([kv], "--diffkv-variant-env"))
     configs = parse_config_list(a.configs, _kv_pairs(a.diffkv_config, "--diffkv-config"),
-                                diffkv_env)
+                                diffkv_env, variant_env)
     names = parse_workloads(a.workloads)
     workloads = [w for w in WORKLOADS if w in names]
     absolute = a.ladder_abs_rates is not None
@@ -213,9 +232,30 @@ def make_plan(a: argparse.Namespace) -> Plan:
         raise BenchInputError(f"--budget-s {a.budget_s!r} must be > 0")
     if {"sharegpt", "ladder"} & set(workloads):
         sharegpt_trace(a.sharegpt_n, a.sharegpt_trace, a.sharegpt_skip)  # fail before a start
-    return Plan(configs, workloads, launch,
-                LongGen(a.longgen_n, lo, hi, a.longgen_out, a.seed),
-                a.sharegpt_n, a.sharegpt_trace, a.sharegpt_skip, rates, absolute, windows)
+    auto = str(a.longgen_n).strip().lower() == "auto"
+    if auto:
+        n = 512  # a placeholder: each server's start-up capacity decides
+        if not a.longgen_n_factor > 1:
+            raise BenchInputError(f"--longgen-n-factor {a.longgen_n_factor!r} must be > 1")
+    else:
+        try:
+            n = int(a.longgen_n)
+        except ValueError as e:
+            raise BenchInputError(f"--longgen-n {a.longgen_n!r}: a number or 'auto'") from e
+    return Plan(configs, workloads, launch, LongGen(n, lo, hi, a.longgen_out, a.seed), auto,
+                a.longgen_n_factor, a.sharegpt_n, a.sharegpt_trace, a.sharegpt_skip, rates,
+                absolute, windows)
+
+
+_ALL_HIGH = re.compile(r"capacity (\d+) tokens all-high")
+
+
+def reported_all_high(report: list[str]) -> int | None:
+    """DiffKV's all-high capacity in tokens from its start-up report lines, if any."""
+    for ln in report:
+        if m := _ALL_HIGH.search(ln):
+            return int(m.group(1))
+    return None
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
@@ -333,7 +373,9 @@ class Harness:
             "max_inflight": self.max_inflight,
             "options": {k: v for k, v in vars(a).items()},
             "plan": {"workloads": plan.workloads, "windows_s": plan.windows,
-                     "longgen": asdict(plan.longgen), "sharegpt_n": plan.sharegpt_n,
+                     "longgen": asdict(plan.longgen), "longgen_n_auto": plan.longgen_auto,
+                     "longgen_n_factor": plan.longgen_factor,
+                     "sharegpt_n": plan.sharegpt_n,
                      "sharegpt_source": plan.sharegpt_source,
                      "sharegpt_skip": plan.sharegpt_skip,
                      "ladder_rates": plan.ladder_rates,
@@ -341,6 +383,7 @@ class Harness:
                      "fractions of the sharegpt saturation req/s"},
         }
         self._traces: dict[str, Trace] = {}
+        self.longgen_n_max = 0  # the largest auto N so far (later configurations never run fewer)
 
     def say(self, text: str) -> None:
         line = self.budget.note(text)
@@ -348,10 +391,14 @@ class Harness:
 
     # ---- traces ------------------------------------------------------------------------
 
-    def trace(self, key: str) -> Trace:
+    def trace(self, key: str, longgen_n: int | None = None) -> Trace:
+        if key == "longgen" and longgen_n is not None:
+            key = f"longgen-{longgen_n}"
         if key not in self._traces:
             if key == "longgen":
                 self._traces[key] = self.plan.longgen.trace()
+            elif key.startswith("longgen-"):
+                self._traces[key] = replace(self.plan.longgen, n=longgen_n).trace()
             elif key == "sharegpt":
                 self._traces[key] = sharegpt_trace(self.plan.sharegpt_n,
                                                    self.plan.sharegpt_source,
@@ -500,9 +547,16 @@ class Harness:
                 w = self.windowed(f"{cfg.name}/{wl}", plan.windows[wl])
                 if w is None:
                     continue
-                trace = self.trace(wl)
+                extra = None
+                if wl == "longgen" and plan.longgen_auto:
+                    extra = self._auto_n(cfg)
+                    if extra is None:
+                        continue
+                trace = self.trace(wl, None if extra is None else extra["longgen_n"])
                 tf = self.write_trace(trace, trace.name)
-                rec = self.run_workload(server, cfg, wl, trace, True, w, tf)
+                rec = self.run_workload(server, cfg, wl, trace, True, w, tf, extra)
+                if wl == "longgen" and rec is not None:
+                    self._check_longgen_bound(cfg, rec, len(trace))
                 if wl == "sharegpt" and rec is not None:
                     c = rec["client"]
                     saturation = (c["steady_request_throughput"] if c["time_limited"]
@@ -531,6 +585,34 @@ class Harness:
                                    "saturation_req_s": saturation})
                 if not server.alive():
                     break
+
+    def _auto_n(self, cfg: ServerConfig) -> dict[str, Any] | None:
+        """``--longgen-n auto``: N from this server's start-up capacity (printed, recorded)."""
+        info = self.configs[cfg.name]
+        try:
+            auto = auto_longgen_n(self.plan.longgen, info.get("max_total_num_tokens"),
+                                  reported_all_high(info.get("diffkv_report", [])),
+                                  info.get("max_running_requests"), self.plan.longgen_factor,
+                                  self.longgen_n_max)
+        except BenchInputError as e:
+            self.say(f"SKIP {cfg.name}/longgen: {e}")
+            return None
+        self.longgen_n_max = auto.n
+        self.say(f"{cfg.name}/longgen: {auto.why}")
+        if auto.warning:
+            self.say(f"{cfg.name}/longgen: WARNING {auto.warning}")
+        return {"longgen_n": auto.n, "longgen_n_why": auto.why,
+                "longgen_capacity_requests": auto.capacity_requests,
+                "longgen_n_warning": auto.warning}
+
+    def _check_longgen_bound(self, cfg: ServerConfig, rec: dict[str, Any], n: int) -> None:
+        """Say so when the batch reached the request count (the run was request-bound)."""
+        peak = rec["server_log"].get("peak_running")
+        rec["longgen_request_bound"] = peak is not None and peak >= n
+        if rec["longgen_request_bound"]:
+            self.say(f"{cfg.name}/longgen: WARNING the batch reached all {n} requests (peak "
+                     f"{peak}): the request count, not memory, capped it; use a larger "
+                     "--longgen-n or --longgen-n auto")
 
     # ---- whole run -------------------------------------------------------------------------
 
@@ -584,6 +666,11 @@ def dry_run(plan: Plan, a: argparse.Namespace) -> int:
             print(f"ladder: rates {plan.ladder_rates} "
                   f"{'req/s' if plan.ladder_absolute else 'x saturation'}, window "
                   f"{plan.windows['ladder']:g} s each")
+            continue
+        if wl == "longgen" and plan.longgen_auto:
+            print(f"longgen: N auto ({plan.longgen_factor:g} x the requests of mean length "
+                  "each server's reported KV capacity holds, at its start), window "
+                  f"{plan.windows['longgen']:g} s")
             continue
         trace = plan.longgen.trace() if wl == "longgen" else sharegpt_trace(
             plan.sharegpt_n, plan.sharegpt_source, plan.sharegpt_skip)

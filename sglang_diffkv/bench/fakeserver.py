@@ -11,7 +11,9 @@ then ``data: [DONE]``; ``/abort_request {"abort_all": true}`` ends every request
 decode step every ``FAKE_STEP_S`` seconds (default 0.01) adds a token to every running request
 (at most ``FAKE_MAX_RUNNING``); every ``--decode-log-interval`` steps it logs a ``Decode
 batch`` line (and for ``--attention-backend diffkv`` a DiffKV step line and a profile line).
-``FAKE_EXIT_EARLY=1`` exits with code 3 before the ready line.
+``FAKE_EXIT_EARLY=1`` exits with code 3 before the ready line. ``FAKE_POOL_TOKENS`` (default
+100000) is the reported ``max_total_num_tokens``; a diffkv start also reports a capacity line
+with ``FAKE_ALL_HIGH`` (default half the pool) tokens all-high (``--longgen-n auto`` reads both).
 
 For the served fuzz run (``sglang_diffkv.bench.fuzz_serve``): with ``--attention-backend
 diffkv`` a request whose ``custom_params`` ``sglang_diffkv.request_params`` refuses gets what
@@ -344,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                       stream_interval=a.stream_interval,
                       decode_log_interval=a.decode_log_interval,
                       max_running=int(os.environ.get("FAKE_MAX_RUNNING", "64")),
+                      pool_tokens=int(os.environ.get("FAKE_POOL_TOKENS", "100000")),
                       diffkv=a.attention_backend == "diffkv")
     state.context_length = a.context_length
     state.chars_per_token = int(os.environ.get("FAKE_CHARS_PER_TOKEN", "4"))
@@ -363,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     if state.diffkv:
         log(f"DiffKV KV cache: config from SGLANG_DIFFKV_CONFIG="
             f"{os.environ.get('SGLANG_DIFFKV_CONFIG')}")
+        # capacity_report's line (numbers made up: FAKE_ALL_HIGH tokens all-high)
+        all_high = int(os.environ.get("FAKE_ALL_HIGH", str(state.pool_tokens // 2)))
+        log(f"DiffKV KV cache: 1000 pages = 0.50 GiB; capacity {all_high} tokens all-high, "
+            f"{2 * all_high} all-low; the same memory holds {state.pool_tokens // 4} "
+            "fp16/bf16 tokens")
         log("diffkv: disable_cuda_graph=True (forced): fake")
 
     async def serve() -> None:

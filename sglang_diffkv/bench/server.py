@@ -5,7 +5,9 @@ Configurations (``make_config``):
   fp8            triton + ``--kv-cache-dtype fp8_e4m3``
   diffkv[-NAME]  ``--attention-backend diffkv`` with ``SGLANG_DIFFKV_CONFIG`` = a JSON given by
                  the caller (default ``DEFAULT_DIFFKV_CONFIG``: the Llama-3-8B preset with a
-                 forced 30/50/20 high/low/pruned tier mix)
+                 forced 30/50/20 high/low/pruned tier mix; ``diffkv-measured`` defaults to
+                 the ``bench-measured`` preset: the mix the calibrated preset produced,
+                 ``NAMED_DIFFKV_CONFIGS``)
 
 Every configuration gets the same common arguments (``COMMON_ARGS``): dummy weights, pytorch
 sampling, no grammar backend, no tokenizer (requests carry ``input_ids``),
@@ -37,6 +39,8 @@ from sglang_diffkv.bench.errors import BenchInputError
 
 READY_MARKER = "The server is fired up and ready to roll!"
 DEFAULT_DIFFKV_CONFIG = '{"preset": "llama-3-8b", "bench_mix": [0.3, 0.5, 0.2]}'
+# diffkv variants whose name alone picks their config (a --diffkv-config still overrides)
+NAMED_DIFFKV_CONFIGS = {"diffkv-measured": '{"preset": "bench-measured"}'}
 BASE_CONFIGS = ("bf16", "fp8", "diffkv")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -90,23 +94,31 @@ def _check_diffkv_json(name: str, text: str) -> str:
 
 
 def make_config(name: str, diffkv_configs: Mapping[str, str] | None = None,
-                diffkv_env: Mapping[str, str] | None = None) -> ServerConfig:
+                diffkv_env: Mapping[str, str] | None = None,
+                variant_env: Mapping[str, Mapping[str, str]] | None = None) -> ServerConfig:
     """``bf16``, ``fp8``, or ``diffkv``/``diffkv-<variant>`` (its SGLANG_DIFFKV_CONFIG from
-    ``diffkv_configs[name]``, else ``DEFAULT_DIFFKV_CONFIG``; ``diffkv_env`` is added to
-    every diffkv variant's environment, e.g. SGLANG_DIFFKV_PROFILE=1)."""
+    ``diffkv_configs[name]``, else ``NAMED_DIFFKV_CONFIGS[name]``, else
+    ``DEFAULT_DIFFKV_CONFIG``; ``diffkv_env`` is added to every diffkv variant's environment,
+    e.g. SGLANG_DIFFKV_PROFILE=1, and ``variant_env[name]`` to this variant's only, e.g.
+    SGLANG_DIFFKV_FUSED_ARGMIN=1 for one side of an A/B)."""
     diffkv_configs = diffkv_configs or {}
-    unused = [k for k in diffkv_configs if not (k == "diffkv" or k.startswith("diffkv-"))]
-    if unused:
-        raise BenchInputError(
-            f"diffkv config given for {unused[0]!r}: only configurations named 'diffkv' or "
-            "'diffkv-<variant>' take one")
+    variant_env = variant_env or {}
+    for what, given in (("diffkv config", diffkv_configs), ("variant environment",
+                                                            variant_env)):
+        unused = [k for k in given if not (k == "diffkv" or k.startswith("diffkv-"))]
+        if unused:
+            raise BenchInputError(
+                f"{what} given for {unused[0]!r}: only configurations named 'diffkv' or "
+                "'diffkv-<variant>' take one")
     if name == "bf16":
         return ServerConfig(name, "triton")
     if name == "fp8":
         return ServerConfig(name, "triton", kv_cache_dtype="fp8_e4m3")
     if name == "diffkv" or (name.startswith("diffkv-") and len(name) > len("diffkv-")):
-        cfg_json = _check_diffkv_json(name, diffkv_configs.get(name, DEFAULT_DIFFKV_CONFIG))
-        env = {**(diffkv_env or {}), "SGLANG_DIFFKV_CONFIG": cfg_json}
+        cfg_json = _check_diffkv_json(name, diffkv_configs.get(
+            name, NAMED_DIFFKV_CONFIGS.get(name, DEFAULT_DIFFKV_CONFIG)))
+        env = {**(diffkv_env or {}), **variant_env.get(name, {}),
+               "SGLANG_DIFFKV_CONFIG": cfg_json}
         return ServerConfig(name, "diffkv", env=tuple(sorted(env.items())))
     raise BenchInputError(
         f"unknown configuration {name!r}; allowed: bf16, fp8, diffkv, diffkv-<variant> "
@@ -114,17 +126,21 @@ def make_config(name: str, diffkv_configs: Mapping[str, str] | None = None,
 
 
 def parse_config_list(text: str, diffkv_configs: Mapping[str, str] | None = None,
-                      diffkv_env: Mapping[str, str] | None = None) -> list[ServerConfig]:
+                      diffkv_env: Mapping[str, str] | None = None,
+                      variant_env: Mapping[str, Mapping[str, str]] | None = None
+                      ) -> list[ServerConfig]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise BenchInputError(f"--configs {text!r} names no configuration")
     if len(set(names)) != len(names):
         raise BenchInputError(f"--configs {text!r} names a configuration twice")
-    configs = [make_config(n, diffkv_configs, diffkv_env) for n in names]
-    missing = sorted(set(diffkv_configs or {}) - set(names))
-    if missing:
-        raise BenchInputError(
-            f"a diffkv config was given for {missing[0]!r}, which is not in --configs {text!r}")
+    configs = [make_config(n, diffkv_configs, diffkv_env, variant_env) for n in names]
+    for what, given in (("a diffkv config", diffkv_configs), ("a variant environment",
+                                                              variant_env)):
+        missing = sorted(set(given or {}) - set(names))
+        if missing:
+            raise BenchInputError(
+                f"{what} was given for {missing[0]!r}, which is not in --configs {text!r}")
     return configs
 
 

@@ -2,9 +2,11 @@
 be written out (Mooncake JSONL, ``write_mooncake_jsonl``) and replayed by ``diffkv-sim``.
 
   longgen   DiffKV's long-generation benchmark shape: prompts uniform in [256, 768] tokens
-            (seeded), 4096 output tokens each (ignore_eos), N requests all at t = 0. The
-            default N = 512 saturates even the DiffKV pool (at a 30/50/20 tier mix it holds ~4x
-            bf16's 423,862 tokens, i.e. ~370 requests of 4608 tokens; bf16 holds ~92).
+            (seeded), 4096 output tokens each (ignore_eos), N requests all at t = 0. N must
+            exceed what the server can run at once, or the request count, not memory, caps
+            the batch: 512 did on an H100 (DiffKV at 30/50/20 held ~370 requests of 4608
+            tokens) but not on an H200 (all 512 ran at once). ``auto_longgen_n`` sizes N
+            from the server's reported capacity instead (``--longgen-n auto``).
   sharegpt  the first N requests of the bundled ShareGPT-shaped trace (mean 352 in / 240 out,
             at most 4096 / 2048), all at t = 0: offline saturation.
   ladder    the same ShareGPT-shaped lengths re-timed as Poisson arrivals at given rates
@@ -83,6 +85,58 @@ class LongGen:
         return Trace.from_requests(
             reqs, name=f"longgen-n{self.n}-o{self.output_len}",
             source=f"uniform input [{self.input_min}, {self.input_max}], seed {self.seed}")
+
+
+# ``--longgen-n auto``: N = AUTO_FACTOR x the requests of mean length (mean prompt + output)
+# the server's largest reported capacity holds. With 1x the batch could just equal N; 2x keeps
+# a second wave queued for the slots the first frees inside the window.
+AUTO_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class AutoN:
+    """``auto_longgen_n``'s choice and its reasons (printed and recorded per run)."""
+
+    n: int
+    capacity_tokens: int
+    capacity_requests: float
+    why: str
+    warning: str | None = None
+
+
+def auto_longgen_n(longgen: LongGen, pool_tokens: int | None, all_high_tokens: int | None,
+                   max_running: int | None, factor: float = AUTO_FACTOR,
+                   at_least: int = 1) -> AutoN:
+    """N for ``longgen`` on a server whose start-up reported ``pool_tokens`` (SGLang's
+    ``max_total_num_tokens``: bf16/fp8 tokens, or DiffKV's logical token slots at its
+    planning mix) and, for DiffKV, ``all_high_tokens`` (its pages' capacity with every token
+    in the high tier). The capacity is the larger of the two (what the scheduler may admit
+    by, whichever it is), in requests of mean length; N = ceil(factor x that), at least
+    ``at_least`` (the harness passes the N of earlier configurations, so a later one never
+    runs fewer requests). ``warning``: when ``max_running`` (max running requests) is below
+    that capacity, it and not memory caps the batch."""
+    if not factor > 1:
+        raise BenchInputError(f"--longgen-n-factor {factor!r} must be > 1 (at 1 the batch "
+                              "could equal N)")
+    tokens = max(pool_tokens or 0, all_high_tokens or 0)
+    if tokens <= 0:
+        raise BenchInputError("--longgen-n auto: the server reported no KV capacity "
+                              "(max_total_num_tokens); give --longgen-n a number")
+    mean_len = (longgen.input_min + longgen.input_max) / 2 + longgen.output_len
+    reqs = tokens / mean_len
+    n = max(math.ceil(factor * reqs), at_least, 1)
+    src = (f"max_total_num_tokens {pool_tokens}" if (pool_tokens or 0) >= (all_high_tokens or 0)
+           else f"DiffKV all-high capacity {all_high_tokens}")
+    why = (f"N = {n}: capacity {tokens} tokens ({src}) / mean request {mean_len:.0f} tokens "
+           f"= {reqs:.1f} requests at once; x{factor:g}"
+           + (f", raised to {at_least} (an earlier configuration's N)"
+              if at_least > math.ceil(factor * reqs) else ""))
+    warning = None
+    if max_running is not None and max_running < reqs:
+        warning = (f"max_running_requests {max_running} < the {reqs:.0f} requests memory "
+                   "holds: the request limit, not memory, caps the batch (raise "
+                   "--max-running-requests in --server-args)")
+    return AutoN(n, tokens, reqs, why, warning)
 
 
 def sharegpt_trace(n: int, source: str = "sharegpt", skip: int = 0) -> Trace:

@@ -40,7 +40,7 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "alpha": "*fp32", "action_out": "*i8", "hmin_out": "*i64", "lmin_out": "*i64",
     "bench_seed": "*i64",
     "seed": "*i64", "mix": "*fp64", "part": "*i64", "q_start": "*i64", "k_start": "*i64",
-    "v_start": "*i64",
+    "v_start": "*i64", "shared": "*i32", "hk": "*i64", "hs": "*i32",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -51,10 +51,12 @@ KERNELS = [
     *[("decode_attention", "_partition_kernel",
        {**ATTN, "PAGE_BYTES": GEO1.page_bytes, **HI1, **LO1, "ASM": asm})
       for asm in TRITON_ASM.values() if asm],
-    ("decode_attention", "_merge_kernel",
-     {**ATTN, "BLOCK_P": 16, "CH": 16, "MW": 4, "MG": 4,
-      **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF")},
-      **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF")}}),
+    # the merge pass alone, with shared-prefix bounds, and with the fused argmin
+    *(("decode_attention", "_merge_kernel",
+       {**ATTN, "BLOCK_P": 16, "CH": 16, "MW": 4, "MG": 4, "SHARED": sh, "HINT": hint,
+        **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF", "H_POFF")},
+        **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF", "L_POFF")}})
+      for sh, hint in ((False, False), (True, False), (True, True))),
     ("store", "_store_tokens_kernel", {"PAGE_BYTES": GEO.page_bytes, "D": 128, "BLOCK_T": 16,
                                        **T}),
     ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False)),
@@ -71,20 +73,23 @@ KERNELS = [
                                               COUNT_TILE=128, **HI, **LO)),
     *(("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
                                                WINDOW=64, BT=SCAN_BLOCK, PARALLEL=par, BENCH=bench,
-                                               **HI, **LO, **hash_constexprs()))
-      for bench in (False, True) for par in (False, True)),
+                                               SHARED=sh, HINT=hint, **HI, **LO,
+                                               **hash_constexprs()))
+      for bench in (False, True) for par, sh, hint in (
+          (False, False, False), (True, False, False), (False, True, False),
+          (True, True, False), (False, True, True), (False, False, True))),
     # layer == 1 arrives as a constexpr: the hash must not call tensor methods on it; so
     # does n_split == 1 (one argmin program per row at large batches)
     ("decode_policy", "_policy_kernel", dict(PAGE_BYTES=GEO.page_bytes, ROW_LEN=130, D=128,
                                              WINDOW=64, BT=SCAN_BLOCK, PARALLEL=True, BENCH=True,
-                                             layer=1, n_split=1, **HI, **LO,
-                                             **hash_constexprs())),
+                                             SHARED=False, HINT=False, layer=1, n_split=1,
+                                             **HI, **LO, **hash_constexprs())),
     # the parallel argmin, on both geometries (non-power-of-two low tokens per page)
     *(("decode_policy", "_argmin_kernel",
-       dict(PAGE_BYTES=g.page_bytes, ROW_LEN=130, WINDOW=64, BT=512,
+       dict(PAGE_BYTES=g.page_bytes, ROW_LEN=130, WINDOW=64, BT=512, SHARED=sh,
             **{k: h[k] for k in ("H_N", "H_SOFF", "H_POFF")},
             **{k: lo[k] for k in ("L_N", "L_SOFF", "L_POFF")}))
-      for g, h, lo in ((GEO, HI, LO), (GEO1, HI1, LO1))),
+      for g, h, lo in ((GEO, HI, LO), (GEO1, HI1, LO1)) for sh in (False, True)),
     *(("bench_mix", "_bench_sig_kernel", dict(WINDOW=64, Q=64, BL=128, **BENCH_C, **one))
       for one in ({}, {"layer": 1})),
 ]
@@ -115,7 +120,8 @@ def compile_one(module: str, name: str, constexprs: dict) -> str:
 
 
 def _label(constexprs: dict) -> str:
-    keys = [k for k in ("ASM", "H_VG", "SCORES", "BENCH") if k in constexprs]
+    keys = [k for k in ("ASM", "H_VG", "SCORES", "BENCH", "PARALLEL", "SHARED", "HINT")
+            if k in constexprs]
     return f" ({', '.join(f'{k}={constexprs[k]}' for k in keys)})" if keys else ""
 
 

@@ -1,6 +1,7 @@
 """Kernel benchmarks on the GPU (issue 5): decode attention, prefill scoring + compression,
 decode-step compaction, the decode policy step (``--only policy``: scan vs parallel
-argmin). Prints markdown tables and writes them (and JSON) under --out.
+argmin; ``--only fused``: scan vs the argmin fused into the merge pass, issue 54).
+Prints markdown tables and writes them (and JSON) under --out.
 
 Decode attention: batch x context x tier mix, 32 query / 8 KV heads, head_dim 128. Bytes
 are the page bytes the step's tokens occupy (whole pages: metadata, score, position and the
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import triton
 
+from sglang_diffkv import decode_hint
 from sglang_diffkv.config import K4V2, K8V4
 from sglang_diffkv.kernels import (
     DecodeAttentionPlan,
@@ -643,6 +645,108 @@ def policy_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# (batch, context) of the fused-argmin A/B: the server profile's decode step (batch 369,
+# 1.22M tokens held: ~3.3k per request, Llama-3-8B heads), and a short and a long row
+FUSED_CASES = ((369, 3300), (369, 1024), (64, 8192))
+
+
+def fused_rows(cases: tuple[tuple[int, int], ...] = FUSED_CASES) -> list[dict]:
+    """One layer of the decode step's DiffKV bookkeeping, scan vs fused argmin, per call,
+    graph-replayed, on a 30/50/20 state (Hkv 8, Hq 32, D 128, window 64, shared bounds
+    passed as the server does): the policy step alone (``decode_policy_step`` without and
+    with ``hints``), the merge pass alone (without and with), and policy step + decode
+    attention (both launches) as one layer of the served step runs them. Each call first
+    restores the counters (and, fused, the records: a replayed step would otherwise find
+    them armed for the next position and scan); those copies are timed alone and
+    subtracted ("net"). The fused timings are only valid if every row took its record:
+    checked once before timing."""
+    geo = PageGeometry.build(D, K8V4, K4V2)
+    rows = []
+    for b, ctx in cases:
+        rows.append(fused_case(geo, b, ctx))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fused_case(geo: PageGeometry, b: int, ctx: int) -> dict:
+    """One (batch, context) of :func:`fused_rows`."""
+    case = random_decode_case(geo, [ctx] * b, HKV, high_frac=0.3, low_frac=0.5, jitter=True,
+                              device=DEV, seed=b + ctx + 1)
+    c = case.counts
+    per = torch.tensor([geo.high.tokens_per_page, geo.low.tokens_per_page], device=DEV)
+    # room for two steps (the one that arms the records, the timed one) in every tier
+    c[..., :2] = torch.minimum(c[..., :2], (c[..., 2:] * per - 2).clamp(min=0))
+    shared = torch.zeros(*c.shape[:3], 2, dtype=torch.int32, device=DEV)
+    hints = decode_hint.allocate(*c.shape[:3], DEV)
+    g = torch.Generator(device="cpu").manual_seed(b)
+    p = ((1 << 20) + torch.randint(0, 64, (b,), generator=g)).to(DEV)
+    alpha = (torch.rand(b, 2, generator=g) * torch.tensor([4.0, 1.0])).to(DEV)
+    key = torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16)
+    value = torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+    plan = DecodeAttentionPlan.build(geo, HQ, HKV, b, ctx + 2, DEV, **TUNED)
+
+    def policy(pos, fused):
+        decode_policy_step(case.pages, geo, case.table, c, case.req_idx, 0, pos, alpha, 64,
+                           key, value, shared=shared, hints=hints if fused else None)
+
+    def attend(fused, stages="partition,merge"):
+        plan.run(q, case.pages, case.table, c, case.req_idx, 0, D**-0.5, stages=stages,
+                 shared=shared, hints=hints if fused else None)
+
+    policy(p - 1, True)  # arm the records for p, then fill them
+    attend(True)
+    counts0, hints0 = c.clone(), hints.clone()
+    first = torch.zeros(b, HKV, 2, dtype=torch.int64, device=DEV)
+    valid = decode_hint.valid(hints[case.req_idx, 0], c[case.req_idx, 0], first, p, 64)
+    tokens = int(c[case.req_idx, 0, :, :2].sum())
+    row = dict(batch=b, context=ctx, tokens=tokens, rows_valid=float(valid.float().mean()))
+
+    def reset(fused):
+        c.copy_(counts0)
+        if fused:
+            hints.copy_(hints0)
+
+    def timed(label, fn):
+        try:
+            row[label] = bench_graph(fn) * 1e3
+        except Exception as e:  # noqa: BLE001 - report and keep benchmarking
+            print(f"fused B{b} ctx{ctx} {label}: FAILED {type(e).__name__}: {e}", flush=True)
+            row[label] = float("nan")
+
+    timed("counts copy", partial(reset, False))
+    timed("counts+hints copy", partial(reset, True))
+    timed("policy scan", lambda: (reset(False), policy(p, False)))
+    timed("policy fused", lambda: (reset(True), policy(p, True)))
+    timed("merge", partial(attend, False, "merge"))
+    timed("merge+argmin", partial(attend, True, "merge"))
+    timed("step scan", lambda: (reset(False), policy(p, False), attend(False)))
+    timed("step fused", lambda: (reset(True), policy(p, True), attend(True)))
+    for lb, cp in (("policy scan", "counts copy"), ("policy fused", "counts+hints copy"),
+                   ("step scan", "counts copy"), ("step fused", "counts+hints copy")):
+        row[lb + " net"] = row[lb] - row[cp]
+    print(f"fused B{b} ctx{ctx} ({tokens} tokens, {row['rows_valid']:.0%} rows valid): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in row.items()
+                      if k not in ("batch", "context", "tokens", "rows_valid"))
+          + " us", flush=True)
+    return row
+
+
+def fused_table(rows: list[dict]) -> str:
+    lines = [f"Fused argmin A/B, one layer, per call (us, graph, net of the counter/record "
+             f"copies; x{LAYERS} layers for a step), Hkv {HKV}, Hq {HQ}, D {D}, 30/50/20:", "",
+             "| batch | context | rows valid | policy scan | policy fused | merge | "
+             "merge+argmin | policy+attention scan | policy+attention fused | saved per "
+             f"step ({LAYERS} layers, ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        saved = (r["step scan net"] - r["step fused net"]) * LAYERS / 1e3
+        lines.append(f"| {r['batch']} | {r['context']} | {r['rows_valid']:.0%} | "
+                     f"{r['policy scan net']:.1f} | {r['policy fused net']:.1f} | "
+                     f"{r['merge']:.1f} | {r['merge+argmin']:.1f} | {r['step scan net']:.1f} | "
+                     f"{r['step fused net']:.1f} | {saved:.2f} |")
+    return "\n".join(lines)
+
+
 def md_tables(meta, decode, base_label, prefill, compaction) -> str:
     lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"measured copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write); "
@@ -701,7 +805,9 @@ def main() -> int:
                          "K8V4 and K4V2 at 32x16384), e.g. 30/50/20:384x2048")
     ap.add_argument("--only", default="sweep,decode,prefill,served-prefill,compaction",
                     help="sections: sweep, decode, stages, prefill, served-prefill, "
-                         "compaction, policy")
+                         "compaction, policy, fused (the fused argmin's A/B)")
+    ap.add_argument("--fused-cases", default=",".join(f"{b}x{c}" for b, c in FUSED_CASES),
+                    help="BATCHxCONTEXT cases of the fused section (comma-separated)")
     ap.add_argument("--variants", default="base",
                     help=f"decode attention variants, comma-separated: NAME[@REGS] with NAME "
                          f"in {', '.join(VARIANTS)} and REGS a register cap (0: none)")
@@ -749,6 +855,8 @@ def main() -> int:
     served = served_prefill_rows() if "served-prefill" in only else []
     compaction = compaction_rows() if "compaction" in only else []
     policy = policy_rows() if "policy" in only else []
+    fused_cases = tuple(tuple(int(x) for x in c.split("x")) for c in args.fused_cases.split(","))
+    fused = fused_rows(fused_cases) if "fused" in only else []
     meta["seconds"] = time.time() - t0
     md = md_tables(meta, decode, base_label, prefill, compaction)
     if decode:
@@ -764,11 +872,14 @@ def main() -> int:
         md += "\n\n" + served_prefill_table(served)
     if policy:
         md += "\n\n" + policy_table(policy)
+    if fused:
+        md += "\n\n" + fused_table(fused)
     (out / "bench.md").write_text(md + "\n")
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, baseline=base_label,
                                                     decode=decode, prefill=prefill,
                                                     compaction=compaction, stages=stages,
                                                     variants=variants, policy=policy,
+                                                    fused=fused,
                                                     served_prefill=served,
                                                     sweep=sweep_rows), indent=1))
     print("\n" + md)

@@ -18,7 +18,11 @@ Two launches, shapes fixed by the plan (CUDA-graph capturable, no host synchroni
    partitions' (m, l); program 0 also merges the outputs; program s adds, for its
    partition's tokens, max over the group of exp(logit - lse) into the page score. One
    program per (partition) touches each score once: no atomics, no cross-program race
-   (DiffKV's reduce_kernel bug, reference §9 pitfall 2).
+   (DiffKV's reduce_kernel bug, reference §9 pitfall 2). With ``shared`` a shared prefix's
+   scores are left alone; with ``hints`` (the fused argmin, ``sglang_diffkv.decode_hint``)
+   each program also reduces its tokens' eligible (avg, slot) keys for the next step, from
+   the scores it just stored, and atomically mins them into the row's record (one atomic
+   per program: the min is order-independent, so the result is deterministic).
 
 Everything runs in base 2 (exp2) internally; the returned LSE is natural-log.
 
@@ -40,9 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_diffkv import decode_hint
 from sglang_diffkv.attention import paged_decode_attention
 from sglang_diffkv.kernels import decode_split_cuda as split_cuda
 from sglang_diffkv.kernels._codes import unpack_codes_asm
+from sglang_diffkv.kernels._keys import _none_key, _pack_key
 from sglang_diffkv.kernels._tier import INTERPRET, page_views, row_pointers, tier_constexprs
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.pages import add_scores, token_locations
@@ -287,14 +293,20 @@ def _partition_kernel(
 
 @triton.jit
 def _tier_scores(
-    f32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp,
+    f32, i32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp, skip, first_tok,
+    p_next, pos_limit, hkey,
     PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr, G: tl.constexpr,
     MG: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
-    N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, CH: tl.constexpr, MW: tl.constexpr,
+    N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, POFF: tl.constexpr,
+    CH: tl.constexpr, MW: tl.constexpr, HINT: tl.constexpr,
 ):
     """score += max over the group of p * exp2(m_iter - lse) for one partition's tokens,
     CH partition iterations per loop step (independent loads in flight, few steps). The
-    split-K pass kept MW running maxima per iteration, one per BN / MW slots of a page."""
+    split-K pass kept MW running maxima per iteration, one per BN / MW slots of a page.
+    Slots before ``skip`` (a shared prefix) keep their scores. With HINT, also the fused
+    argmin (``decode_hint``): the min packed key of avg = new score / (p_next - pos) over
+    the partition's slots >= ``first_tok`` with pos <= ``pos_limit``, atomically min'ed into
+    ``hkey`` (the policy's float ops: the same stored fp32 score, div_rn)."""
     R: tl.constexpr = PPI * BN
     MR: tl.constexpr = CH * RS
     n_pages = tl.cdiv(n_tok, N)
@@ -303,6 +315,7 @@ def _tier_scores(
     n_iters = tl.cdiv(last - first, PPI)
     gi = tl.arange(0, MG)
     t = tl.arange(0, MR)
+    best = _none_key()
     for c in range(0, tl.cdiv(n_iters, CH)):
         it = c * CH + t // RS
         rr = t % RS
@@ -325,19 +338,32 @@ def _tier_scores(
         prob = tl.max(tl.where(ok, prob, 0.0), axis=0)
         sptr = f32 + (page.to(tl.int64) * PAGE_BYTES + SOFF) // 4 + slot
         old = tl.load(sptr, mask=valid, other=0.0)
-        tl.store(sptr, old + prob, mask=valid)
+        new = old + prob
+        tl.store(sptr, new, mask=valid & (tok >= skip))
+        if HINT:
+            pos = tl.load(i32 + (page.to(tl.int64) * PAGE_BYTES + POFF) // 4 + slot,
+                          mask=valid, other=0)
+            age = p_next - pos.to(tl.int64)
+            avg = tl.math.div_rn(new, tl.maximum(age, 1).to(tl.float32))
+            ok = valid & (tok >= first_tok) & (pos <= pos_limit) & (avg < float("inf"))
+            best = tl.minimum(best, tl.min(tl.where(ok, _pack_key(avg, tok), _none_key()),
+                                           axis=0))
+    if HINT:
+        tl.atomic_min(hkey, best)
 
 
 @triton.jit
 def _merge_kernel(
-    f32, table, t_sr, t_sh, counts, c_sr, c_sh, req,
+    f32, i32, table, t_sr, t_sh, counts, c_sr, c_sh, req,
     acc_ptr, ml_ptr, p_ptr, mit_ptr, out, o_sb, o_sh, lse_out, ppp_hi, ppp_lo,
+    shared, s_sr, s_sh, hk, hs, h_sr, h_sh,
     PAGE_BYTES: tl.constexpr, ROW_LEN, G: tl.constexpr,
     BLOCK_G: tl.constexpr, D: tl.constexpr, PPI: tl.constexpr, ITERS_MAX,
     MAXP_HI, MAXP, RS: tl.constexpr, BLOCK_P: tl.constexpr,
-    H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr,
-    L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr, CH: tl.constexpr,
-    MW: tl.constexpr, MG: tl.constexpr,
+    H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
+    L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
+    CH: tl.constexpr, MW: tl.constexpr, MG: tl.constexpr, SHARED: tl.constexpr,
+    HINT: tl.constexpr,
 ):
     # Tiles here are MG = next_pow2(G) heads (the split-K scratch rows are BLOCK_G apart:
     # the Triton pass pads the group to 16 MMA rows, which the merge need not carry).
@@ -347,6 +373,32 @@ def _merge_kernel(
     row, cnt = row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h)
     n_hi = tl.load(cnt)
     n_lo = tl.load(cnt + 1)
+    r = tl.load(req + b).to(tl.int64)
+    if SHARED:
+        # a shared prefix's scores stay as exported (cache.decode_layer_attend)
+        skip_h = tl.load(shared + r * s_sr + h * s_sh) * H_N
+        skip_l = tl.load(shared + r * s_sr + h * s_sh + 1) * L_N
+    else:
+        skip_h = 0
+        skip_l = 0
+    # the fused argmin's record (decode_hint), armed by this step's policy kernel: the
+    # position, eligibility limit and shared bounds the next step's argmin is for
+    hrow = r * h_sr + h * h_sh
+    p_next = 0
+    pos_limit = 0
+    first_h = 0
+    first_l = 0
+    if HINT:
+        p_next = tl.load(hs + hrow * 2 + 4).to(tl.int64)
+        first_h = tl.load(hs + hrow * 2 + 7)
+        first_l = tl.load(hs + hrow * 2 + 8)
+        pos_limit = tl.load(hs + hrow * 2 + 9)
+        if s == 0:
+            # DONE := P after exactly one merge of an armed record with unchanged counts
+            done = tl.load(hs + hrow * 2 + 10)
+            same = ((done == -1) & (tl.load(hs + hrow * 2 + 5) == n_hi)
+                    & (tl.load(hs + hrow * 2 + 6) == n_lo))
+            tl.store(hs + hrow * 2 + 10, tl.where(same, p_next.to(tl.int32), -2))
     parts_hi = tl.cdiv(tl.cdiv(n_hi, H_N), ppp_hi)
     parts_lo = tl.cdiv(tl.cdiv(n_lo, L_N), ppp_lo)
     head_buf = ((b * tl.num_programs(1) + h) * MAXP).to(tl.int64)
@@ -381,14 +433,16 @@ def _merge_kernel(
 
     if s < MAXP_HI:
         if s < parts_hi:
-            _tier_scores(f32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr, ppp_hi,
-                         PAGE_BYTES, ROW_LEN, False, G, MG, PPI, ITERS_MAX, RS, H_N, H_BN,
-                         H_SOFF, CH, MW)
+            _tier_scores(f32, i32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr,
+                         ppp_hi, skip_h, first_h, p_next, pos_limit, hk + hrow, PAGE_BYTES,
+                         ROW_LEN, False, G, MG, PPI, ITERS_MAX, RS, H_N, H_BN, H_SOFF, H_POFF,
+                         CH, MW, HINT)
     else:
         if s - MAXP_HI < parts_lo:
-            _tier_scores(f32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr, mit_ptr,
-                         ppp_lo, PAGE_BYTES, ROW_LEN, True, G, MG, PPI, ITERS_MAX, RS, L_N,
-                         L_BN, L_SOFF, CH, MW)
+            _tier_scores(f32, i32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr,
+                         mit_ptr, ppp_lo, skip_l, first_l, p_next, pos_limit, hk + hrow + 1,
+                         PAGE_BYTES, ROW_LEN, True, G, MG, PPI, ITERS_MAX, RS, L_N, L_BN,
+                         L_SOFF, L_POFF, CH, MW, HINT)
 
 
 # Split-K pass variants (the merge pass is shared):
@@ -579,8 +633,9 @@ class DecodeAttentionPlan:
         self._merge_c: dict[str, int] = dict(
             BLOCK_P=triton.next_power_of_2(maxp), MG=mg,
             CH=max(1, self.merge_tile // (mg * self.row_stride)),
-            H_N=hi["H_N"], H_BN=hi["H_BN"], H_SOFF=hi["H_SOFF"], L_N=lo["L_N"],
-            L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"], MW=self.mit_per_iter,
+            H_N=hi["H_N"], H_BN=hi["H_BN"], H_SOFF=hi["H_SOFF"], H_POFF=hi["H_POFF"],
+            L_N=lo["L_N"], L_BN=lo["L_BN"], L_SOFF=lo["L_SOFF"], L_POFF=lo["L_POFF"],
+            MW=self.mit_per_iter,
         )
         self._cuda_args = (split_cuda.make_args(self, geo) if self.variant == "cuda"
                            else None)
@@ -634,12 +689,18 @@ class DecodeAttentionPlan:
         lse: torch.Tensor | None = None,
         stages: str = "partition,merge",
         views: tuple[torch.Tensor, ...] | None = None,
+        shared: torch.Tensor | None = None,
+        hints: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [B, Hq, D] over layer ``layer`` of the requests in ``req_idx``;
         adds each token's max-over-group probability to its page score. Returns (out in
         q's dtype unless ``out`` is given, natural-log lse fp32 [B, Hq]). ``views``:
         ``page_views(pages)`` computed once per step by the caller (saves three tensor views
-        per layer); None computes them here."""
+        per layer); None computes them here. ``shared``: ``PageManager.shared``; a shared
+        prefix's scores are left as they are (``CompressedKVCache.decode_layer_attend``).
+        ``hints``: the fused argmin's records (``decode_hint``), which this layer's policy
+        step armed: the merge pass also leaves each row's eligible argmin for the next
+        step's policy step there."""
         geo = self.geometry
         hq, d = self.num_q_heads, geo.head_dim
         b = q.shape[0] if q.dim() == 3 else -1
@@ -675,7 +736,10 @@ class DecodeAttentionPlan:
         if "partition" in stages:  # (``stages`` lets the benchmark time each launch alone)
             self._partition(grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common)
         if "merge" in stages:
-            self._merge(grid, f32, tab, cnt, req_idx, out, lse, common)
+            i32 = pages.view(torch.int32) if views is None else views[3]
+            self._merge(grid, f32, i32, tab, cnt, req_idx, out, lse, common,
+                        _row_args(shared, table, layer, 2, torch.int32, "shared"),
+                        _hint_args(hints, table, layer))
         return out, lse
 
     def _partition(self, grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common):
@@ -691,13 +755,41 @@ class DecodeAttentionPlan:
             **({"maxnreg": self.maxnreg} if self.maxnreg and q.is_cuda else {}),
         )
 
-    def _merge(self, grid, f32, tab, cnt, req_idx, out, lse, common):
+    def _merge(self, grid, f32, i32, tab, cnt, req_idx, out, lse, common, shared, hints):
+        sh, s_sr, s_sh = shared
+        hk, hs, h_sr, h_sh = hints
         _merge_kernel[grid](
-            f32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
+            f32, i32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
             req_idx, self.acc, self.ml, self.pbuf, self.mit, out, out.stride(0),
-            out.stride(1), lse, self.ppp_hi, self.ppp_lo, **common, **self._merge_c,
-            num_warps=self.merge_warps,
+            out.stride(1), lse, self.ppp_hi, self.ppp_lo, sh, s_sr or 0, s_sh or 0, hk, hs,
+            h_sr or 0, h_sh or 0, **common, **self._merge_c, SHARED=s_sr is not None,
+            HINT=h_sr is not None, num_warps=self.merge_warps,
         )
+
+
+def _row_args(x: torch.Tensor | None, table: torch.Tensor, layer: int, width: int,
+              dtype: torch.dtype, name: str):
+    """(layer view, row strides) of a [max_reqs, layers, Hkv, width] per-row tensor, or
+    (the table's layer view, None, None) when absent (the kernel never reads it)."""
+    if x is None:
+        return table[:, layer], None, None
+    if x.shape != (*table.shape[:3], width) or x.dtype != dtype or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be {dtype} [{', '.join(map(str, table.shape[:3]))}, "
+                         f"{width}], got {x.dtype} {tuple(x.shape)}")
+    v = x[:, layer]
+    return v, v.stride(0), v.stride(1)
+
+
+def _hint_args(hints: torch.Tensor | None, table: torch.Tensor, layer: int):
+    """(int64 layer view, int32 layer view, row strides in int64 words) of the fused
+    argmin's records, or placeholders with None strides (HINT=False)."""
+    hk, h_sr, h_sh = _row_args(hints, table, layer, decode_hint.HINT_WORDS, torch.int64,
+                               "hints")
+    if hints is None:
+        return hk, hk, None, None
+    if not hints.is_contiguous():
+        raise ValueError("hints must be contiguous (decode_hint.allocate)")
+    return hk, hints.view(torch.int32)[:, layer], h_sr, h_sh
 
 
 def decode_attention(

@@ -20,6 +20,15 @@ default: on the H100 (B 32-305 x context 1k-4k, 30/50/20, graph-replayed) parall
 0.8-1.3x the scan's time (B305 x 1k: 43 vs 36 us; x 4k: 74 vs 78 us) and costs one more
 launch, which counts in the eager decode path (docs/benchmarks.md).
 
+Fused argmin (``hints=``, ``sglang_diffkv.decode_hint``): the previous step's decode merge
+pass, which already reads and writes every token's score, leaves each row's eligible argmin
+for this step in a per-row record with a validity stamp; the policy kernel reads it instead
+of scanning where the stamp matches the row (else it scans) and re-arms the record for the
+next step. Same decisions as the scan, bit for bit.
+
+Shared prefixes (``shared=``, ``PageManager.shared``): a tier's first shared pages' tokens
+are never victims (``policy.decode_step``'s ``shared_tokens``), in all three argmins.
+
 Benchmark mode (``BENCH``, a constexpr: the normal kernel carries none of it) replaces the
 thresholds' verdict by the action ``bench_mix.forced_actions`` draws; the hash is the same
 32-bit arithmetic in int64 with explicit masks, so the bits match torch's exactly.
@@ -34,8 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_diffkv import bench_mix
+from sglang_diffkv import bench_mix, decode_hint
 from sglang_diffkv.cache import apply_decode_step
+from sglang_diffkv.kernels._keys import _none_key, _pack_key, _unpack_key
 from sglang_diffkv.kernels._quant import load_dequant, quantize_store, store_score_pos
 from sglang_diffkv.kernels._tier import page_views, row_pointers, tier_constexprs
 from sglang_diffkv.layout import PageGeometry
@@ -43,15 +53,17 @@ from sglang_diffkv.policy import DecodeDecision
 
 
 @triton.jit
-def _eligible_argmin(f32, i32, row, n_tok, p, WINDOW: tl.constexpr, ROW_LEN: tl.constexpr,
-                     LOW: tl.constexpr, PAGE_BYTES: tl.constexpr, N: tl.constexpr,
-                     SOFF: tl.constexpr, POFF: tl.constexpr, BT: tl.constexpr):
-    """(min avg, its slot) over eligible tokens; (inf, -1) if none. Ties: first slot."""
+def _eligible_argmin(f32, i32, row, n_tok, p, first, WINDOW: tl.constexpr,
+                     ROW_LEN: tl.constexpr, LOW: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                     N: tl.constexpr, SOFF: tl.constexpr, POFF: tl.constexpr,
+                     BT: tl.constexpr):
+    """(min avg, its slot) over eligible tokens of slots [first, n_tok); (inf, -1) if none.
+    Ties: first slot. The walk starts at first's block (a shared prefix is never read)."""
     best = tl.full([], float("inf"), tl.float32)
     best_i = tl.full([], -1, tl.int32)
-    for start in range(0, n_tok, BT):
+    for start in range((first // BT) * BT, n_tok, BT):
         tok = start + tl.arange(0, BT)
-        inside = tok < n_tok
+        inside = (tok < n_tok) & (tok >= first)
         if LOW:
             col = ROW_LEN - 1 - tok // N
         else:
@@ -73,52 +85,40 @@ def _eligible_argmin(f32, i32, row, n_tok, p, WINDOW: tl.constexpr, ROW_LEN: tl.
 
 
 @triton.jit
-def _none_key():
-    """The packed key of "no eligible token": +inf's order bits over slot 0xFFFFFFFF (-1).
-    (A function, not a module global: the GPU compiler rejects non-constexpr globals.)"""
-    return tl.full([], 0x7F800000FFFFFFFF, tl.int64)
-
-
-@triton.jit
-def _pack_key(avg, slot):
-    """(avg, slot) -> int64 whose signed order is avg's order, then slot's (slot < 2^32).
-
-    The float's bits become an int32 of the same order (negative floats: magnitude bits
-    flipped; -0.0 first folded to +0.0 so that 0 and -0 tie as in the float compare). Scores
-    are sums of probabilities (>= 0), so the flip never fires in practice: it is there so
-    the key is exact for any non-NaN avg at the cost of two integer ops."""
-    bits = avg.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (slot.to(tl.int64) & 0xFFFFFFFF)
-
-
-@triton.jit
-def _unpack_key(key):
-    """int64 key -> (avg fp32, slot int64 with -1 for none): the inverse of _pack_key."""
-    ordered = (key >> 32).to(tl.int32)
-    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-    slot = key & 0xFFFFFFFF
-    return bits.to(tl.float32, bitcast=True), tl.where(slot == 0xFFFFFFFF, -1, slot)
+def _shared_first(shared, s_sr, s_sh, req, b, h, H_N: tl.constexpr, L_N: tl.constexpr,
+                  SHARED: tl.constexpr):
+    """Row (b, h)'s first victim slot per tier: its shared pages (``PageManager.shared``,
+    a layer's [max_reqs, Hkv, 2] view) times tokens per page; 0, 0 without SHARED."""
+    if SHARED:
+        sp = shared + tl.load(req + b).to(tl.int64) * s_sr + h * s_sh
+        first_h = tl.load(sp) * H_N
+        first_l = tl.load(sp + 1) * L_N
+    else:
+        first_h = tl.full([], 0, tl.int32)
+        first_l = tl.full([], 0, tl.int32)
+    return first_h, first_l
 
 
 @triton.jit
 def _argmin_kernel(
     f32, i32, table, t_sr, t_sh, counts, c_sr, c_sh, req, positions, part,
+    shared, s_sr, s_sh,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, WINDOW: tl.constexpr, BT: tl.constexpr,
     H_N: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
-    L_N: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
+    L_N: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr, SHARED: tl.constexpr,
 ):
     """Program (b, h, s) of S = num_programs(2): the eligible argmin keys of blocks
     s, s + S, s + 2S, ... of row (b, h), where blocks 0..nb_hi-1 are the high tier's tokens
     BT at a time and the following ones the low tier's (a block never mixes tiers, so one
     reduction per block). Stores part[b, h, s] = (high key, low key); a program with no
-    block stores the none key. Same float ops as _eligible_argmin."""
+    block stores the none key. Same float ops as _eligible_argmin. With SHARED, a tier's
+    slots before its shared bound are no victims."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     n_split = tl.num_programs(2)
     row, cnt = row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h)
+    first_h, first_l = _shared_first(shared, s_sr, s_sh, req, b, h, H_N, L_N, SHARED)
     n_hi = tl.load(cnt)
     n_lo = tl.load(cnt + 1)
     p = tl.load(positions + b).to(tl.int64)
@@ -130,7 +130,7 @@ def _argmin_kernel(
     for v in range(s, nb, n_split):
         hi = v < nb_hi
         tok = tl.where(hi, v, v - nb_hi) * BT + tl.arange(0, BT)
-        inside = tok < tl.where(hi, n_hi, n_lo)
+        inside = (tok < tl.where(hi, n_hi, n_lo)) & (tok >= tl.where(hi, first_h, first_l))
         # both tiers' page index is computed and one selected: int32 division by a
         # constexpr is a multiply-high; the slot as tok - q * N, since ``%`` by a
         # non-power-of-two constexpr compiles to a separate (emulated) rem.s32
@@ -203,9 +203,10 @@ def _threshold(alpha, p):
 def _policy_kernel(
     u8, f16, f32, i32, table, t_sr, t_sh, counts, c_sr, c_sh, req, positions, alpha,
     key, k_sb, k_sh, value, v_sb, v_sh, action_out, hmin_out, lmin_out,
-    bench_seed, layer, cut_h, cut_hl, part, n_split,
+    bench_seed, layer, cut_h, cut_hl, part, n_split, shared, s_sr, s_sh, hk, hs, h_sr, h_sh,
     PAGE_BYTES: tl.constexpr, ROW_LEN: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
-    BT: tl.constexpr, PARALLEL: tl.constexpr, BENCH: tl.constexpr, MUL_A: tl.constexpr,
+    BT: tl.constexpr, PARALLEL: tl.constexpr, BENCH: tl.constexpr, SHARED: tl.constexpr,
+    HINT: tl.constexpr, MUL_A: tl.constexpr,
     MUL_B: tl.constexpr, SALT: tl.constexpr, U_BITS: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
@@ -220,16 +221,40 @@ def _policy_kernel(
     n_hi = tl.load(cnt)
     n_lo = tl.load(cnt + 1)
     p = tl.load(positions + b).to(tl.int64)
-    if PARALLEL:
+    first_h, first_l = _shared_first(shared, s_sr, s_sh, req, b, h, H_N, L_N, SHARED)
+    live = p >= 0
+    if HINT:
+        # the fused argmin's record (decode_hint): the previous step's merge pass left this
+        # row's keys; used only when its stamp says they are for exactly this row state
+        hrow = tl.load(req + b).to(tl.int64) * h_sr + h * h_sh
+        fi = tl.arange(0, 8)
+        st = tl.load(hs + hrow * 2 + 4 + fi)
+        st_p = tl.sum(tl.where(fi == 0, st, 0), axis=0)
+        ok_hint = (live & (st_p == p) & (tl.sum(tl.where(fi == 6, st, 0), axis=0) == p)
+                   & (tl.sum(tl.where(fi == 1, st, 0), axis=0) == n_hi)
+                   & (tl.sum(tl.where(fi == 2, st, 0), axis=0) == n_lo)
+                   & (tl.sum(tl.where(fi == 3, st, 0), axis=0) == first_h)
+                   & (tl.sum(tl.where(fi == 4, st, 0), axis=0) == first_l)
+                   & (tl.sum(tl.where(fi == 5, st, 0), axis=0) == p - WINDOW))
+        h_avg, hmin = _unpack_key(tl.load(hk + hrow))
+        l_avg, lmin = _unpack_key(tl.load(hk + hrow + 1))
+        if not ok_hint:
+            h_avg, hmin_s = _eligible_argmin(f32, i32, row, n_hi, p, first_h, WINDOW, ROW_LEN,
+                                             False, PAGE_BYTES, H_N, H_SOFF, H_POFF, BT)
+            l_avg, lmin_s = _eligible_argmin(f32, i32, row, n_lo, p, first_l, WINDOW, ROW_LEN,
+                                             True, PAGE_BYTES, L_N, L_SOFF, L_POFF, BT)
+            hmin = hmin_s.to(tl.int64)
+            lmin = lmin_s.to(tl.int64)
+    elif PARALLEL:
         # _argmin_kernel's n_split partial keys of this row (it ran just before, same stream)
         prow = part + (b * tl.num_programs(1) + h).to(tl.int64) * n_split * 2
         h_avg, hmin = _unpack_key(_min_partial(prow, n_split, 0))
         l_avg, lmin = _unpack_key(_min_partial(prow, n_split, 1))
     else:
-        h_avg, hmin = _eligible_argmin(f32, i32, row, n_hi, p, WINDOW, ROW_LEN, False,
-                                       PAGE_BYTES, H_N, H_SOFF, H_POFF, BT)
-        l_avg, lmin = _eligible_argmin(f32, i32, row, n_lo, p, WINDOW, ROW_LEN, True,
-                                       PAGE_BYTES, L_N, L_SOFF, L_POFF, BT)
+        h_avg, hmin = _eligible_argmin(f32, i32, row, n_hi, p, first_h, WINDOW, ROW_LEN,
+                                       False, PAGE_BYTES, H_N, H_SOFF, H_POFF, BT)
+        l_avg, lmin = _eligible_argmin(f32, i32, row, n_lo, p, first_l, WINDOW, ROW_LEN,
+                                       True, PAGE_BYTES, L_N, L_SOFF, L_POFF, BT)
     full = (n_hi + n_lo + 1) > WINDOW
     # DecodeAction: 0 APPEND_HIGH, 1 EVICT_HIGH, 2 DEMOTE_APPEND, 3 DEMOTE_REPLACE
     if BENCH:
@@ -247,7 +272,6 @@ def _policy_kernel(
 
     # Rows of width 2 with only row 0 live: tiles of one token. A CUDA-graph padding row
     # (position -1, on the pool's empty pad request) stores nothing and counts nothing.
-    live = p >= 0
     one = (tl.arange(0, 2) < 1) & ((tl.zeros([2], tl.int32) + live.to(tl.int32)) > 0)
     hmin_c = tl.maximum(hmin, 0)
     src_page = tl.load(row + hmin_c // H_N).to(tl.int64)
@@ -284,8 +308,21 @@ def _policy_kernel(
     store_score_pos(f32, i32, new_base, new_slot, one, tl.zeros([2], tl.float32),
                     (tl.zeros([2], tl.int64) + p).to(tl.int32), H_SOFF, H_POFF)
 
-    tl.store(cnt, n_hi + ((action == 0) & live).to(tl.int32))
-    tl.store(cnt + 1, n_lo + ((action == 2) & live).to(tl.int32))
+    n_hi_next = n_hi + ((action == 0) & live).to(tl.int32)
+    n_lo_next = n_lo + ((action == 2) & live).to(tl.int32)
+    tl.store(cnt, n_hi_next)
+    tl.store(cnt + 1, n_lo_next)
+    if HINT:
+        # arm the record for position p + 1 (live rows only): keys none, the merge pass of
+        # this layer mins into them next; DONE -1 until it has run exactly once
+        lv = (tl.zeros([8], tl.int32) + live.to(tl.int32)) > 0
+        pn = (p + 1).to(tl.int32)
+        stamp = tl.where(fi == 0, pn, tl.where(fi == 1, n_hi_next, tl.where(
+            fi == 2, n_lo_next, tl.where(fi == 3, first_h, tl.where(
+                fi == 4, first_l, tl.where(fi == 5, pn - WINDOW, tl.where(fi == 6, -1, 0)))))))
+        tl.store(hs + hrow * 2 + 4 + fi, stamp, mask=lv)
+        lv2 = (tl.zeros([2], tl.int32) + live.to(tl.int32)) > 0
+        tl.store(hk + hrow + tl.arange(0, 2), tl.zeros([2], tl.int64) + _none_key(), mask=lv2)
     out = b * tl.num_programs(1) + h
     tl.store(action_out + out, action.to(tl.int8))
     tl.store(hmin_out + out, hmin.to(tl.int64))
@@ -338,6 +375,35 @@ def _check(geometry, table, counts, req_idx, positions, alpha, key, value):
         raise ValueError(f"req_idx and positions must be [{b}], alpha [{b}, 2]")
 
 
+def _shared_args(shared: torch.Tensor | None, table: torch.Tensor, layer: int):
+    """(layer view, row strides) of ``PageManager.shared`` for the kernels, or the table's
+    (never read: SHARED=False) when there is none."""
+    if shared is None:
+        tab = table[:, layer]
+        return tab, 0, 0
+    if shared.shape != (*table.shape[:3], 2) or shared.dtype != torch.int32 or \
+            shared.stride(-1) != 1:
+        raise ValueError(f"shared must be int32 [{', '.join(map(str, table.shape[:3]))}, 2] "
+                         f"(PageManager.shared), got {shared.dtype} {tuple(shared.shape)}")
+    sh = shared[:, layer]
+    return sh, sh.stride(0), sh.stride(1)
+
+
+def _hint_args(hints: torch.Tensor | None, table: torch.Tensor, layer: int):
+    """(int64 layer view, int32 layer view, row strides in int64 words) of the fused
+    argmin's records (``decode_hint``), or placeholders (never read: HINT=False)."""
+    if hints is None:
+        tab = table[:, layer]
+        return tab, tab, 0, 0
+    if hints.shape != (*table.shape[:3], decode_hint.HINT_WORDS) or \
+            hints.dtype != torch.int64 or not hints.is_contiguous():
+        raise ValueError(f"hints must be contiguous int64 [{', '.join(map(str, table.shape[:3]))}"
+                         f", {decode_hint.HINT_WORDS}] (decode_hint.allocate), got "
+                         f"{hints.dtype} {tuple(hints.shape)}")
+    hk = hints[:, layer]
+    return hk, hints.view(torch.int32)[:, layer], hk.stride(0), hk.stride(1)
+
+
 def argmin_partials(
     pages: torch.Tensor,
     geometry: PageGeometry,
@@ -350,10 +416,12 @@ def argmin_partials(
     block: int = ARGMIN_BLOCK,
     programs: int = ARGMIN_PROGRAMS,
     out: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``_argmin_kernel``: int64 [B, Hkv, S, 2] partial keys (high, low) per row and split;
     the row's eligible argmin is the min over S (:func:`unpack_keys`). ``out``: a buffer
-    of that shape to fill (every entry is written; tests pass a poisoned one)."""
+    of that shape to fill (every entry is written; tests pass a poisoned one). ``shared``:
+    ``PageManager.shared`` (a tier's first shared pages are no victims) or None."""
     b, hkv = req_idx.shape[0], table.shape[2]
     row_len = table.shape[-1]
     n_split = argmin_splits(b, hkv, row_len, geometry, block, programs)
@@ -366,10 +434,12 @@ def argmin_partials(
     _, _, f32, i32 = page_views(pages)
     tab, cnt = table[:, layer], counts[:, layer]
     hi_c, lo_c = tier_constexprs(geometry.high, "H_"), tier_constexprs(geometry.low, "L_")
+    sh, s_sr, s_sh = _shared_args(shared, table, layer)
     _argmin_kernel[(b, hkv, n_split)](
         f32, i32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1),
-        req_idx, positions.to(torch.int64).contiguous(), out,
+        req_idx, positions.to(torch.int64).contiguous(), out, sh, s_sr, s_sh,
         PAGE_BYTES=geometry.page_bytes, ROW_LEN=row_len, WINDOW=window, BT=block,
+        SHARED=shared is not None,
         **{k: hi_c[k] for k in ("H_N", "H_SOFF", "H_POFF")},
         **{k: lo_c[k] for k in ("L_N", "L_SOFF", "L_POFF")},
         num_warps=4, enable_fp_fusion=False,
@@ -477,6 +547,8 @@ def decode_policy_step(
     *,
     step: DecodeStepInputs | None = None,
     scan_block: int = SCAN_BLOCK,
+    shared: torch.Tensor | None = None,
+    hints: torch.Tensor | None = None,
 ) -> DecodeDecision:
     """Decide and apply one decode step of one layer; updates ``pages`` and the token
     counters in ``counts`` in place. alpha: [B, 2] = (alpha_h, alpha_l) per request.
@@ -487,9 +559,19 @@ def decode_policy_step(
     scan_block: the scan's tokens per step (a power of two >= 16; same results for any).
     step: the step's inputs from :func:`prepare_decode_step` (same ``pages``, ``req_idx``,
     ``positions``, ``alpha`` and ``bench``); then those arguments are not converted again
-    (they are only shape-checked) and the decision lands in the step's shared buffers."""
+    (they are only shape-checked) and the decision lands in the step's shared buffers.
+    shared: ``PageManager.shared`` (int32 [max_reqs, layers, Hkv, 2] pages): a tier's slots
+    before shared pages x tokens per page are never victims (``policy.decode_step``'s
+    ``shared_tokens``); None: no row shares.
+    hints: the fused argmin's records (``decode_hint``; int64 [max_reqs, layers, Hkv,
+    HINT_WORDS]): where a row's record is valid the kernel takes its argmin from it instead
+    of scanning, and it re-arms every live row's record for the next step, which the same
+    layer's decode attention (``DecodeAttentionPlan.run(hints=...)``) fills. Same results
+    as without (the scan is the fallback); needs ``argmin="scan"``."""
     if argmin not in ("parallel", "scan"):
         raise ValueError(f"argmin must be 'parallel' or 'scan', got {argmin!r}")
+    if hints is not None and argmin != "scan":
+        raise ValueError("hints (the fused argmin) fall back to the scan: argmin must be 'scan'")
     if scan_block < 16 or scan_block & (scan_block - 1):
         raise ValueError(f"scan_block must be a power of two >= 16, got {scan_block}")
     _check(geometry, table, counts, req_idx, positions, alpha, key, value)
@@ -504,17 +586,19 @@ def decode_policy_step(
     tab, cnt = table[:, layer], counts[:, layer]
     if argmin == "parallel":
         part = argmin_partials(pages, geometry, table, counts, req_idx, layer, step.positions,
-                               window, argmin_block, argmin_programs)
+                               window, argmin_block, argmin_programs, shared=shared)
         n_split = part.shape[2]
     else:
         n_split, part = 1, step.action  # never read: PARALLEL=False compiles the scan
+    sh, s_sr, s_sh = _shared_args(shared, table, layer)
+    hk, hs, h_sr, h_sh = _hint_args(hints, table, layer)
     _policy_kernel[(b, hkv)](
         u8, f16, f32, i32, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0),
         cnt.stride(1), req_idx, step.positions,
         step.alpha, key, key.stride(0), key.stride(1), value, value.stride(0),
         value.stride(1), step.action, step.hmin, step.lmin, step.seed, layer, step.cut_h,
-        step.cut_hl, part, n_split,
-        PARALLEL=argmin == "parallel",
+        step.cut_hl, part, n_split, sh, s_sr, s_sh, hk, hs, h_sr, h_sh,
+        PARALLEL=argmin == "parallel", SHARED=shared is not None, HINT=hints is not None,
         **_policy_constexprs(geometry, table.shape[-1], window, step.bench, scan_block),
         num_warps=4, enable_fp_fusion=False,
     )
@@ -534,15 +618,23 @@ def decode_policy_step_reference(
     key: torch.Tensor,
     value: torch.Tensor,
     bench: tuple[torch.Tensor, bench_mix.Mix] | None = None,
+    shared: torch.Tensor | None = None,
 ) -> DecodeDecision:
     """``cache.apply_decode_step`` (what ``CompressedKVCache.decode_layer_store`` runs) over
-    these tensors, with the counters advanced as the kernel does."""
+    these tensors, with the counters advanced as the kernel does. ``shared``: as
+    ``decode_policy_step``'s (``PageManager.shared``)."""
     req = req_idx.long()
     forced = None
     if bench is not None:
         forced = bench_mix.forced_actions(bench[0], layer, key.shape[1], positions, bench[1])
+    shared_tokens = None
+    if shared is not None:
+        per_page = torch.tensor([geometry.high.tokens_per_page, geometry.low.tokens_per_page],
+                                device=shared.device)
+        shared_tokens = shared[req, layer].long() * per_page
     d, growth = apply_decode_step(pages, geometry, table[req, layer], counts[req, layer],
-                                  positions, alpha.float(), window, key, value, forced=forced)
+                                  positions, alpha.float(), window, key, value, forced=forced,
+                                  shared_tokens=shared_tokens)
     counts[req, layer, :, :2] += growth.to(counts.dtype)
     return d
 

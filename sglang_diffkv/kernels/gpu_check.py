@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from sglang_diffkv import decode_hint
 from sglang_diffkv.cache import CompressedKVCache, _tier_scores
 from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED, DiffKVConfig
 from sglang_diffkv.kernels import (
@@ -355,6 +356,82 @@ def policy_large_check(batch, ctx_lo, ctx_hi, hkv, seed):
     return run
 
 
+def fused_argmin_check(batch, ctx_lo, ctx_hi, hkv, group, steps, seed):
+    """The fused argmin (``decode_hint``) at serving size: a random 30/50/20 state, then
+    ``steps`` decode steps of one layer (policy step, then decode attention) run three
+    ways from the same state: the reference policy step (CPU) on the fused path's own
+    state, the scan path (no records) and the fused path (records poisoned before the first
+    step, shared bounds on some rows). Decisions must equal the reference at every step,
+    the scan and fused paths' pages and counters stay identical, every armed record's keys
+    equal the reference argmin for the next position on the pages the merge wrote, and
+    from the second step on every row must take its record."""
+    def run():
+        geo = PageGeometry.build(128, K8V4, K4V2)
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        ctx = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
+        case = random_decode_case(geo, ctx, hkv, high_frac=0.3, low_frac=0.5, jitter=True,
+                                  spare_reqs=5, device=DEV, seed=seed)
+        c = case.counts
+        per = torch.tensor([geo.high.tokens_per_page, geo.low.tokens_per_page], device=DEV)
+        c[..., :2] = torch.minimum(c[..., :2], (c[..., 2:] * per - steps).clamp(min=0))
+        full = c[..., :2].long() // per
+        pick = (torch.rand(full.shape, generator=g).to(DEV) * (full + 1)).long()
+        keep = (torch.rand(full.shape[:-1], generator=g) < 0.3).to(DEV)[..., None]
+        shared = torch.minimum(pick * keep, full).to(torch.int32)
+        hints = decode_hint.allocate(*c.shape[:3], DEV)
+        hints.copy_(torch.randint(-(1 << 62), 1 << 62, hints.shape, generator=g))
+        window = 64
+        pos = ((1 << 20) + torch.randint(-100, 100, (batch,), generator=g)).to(DEV)
+        alpha = torch.rand(batch, 2, generator=g) * torch.tensor([3000.0, 800.0])
+        plan = DecodeAttentionPlan.build(geo, hkv * group, hkv, batch, max(ctx) + steps, DEV)
+        scan = (case.pages.clone(), c.clone())
+        req = case.req_idx
+        ok, used, rows, seen = True, 0, 0, set()
+        for t in range(steps):
+            key = torch.randn(batch, hkv, 128, generator=g).bfloat16()
+            val = torch.randn(batch, hkv, 128, generator=g).bfloat16()
+            q = torch.randn(batch, hkv * group, 128, generator=g).bfloat16().to(DEV)
+            first = shared[req, 0].long() * per
+            valid = decode_hint.valid(hints[req, 0], c[req, 0], first, pos, window)
+            used += int(valid.sum())
+            rows += valid.numel()
+            if t > 0:
+                ok &= bool(valid.all())
+            ref_pages, ref_counts = case.pages.cpu().clone(), c.cpu().clone()
+            r = decode_policy_step_reference(ref_pages, geo, case.table.cpu(), ref_counts,
+                                             req.cpu(), 0, pos.cpu(), alpha, window, key, val,
+                                             shared=shared.cpu())
+            seen |= set(r.action.flatten().tolist())
+            for pages, counts, h in ((case.pages, c, hints), (*scan, None)):
+                o = decode_policy_step(pages, geo, case.table, counts, req, 0, pos,
+                                       alpha.to(DEV), window, key.to(DEV), val.to(DEV),
+                                       shared=shared, hints=h)
+                ok &= (torch.equal(o.action.cpu(), r.action.to(torch.int8))
+                       and torch.equal(o.hmin.cpu(), r.hmin)
+                       and torch.equal(o.lmin.cpu(), r.lmin)
+                       and torch.equal(pages.cpu(), ref_pages)
+                       and torch.equal(counts.cpu(), ref_counts))
+                plan.run(q, pages, case.table, counts, req, 0, 128**-0.5, shared=shared,
+                         hints=h)
+            ok &= torch.equal(case.pages, scan[0]) and torch.equal(c, scan[1])
+            nxt = pos + 1
+            pages_cpu, tab = case.pages.cpu(), case.table[req, 0].cpu()
+            cnt = c[req, 0].long().cpu()
+            fst = first.cpu()
+            for tier in (0, 1):
+                _, score, spos = _tier_scores(pages_cpu, geo, tab, cnt[..., tier], tier)
+                w_avg, w_slot = _eligible_argmin(score, spos, cnt[..., tier], nxt.cpu(),
+                                                 window, fst[..., tier])
+                avg, slot = decode_hint.unpack_key(hints[req, 0, :, tier].cpu())
+                fin = w_slot >= 0
+                ok &= torch.equal(slot, w_slot) and torch.equal(avg[fin], w_avg[fin].float())
+            pos = nxt
+        return (f"{steps} steps equal={ok}; rows from the record {used}/{rows}; actions "
+                f"{sorted(seen)}; {int((shared > 0).any(-1).sum())} rows with shared pages",
+                ok and used >= rows * (steps - 1) // steps)
+    return run
+
+
 def compaction_check(batch, layers, heads, cooperative):
     def run():
         spec = MemorySpec(num_pages=batch * layers * heads * 8, max_reqs=batch,
@@ -458,6 +535,10 @@ def main() -> int:
           policy_large_check(305, 1000, 3000, 8, seed=3))
     check("decode_policy", "B7 Hkv8 D128 ctx 20-200, random state",
           policy_large_check(7, 20, 200, 8, seed=4))
+    check("decode_policy[fused]", "B369 Hkv8 G4 D128 ctx 2k-4k, 4 steps, shared rows",
+          fused_argmin_check(369, 2000, 4000, 8, 4, 4, seed=54))
+    check("decode_policy[fused]", "B7 Hkv8 G4 D128 ctx 20-300, 6 steps, shared rows",
+          fused_argmin_check(7, 20, 300, 8, 4, 6, seed=55))
     check("compaction(cuda)", "B128 x 32 layers x 8 heads",
           compaction_check(128, 32, 8, cooperative=False))
     check("compaction(cuda)", "B7 x 3 layers x 2 heads",

@@ -1,7 +1,8 @@
 """DiffKV's device-resident page manager: circular free list, bidirectional page table,
 prefix-sum compaction. Device-agnostic torch (CPU in tests, CUDA unchanged).
 
-May import: the core package root (``layout``); nothing else in ``sglang_diffkv``."""
+May import: the core package root (``layout``, ``decode_hint``); nothing else in
+``sglang_diffkv``."""
 
 from sglang_diffkv.memory.free_list import CircularFreeList, Take
 from sglang_diffkv.memory.inputs import Phase

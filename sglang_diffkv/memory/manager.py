@@ -12,6 +12,10 @@ State (device tensors; the contract kernels and the SGLang pool read):
   of tier t are shared read-only (a prefix it exported or attached; ``sharing``).
 - ``refs`` int32 [num_pages]: shared holders of each page (rows' shared regions and live
   handles, ``handles``); 0 for free pages and private pages.
+- ``decode_hints`` int64 [max_reqs, layers, kv_heads, HINT_WORDS] or None: the fused decode
+  argmin's per-row records (``sglang_diffkv.decode_hint``; allocated by
+  ``enable_decode_hints``). The manager only invalidates a slot's records whenever the slot
+  is (re)started or freed (``allocate_prefill``, ``attach_prefix``, ``free_requests``).
 
 Invariants: every page id is either in the free ring, or in exactly one row's private region,
 or held by ``refs`` >= 1 shared holders (and nowhere else); table entries outside
@@ -40,6 +44,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sglang_diffkv import decode_hint
 from sglang_diffkv.memory.free_list import CircularFreeList, exclusive_cumsum
 from sglang_diffkv.memory.inputs import (
     Phase,
@@ -87,6 +92,7 @@ class PageManager:
         self._next_handle = 0
         # whether any page was ever shared: until then free_requests skips the refs pass
         self._sharing = False
+        self.decode_hints: torch.Tensor | None = None
         self._tokens_per_page = torch.tensor(s.tokens_per_page, dtype=torch.int64,
                                              device=self.device)
         self._pos = torch.arange(s.row_len, dtype=torch.int64, device=self.device)
@@ -126,6 +132,14 @@ class PageManager:
         wrong phase (say, one whose allocate_prefill was a no-op) is skipped on the device,
         so a caller's mistake can never break page ownership."""
         return (self.phase[req] == int(phase)).view(-1, 1, 1)
+
+    def enable_decode_hints(self) -> torch.Tensor:
+        """Allocate the fused argmin's records (all invalid) if not yet; returns them."""
+        if self.decode_hints is None:
+            s = self.spec
+            self.decode_hints = decode_hint.allocate(s.max_reqs, s.num_layers,
+                                                     s.num_kv_heads, self.device)
+        return self.decode_hints
 
     # -- free-page count ---------------------------------------------------------------
 
@@ -202,6 +216,7 @@ class PageManager:
         self.counts[req] = torch.where(done.unsqueeze(-1), new_counts.to(torch.int32),
                                        self.counts[req])
         self.phase[req] = torch.where(done.view(-1), int(Phase.PREFILLED), self.phase[req])
+        decode_hint.invalidate(self.decode_hints, req)
         return AllocResult(op, take.ok, take.needed, take.free, torch.ones_like(take.ok))
 
     def advance_prefill(self, req_idx: IndexLike, n_tokens: IndexLike) -> None:
@@ -346,6 +361,7 @@ class PageManager:
         self.counts.index_fill_(0, req, 0)
         self.shared.index_fill_(0, req, 0)
         self.phase.index_fill_(0, req, int(Phase.FREE))
+        decode_hint.invalidate(self.decode_hints, req)
 
     # -- shared prefixes (admission time) ------------------------------------------------
     #
@@ -516,6 +532,7 @@ class PageManager:
                                        self.shared[req])
         self._add_refs(pages, is_shared.to(torch.int32))
         self.phase[req] = torch.where(done.view(-1), int(Phase.DECODING), self.phase[req])
+        decode_hint.invalidate(self.decode_hints, req)
         src = pages.gather(-1, full.clamp(max=width - 1).unsqueeze(-1)).squeeze(-1)
         self._sharing = True
         return (AllocResult(op, take.ok, take.needed, take.free, torch.ones_like(take.ok)),

@@ -9,6 +9,11 @@ Both paths act on the same ``CompressedKVCache`` state (pages, page table, count
 ``SGLANG_DIFFKV_KERNELS``: ``auto`` (default: kernels on CUDA, reference elsewhere),
 ``1`` (kernels everywhere; on CPU only under ``TRITON_INTERPRET=1``) or ``0`` (reference).
 
+``SGLANG_DIFFKV_FUSED_ARGMIN`` (kernel path): ``1`` has each layer's decode merge pass leave
+the next step's eligible argmin for the policy step (``sglang_diffkv.decode_hint``), which
+then scans only the rows whose record is stale; ``0`` (default until measured on the GPU)
+keeps the scan. Same decisions either way.
+
 Benchmark mode (``config.bench_mix``) is the same on both paths: the scores are computed,
 then replaced by the draw's (``CompressedKVCache.bench_significance``; on the Triton path
 drawn inside the classify kernel); the decode step takes the drawn actions
@@ -37,6 +42,7 @@ logger = logging.getLogger("sglang_diffkv")
 
 KERNELS_ENV = "SGLANG_DIFFKV_KERNELS"
 REFERENCE_MODES = ("0", "false", "off", "reference")
+FUSED_ARGMIN_ENV = "SGLANG_DIFFKV_FUSED_ARGMIN"
 
 # Decode-attention plans hold split-K scratch that grows with batch x context (about 2 MB
 # per request at 8192 tokens for a Llama-3-8B layer shape), so the cache is bounded in
@@ -82,6 +88,17 @@ def want_kernels(device: torch.device, environ: dict[str, str] | None = None) ->
     return device.type == "cuda"
 
 
+def want_fused_argmin(environ: dict[str, str] | None = None) -> bool:
+    """``SGLANG_DIFFKV_FUSED_ARGMIN``: 1/true/on or 0/false/off (default 0)."""
+    env = os.environ if environ is None else environ
+    mode = env.get(FUSED_ARGMIN_ENV, "0").strip().lower()
+    if mode in ("1", "true", "on"):
+        return True
+    if mode in ("0", "false", "off", ""):
+        return False
+    raise ValueError(f"{FUSED_ARGMIN_ENV}={mode!r}: use 1 or 0")
+
+
 @dataclass
 class PrefillStep:
     """One prefill step's shared inputs (``DiffKVOps.begin_prefill_step``), read by every
@@ -121,9 +138,16 @@ class DecodeStep:
 
 class DiffKVOps:
     def __init__(self, cache: CompressedKVCache, use_kernels: bool,
-                 plan_cache_bytes: int = PLAN_CACHE_BYTES) -> None:
+                 plan_cache_bytes: int = PLAN_CACHE_BYTES,
+                 fused_argmin: bool | None = None) -> None:
+        """``fused_argmin``: None reads ``SGLANG_DIFFKV_FUSED_ARGMIN`` (kernel path only)."""
         self.cache = cache
         self.use_kernels = use_kernels
+        if fused_argmin is None:
+            fused_argmin = want_fused_argmin()
+        self.fused_argmin = bool(fused_argmin and use_kernels)
+        # the fused argmin's per-row records (None: the policy kernel scans every row)
+        self.hints = cache.manager.enable_decode_hints() if self.fused_argmin else None
         # (bucketed batch, bucketed context, q heads) -> DecodeAttentionPlan, least recently
         # used first
         self._plans: OrderedDict[tuple[int, int, int], Any] = OrderedDict()
@@ -145,9 +169,11 @@ class DiffKVOps:
             # prefill attention over the packed prompts: flash varlen where its probe
             # passes, padded SDPA otherwise (prompt_attention)
             self.prompt_attention = choose_prompt_attention(cache.device)
+            argmin = ("fused into the merge pass (SGLANG_DIFFKV_FUSED_ARGMIN=1)"
+                      if self.fused_argmin else "scan")
             self.name = (f"Triton kernels (sglang_diffkv.kernels); decode page allocation: "
                          f"{room}; prefill attention: {self.prompt_attention.name} "
-                         f"({self.prompt_attention.reason})")
+                         f"({self.prompt_attention.reason}); decode argmin: {argmin}")
         else:
             self.name = "torch reference (sglang_diffkv.cache)"
 
@@ -355,7 +381,8 @@ class DiffKVOps:
         self.k.decode_policy_step(
             c.pages, c.geometry, c.manager.table, c.manager.counts, req, layer, p.positions,
             p.alpha, c.config.window, k.contiguous(), v.contiguous(),
-            bench=None if mix is None else (p.seed, mix), step=p,
+            bench=None if mix is None else (p.seed, mix), step=p, shared=c.manager.shared,
+            hints=self.hints,
         )
 
     def decode_attend(self, layer: int, req: torch.Tensor, q: torch.Tensor,
@@ -379,7 +406,7 @@ class DiffKVOps:
                                                        q.device)
             views = step.policy.views
         out, _ = plan.run(q.contiguous(), c.pages, c.manager.table, c.manager.counts, req,
-                          layer, scale, views=views)
+                          layer, scale, views=views, shared=c.manager.shared, hints=self.hints)
         return out
 
     def _plan_for(self, batch: int, max_seq_len: int | None, num_q_heads: int,

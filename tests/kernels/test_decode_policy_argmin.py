@@ -255,3 +255,67 @@ def test_splits_from_shapes_only():
         argmin_splits(1, 1, row_len, geo, block=100)
     with pytest.raises(ValueError):
         decode_policy_step(*[None] * 11, argmin="fast")
+
+
+def random_shared(case, g: torch.Generator) -> torch.Tensor:
+    """PageManager.shared-shaped bounds: per row and tier a random number of the tier's
+    full pages (a shared page is always full), zero for about a third of the rows."""
+    geo = case.geometry
+    per = torch.tensor([geo.high.tokens_per_page, geo.low.tokens_per_page])
+    full = case.counts[..., :2].long() // per
+    pick = (torch.rand(full.shape, generator=g) * (full + 1).float()).long()
+    keep = torch.rand(full.shape[:-1], generator=g) < 0.65
+    return (pick * keep[..., None]).clamp(max=full).to(torch.int32)
+
+
+@pytest.mark.parametrize("geo_name", list(GEOMETRIES))
+def test_shared_bounds_in_every_argmin(geo_name):
+    """Shared-prefix bounds (``shared=``): the parallel argmin's keys, and a whole step by
+    the scan and the parallel path, equal ``policy.decode_step(shared_tokens=)``'s through
+    the reference; outputs poisoned, normal and benchmark mode."""
+    geo = PageGeometry.build(64, *GEOMETRIES[geo_name])
+    case, positions = state(geo, 41)
+    g = torch.Generator().manual_seed(42)
+    shared = random_shared(case, g)
+    assert bool((shared > 0).any())
+    b, hkv = len(positions), case.table.shape[2]
+    per = torch.tensor([geo.high.tokens_per_page, geo.low.tokens_per_page])
+    for layer in (0, 1):
+        rows = case.table[case.req_idx.long(), layer]
+        cnt = case.counts[case.req_idx.long(), layer].long()
+        first = shared[case.req_idx.long(), layer].long() * per
+        want = []
+        for tier in (0, 1):
+            _, score, pos = _tier_scores(case.pages, geo, rows, cnt[..., tier], tier)
+            want += _eligible_argmin(score, pos, cnt[..., tier], positions.long(), 64,
+                                     first[..., tier])
+        for block, programs in LAUNCH:
+            n_split = argmin_splits(b, hkv, case.table.shape[-1], geo, block, programs)
+            poison = torch.randint(-(1 << 62), 1 << 62, (b, hkv, n_split, 2), generator=g)
+            got = unpack_keys(argmin_partials(case.pages, geo, case.table, case.counts,
+                                              case.req_idx, layer, positions, 64, block,
+                                              programs, out=poison, shared=shared))
+            for g_, w_ in zip(got, want, strict=True):
+                assert torch.equal(g_, w_.to(g_.dtype)), (layer, block)
+    alpha = torch.rand(b, 2, generator=g) * torch.tensor([400.0, 100.0])
+    key = torch.randn(b, hkv, 64, generator=g).bfloat16()
+    value = torch.randn(b, hkv, 64, generator=g).bfloat16()
+    for bm in (None, (torch.arange(b) * 5, (0.2, 0.5, 0.3))):
+        ref = (case.pages.clone(), case.counts.clone())
+        want = decode_policy_step_reference(ref[0], geo, case.table, ref[1], case.req_idx, 1,
+                                            positions, alpha, 64, key, value, bench=bm,
+                                            shared=shared)
+        for how, blk in (("parallel", 32), ("scan", 16), ("scan", 512)):
+            pages, counts = case.pages.clone(), case.counts.clone()
+            got = decode_policy_step(pages, geo, case.table, counts, case.req_idx, 1,
+                                     positions, alpha, 64, key, value, bench=bm, argmin=how,
+                                     argmin_block=blk, argmin_programs=16, scan_block=blk,
+                                     shared=shared)
+            assert torch.equal(got.action, want.action.to(torch.int8)), (how, bm)
+            assert torch.equal(got.hmin, want.hmin) and torch.equal(got.lmin, want.lmin)
+            assert torch.equal(pages, ref[0]) and torch.equal(counts, ref[1])
+        # the bounds matter on this state: without them some victim is a shared slot
+        plain = decode_policy_step_reference(case.pages.clone(), geo, case.table,
+                                             case.counts.clone(), case.req_idx, 1, positions,
+                                             alpha, 64, key, value, bench=bm)
+        assert not (torch.equal(plain.hmin, want.hmin) and torch.equal(plain.lmin, want.lmin))

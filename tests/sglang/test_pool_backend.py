@@ -234,12 +234,40 @@ def test_startup_report_and_step_metrics_are_logged(monkeypatch, caplog):
     assert "a bf16 cache would need" in text
 
 
+def count_record_use(monkeypatch) -> list[int]:
+    """[rows whose fused-argmin record the policy step took, rows], counted around every
+    ``DiffKVOps.decode_store`` (``decode_hint.valid``: the kernel's own test)."""
+    from sglang_diffkv import decode_hint
+    from sglang_diffkv.sglang.ops import DiffKVOps
+
+    used = [0, 0]
+    store = DiffKVOps.decode_store
+
+    def counted(self, layer, req, positions, k, v, step=None):
+        if self.hints is not None:
+            m, c = self.cache.manager, self.cache
+            per = torch.tensor(c.spec.tokens_per_page, device=c.device)
+            ok = decode_hint.valid(self.hints[req, layer], m.counts[req, layer],
+                                   m.shared[req, layer].long() * per, positions,
+                                   c.config.window)
+            used[0] += int(ok.sum())
+            used[1] += ok.numel()
+        return store(self, layer, req, positions, k, v, step=step)
+
+    monkeypatch.setattr(DiffKVOps, "decode_store", counted)
+    return used
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
-def test_kernel_path_matches_the_reference(monkeypatch):
-    """The same SGLang-driven run with the Triton kernels behind the ops seam."""
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_kernel_path_matches_the_reference(monkeypatch, fused):
+    """The same SGLang-driven run with the Triton kernels behind the ops seam, with the
+    policy step's argmin scanned and fused into the merge pass (SGLANG_DIFFKV_FUSED_ARGMIN)."""
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "1")
+    monkeypatch.setenv("SGLANG_DIFFKV_FUSED_ARGMIN", fused)
+    used = count_record_use(monkeypatch)
     shape = H.ModelShape(dtype=torch.bfloat16)
     s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8))
     assert s.runner.attn_backend.ops.use_kernels
@@ -249,19 +277,24 @@ def test_kernel_path_matches_the_reference(monkeypatch):
     compared = replay_on_reference(s, tol=2e-2)  # bf16 activations
     assert compared == {"extend": 2, "decode": 13 + 9}
     assert_back_to_initial_state(s)
+    # fused: every decode step after a request's first takes its records
+    assert (used[0] > used[1] // 2) if fused == "1" else used == [0, 0], used
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
-def test_cuda_graph_decode_matches_the_reference(monkeypatch, caplog):
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_cuda_graph_decode_matches_the_reference(monkeypatch, caplog, fused):
     """Decode driven as DecodeCudaGraphRunner does it: captured per batch size with every
     row padding, replayed from its static buffers through build_replay_fb_view (rows past
     the batch: req_pool_indices 0, SGLang's padding row, seq_lens the fill value, input ids
     stale). Padding must neither store nor score anything: outputs and counters match the
-    reference per request, and the pad request stays empty."""
+    reference per request, and the pad request stays empty; with the fused argmin too."""
     monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
     monkeypatch.setenv("SGLANG_DIFFKV_KERNELS", "1")
     monkeypatch.setenv("SGLANG_DIFFKV_LOG_INTERVAL", "1")
+    monkeypatch.setenv("SGLANG_DIFFKV_FUSED_ARGMIN", fused)
+    used = count_record_use(monkeypatch)
     shape = H.ModelShape(dtype=torch.bfloat16)
     s = H.MiniScheduler(shape, H.budget_for_pages(shape, 300, 8), graph_bs=(1, 2, 4))
     backend = s.runner.attn_backend
@@ -288,6 +321,7 @@ def test_cuda_graph_decode_matches_the_reference(monkeypatch, caplog):
     # no step after it, not yet)
     assert sum("DiffKV decode: batch" in r.getMessage() for r in caplog.records) == 12
     assert_back_to_initial_state(s)
+    assert (used[0] > used[1] // 3) if fused == "1" else used == [0, 0], used
 
 
 def test_finished_requests_are_freed_in_one_batched_call(monkeypatch):
