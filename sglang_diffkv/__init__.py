@@ -16,16 +16,18 @@ cache lifecycle). Imports torch and nothing above it; nothing here is SGLang-spe
   eval/      the offline quality harness (``diffkv-eval``); imports the core
   serving_io/  what the bench harness and the simulator both read: the trace schema, its
              loaders, writer and bundled traces, arrival processes, the SGLang server-log
-             parser, the lone-prefill probe's record and the ``InputError`` they raise;
+             parser and the DiffKV step profile's log lines (``profile_lines``), the
+             lone-prefill probe's record and the ``InputError`` they raise;
              imports the core root only, so neither side imports the other
   bench/     the end-to-end serving harness and its measurement tools (``python -m
-             sglang_diffkv.bench.e2e`` ...), and the formats of what a traced server writes
-             (``loop_records``: the loop trace; ``profile_lines``: the step profile's log
-             lines) with their readers; drives SGLang servers over HTTP, never imports
-             sglang or sglang/; imports the core and serving_io/, never ``simulator``
+             sglang_diffkv.bench.e2e`` ...), and the format of the loop trace a traced
+             server writes (``loop_records``) with its reader; drives SGLang servers over
+             HTTP, never imports sglang or sglang/; imports the core and serving_io/, never
+             ``simulator``
   sglang/    the SGLang plug-in and its tracing (``loop_trace``, ``step_profile``: the
-             writers of bench/'s formats): the only code that imports sglang; imports the
-             core, memory/, kernels/ and bench/ (those formats)
+             writers of bench/'s loop trace and serving_io/'s profile lines): the only code
+             that imports sglang; imports the core, memory/, kernels/, bench/ and
+             serving_io/ (those formats)
 
 Importing this package imports nothing: SGLang loads the plug-in (``sglang/plugin``, an
 ``sglang.srt.plugins`` entry point) in its processes, so that import must stay cheap.

@@ -5,7 +5,8 @@ Subcommands: compare (the default comparison), replay (one format, full metrics)
 (simulate a measured SGLang run and compare), calibrate (fit eta from an SGLang log), export
 (write a trace as Mooncake JSONL for sglang.bench_serving), list (bundled traces, length
 models, models and GPUs); validate-runs (fit and validate on the harness's real runs, from a
-recipe), ablate-host-terms (score a shipped calibration without each host-side term) and
+recipe), ablate-host-terms (score a shipped calibration without each host-side term),
+profile-run (a run's server log beside its replay, step by step and window by window) and
 prefill-probes (the model beside a lone-prefill probe run) hand their arguments to their
 modules (TOOLS).
 """
@@ -59,6 +60,9 @@ TOOLS: dict[str, tuple[str, str]] = {
     "ablate-host-terms": ("simulator.validation.ablation",
                           "held-out error of a shipped calibration without each host-side "
                           "term (--recipe h200)"),
+    "profile-run": ("simulator.validation.run_profile",
+                    "a run's server log beside its replay: where the window goes (prefill and "
+                    "decode steps), the decode step by batch, batch and queue over time"),
     "prefill-probes": ("simulator.validation.prefill_probes",
                        "the simulator beside a lone-prefill probe run (python -m "
                        "sglang_diffkv.bench.prefill_ttft), and the eager launch it implies"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_diffkv.bench.profile_lines import (
+from sglang_diffkv.serving_io.profile_lines import (
     HOST_LINE_RE,
     PROFILE_LINE_RE,
     parse_profile_line,

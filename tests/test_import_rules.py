@@ -105,11 +105,12 @@ def test_no_layer_imports_one_it_must_not():
 
 
 def test_the_bench_never_imports_the_sglang_layer():
-    """The tracing's formats live in the bench (one source of truth), and their writers in the
-    SGLang layer import them from there: never the other way round."""
+    """The tracing's formats live below the SGLang layer (one source of truth: the loop trace
+    in the bench, the step profile's log lines in serving_io, which the simulator reads too),
+    and their writers in the SGLang layer import them from there: never the other way round."""
     assert "sglang_diffkv.sglang" in FORBIDDEN["bench"]
     writers = {"loop_trace": "sglang_diffkv.bench.loop_records",
-               "step_profile": "sglang_diffkv.bench.profile_lines"}
+               "step_profile": "sglang_diffkv.serving_io.profile_lines"}
     for name, fmt in writers.items():
         found = imports((PKG / "sglang" / f"{name}.py").read_text())
         assert any(matches(m, fmt) for m in found), f"sglang/{name}.py should import {fmt}"

@@ -22,8 +22,9 @@ trace and profile formats). The simulator never imports this layer either
   fakeserver a CPU stand-in server for rehearsing the harness without a GPU
   loop_records   the scheduler loop trace's file format and reader (written by
                  ``sglang_diffkv.sglang.loop_trace``)
-  profile_lines  the step profile's log line format: writer and parser (``StepProfiler``,
-                 ``sglang_diffkv.sglang.step_profile``, writes them)
+
+(The step profile's log line format, which the simulator reads too, is
+``sglang_diffkv.serving_io.profile_lines``.)
 
 Measurement tools, each ``python -m sglang_diffkv.bench.<name>`` (docs/benchmarks.md):
 

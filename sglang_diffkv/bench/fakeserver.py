@@ -58,10 +58,11 @@ from typing import Any
 
 from aiohttp import web
 
-# the real profile line's format, from the module the server's writer uses
-from sglang_diffkv.bench.profile_lines import profile_line
 from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.request_params import RequestParamError, thresholds_for_request
+
+# the real profile line's format, from the module the server's writer uses
+from sglang_diffkv.serving_io.profile_lines import profile_line
 
 READY = "The server is fired up and ready to roll!"
 ERROR_HOOK_TOKENS = 99_991  # max_new_tokens that makes /generate stream an error chunk

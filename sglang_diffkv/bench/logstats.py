@@ -11,8 +11,9 @@ this module adds what that parser does not keep:
 - DiffKV's step lines (``DiffKV decode: batch B, tokens high x% / low y% / pruned z%; pages in
   use U/T (...; a bf16 cache would need P), active requests A holding N tokens``);
 - DiffKV's profile lines (``SGLANG_DIFFKV_PROFILE=1``, parsed by
-  ``sglang_diffkv.bench.profile_lines.parse_profile_line``): memory-management (mm), policy and step
-  ms per step for each forward mode, averaged over the slice weighted by each line's steps;
+  ``sglang_diffkv.serving_io.profile_lines.parse_profile_line``): memory-management (mm),
+  policy and step ms per step for each forward mode, averaged over the slice weighted by each
+  line's steps;
 - any other DiffKV line with millisecond figures, read generically as ``<name> <number> ms`` /
   ``<name>_ms=<number>`` and averaged per name (so a reworded line still gives numbers);
 - every other DiffKV line, kept raw (first and last few) so nothing new is lost.
@@ -29,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from sglang_diffkv.bench.profile_lines import HOST_LINE_RE, parse_profile_line
 from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.profile_lines import HOST_LINE_RE, parse_profile_line
 from sglang_diffkv.serving_io.sglang_log import parse_server_log
 
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*")

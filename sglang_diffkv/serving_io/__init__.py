@@ -10,5 +10,7 @@ is validated against them. Imports the core package root only.
   writer         ``Trace`` -> Mooncake JSONL (what sglang.bench_serving and diffkv-sim replay)
   arrivals       seeded arrival processes; ``resample_arrivals`` re-times a trace
   sglang_log     an SGLang server log: pool size, server args, Decode / Prefill lines
+  profile_lines  the DiffKV step profile's log lines (``SGLANG_DIFFKV_PROFILE``): format,
+                 writer and parser (``sglang_diffkv.sglang.step_profile`` writes them)
   prefill_probe  the lone-prefill probe's plan, record and summary
 """

@@ -14,7 +14,7 @@ Modules:
     graphs     static inputs of the CUDA-graph decode
     backend    ``DiffKVAttnBackend`` (extend / decode, CUDA-graph capture and replay)
     step_profile  ``SGLANG_DIFFKV_PROFILE``: the memory-management step profiler (its
-               line format: ``sglang_diffkv.bench.profile_lines``)
+               line format: ``sglang_diffkv.serving_io.profile_lines``)
     loop_trace    ``SGLANG_DIFFKV_LOOP_TRACE``: wraps the scheduler loop and writes its trace
                (format and reader: ``sglang_diffkv.bench.loop_records``)
 """

@@ -3,7 +3,7 @@
 Off by default, and then nothing is recorded and nothing synchronises. On: the SGLang
 backend marks spans with CUDA events (host ``perf_counter`` on other devices) and the
 periodic metrics line gets one profile line per forward mode (format:
-``sglang_diffkv.bench.profile_lines``, whose ``profile_line`` this writes and the bench parses;
+``sglang_diffkv.serving_io.profile_lines``, whose ``profile_line`` this writes and the bench parses;
 documented in docs/backend.md). Events are only read when a line is written (one
 synchronisation per log interval), or every ``MAX_PENDING`` spans when lines are off.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from sglang_diffkv.bench.profile_lines import BUCKETS, MODES, host_line_text, profile_line
+from sglang_diffkv.serving_io.profile_lines import BUCKETS, MODES, host_line_text, profile_line
 
 PROFILE_ENV = "SGLANG_DIFFKV_PROFILE"
 MAX_PENDING = 65536  # spans kept unread before a forced read (only when lines are off)

@@ -35,6 +35,7 @@ class StepLog:
         self.running: list[int] = []      # decoding requests in the step (0: prefill only)
         self.batch: list[int] = []        # running batch size after the step
         self.tokens: list[int] = []       # tokens through the model in the step
+        self.seqs: list[int] = []         # prompt chunks prefilled in the step
         self.waiting: list[int] = []
         self.usage: list[float] = []      # pool fraction allocated after the step
 
@@ -134,6 +135,7 @@ class Replica:
             log.running.append(shape.decode_reqs)
             log.batch.append(sched.running)
             log.tokens.append(shape.decode_reqs + shape.prefill_tokens)
+            log.seqs.append(shape.prefill_seqs)
             log.waiting.append(len(sched.waiting))
             log.usage.append(sched.usage)
             for r in sched.aborted:

@@ -15,7 +15,7 @@ import harness as H
 import pytest
 import torch
 
-from sglang_diffkv.bench.profile_lines import parse_profile_line
+from sglang_diffkv.serving_io.profile_lines import parse_profile_line
 from sglang_diffkv.sglang.pool import PoolStats
 
 MIX = (0.3, 0.5, 0.2)

@@ -3,13 +3,14 @@ of truth for the writer and the readers.
 
 The SGLang layer's ``sglang_diffkv.sglang.step_profile.StepProfiler`` writes them with
 ``profile_line`` and ``host_line_text``; the bench reads them (``logstats``) and its CPU
-stand-in server writes them (``fakeserver``). Per forward mode (``MODES``), one line of the
+stand-in server writes them (``fakeserver``); the simulator reads them beside its replay
+(``diffkv-sim profile-run``). Per forward mode (``MODES``), one line of the
 last log interval per step, then cumulative totals, in milliseconds of the buckets
 (``BUCKETS``: ``step``, memory management ``mm`` = ``MM_BUCKETS`` summed, ``policy``; what
 each times: the writer's docstring and docs/backend.md), and an optional ``host`` field; then
 one host line (device allocations, gen-2 collections). ``PROFILE_LINE_RE`` /
-``HOST_LINE_RE`` read them back, ``parse_profile_line`` into numbers. Bench layer: no sglang,
-no torch.
+``HOST_LINE_RE`` read them back, ``parse_profile_line`` into numbers. Shared layer
+(``serving_io``: the bench and the simulator both read it): no sglang, no torch.
 """
 
 from __future__ import annotations
