@@ -522,9 +522,9 @@ def test_refinement_on_metrics_runs_on_the_fitting_runs_only(results, tmp_path):
     simulated: list[list[str]] = []
     validate = vs.validate
 
-    def spy(h, calibs, model, gpu, fitting, held=None):
+    def spy(h, calibs, model, gpu, fitting, held=None, **kw):
         simulated.append([r.key for r in h.runs])
-        return validate(h, calibs, model, gpu, fitting, held)
+        return validate(h, calibs, model, gpu, fitting, held, **kw)
 
     vs.validate = spy
     assert vs.main([str(results), "--doc", str(doc), "--json", str(out_json),
