@@ -191,6 +191,20 @@ class CompressedKVCache:
         self._score_queries: dict[int, torch.Tensor] = {}
         self._score_queries_held: dict[int, int] = {}
 
+    def _request_thresholds(
+        self,
+        b: int,
+        alpha_h: Sequence[float] | torch.Tensor | None,
+        alpha_l: Sequence[float] | torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-request (alpha_h, alpha_l) for ``b`` requests, the config's where not given;
+        alpha_l never exceeds alpha_h (the policy's tiers would cross)."""
+        ah = torch.full((b,), self.config.alpha_h) if alpha_h is None else torch.as_tensor(alpha_h)
+        al = torch.full((b,), self.config.alpha_l) if alpha_l is None else torch.as_tensor(alpha_l)
+        if bool((al > ah).any()):
+            raise ValueError(f"per-request alpha_l {al.tolist()} exceeds alpha_h {ah.tolist()}")
+        return ah, al
+
     @property
     def spec(self) -> MemorySpec:
         return self.manager.spec
@@ -224,10 +238,7 @@ class CompressedKVCache:
         ``lengths[b]`` is its first chunk (``PageManager.allocate_prefill``)."""
         req = self._index(req_idx)
         b = req.shape[0]
-        ah = torch.full((b,), self.config.alpha_h) if alpha_h is None else torch.as_tensor(alpha_h)
-        al = torch.full((b,), self.config.alpha_l) if alpha_l is None else torch.as_tensor(alpha_l)
-        if bool((al > ah).any()):
-            raise ValueError(f"per-request alpha_l {al.tolist()} exceeds alpha_h {ah.tolist()}")
+        ah, al = self._request_thresholds(b, alpha_h, alpha_l)
         result = self.manager.allocate_prefill(req, lengths, reserve)
         ok = result.ok.to(self.device)
         alphas = torch.stack([ah, al], -1).float().to(self.device)
@@ -654,10 +665,7 @@ class CompressedKVCache:
         the thresholds it was compressed with (the caller's cache key)."""
         req = self._index(req_idx)
         b = req.shape[0]
-        ah = torch.full((b,), self.config.alpha_h) if alpha_h is None else torch.as_tensor(alpha_h)
-        al = torch.full((b,), self.config.alpha_l) if alpha_l is None else torch.as_tensor(alpha_l)
-        if bool((al > ah).any()):
-            raise ValueError(f"per-request alpha_l {al.tolist()} exceeds alpha_h {ah.tolist()}")
+        ah, al = self._request_thresholds(b, alpha_h, alpha_l)
         result, copies = self.manager.attach_prefix(req, handles)
         self._copy_pages(copies)
         ok = result.ok.to(self.device)
