@@ -121,6 +121,44 @@ def test_reclaim_reverses_low_pages_to_the_right_end(m: PageManager) -> None:
     m.check_invariants()
 
 
+def test_chunked_prefill_reserves_the_whole_prompt_and_advances(m: PageManager) -> None:
+    """A prompt of 11 tokens in chunks of 4, 4, 3: its first chunk takes the whole prompt's
+    all-high pages (ceil(11 / 2) + 1 = 7 per row), later chunks take none and only count
+    their tokens, and the last is reclaimed as a whole prompt."""
+    res = m.allocate_prefill([3], [4], reserve_lens=[11])
+    assert bool(res.ok) and int(res.needed) == 28
+    assert m.counts[3].tolist() == [[[4, 0, 7, 0]] * 2] * 2
+    assert m.phase[3] == Phase.PREFILLED
+    before = m.table.clone()
+    m.advance_prefill([3], [4])
+    m.advance_prefill([3], [3])
+    assert torch.equal(m.table, before) and int(m.num_free_pages()) == 40 - 28
+    assert m.counts[3].tolist() == [[[11, 0, 7, 0]] * 2] * 2
+    m.check_invariants()
+    m.reclaim_prefill([3], heads(5, 11, 0, 2), heads(6, 0, 3, 0))
+    assert m.counts[3, 0, 0].tolist() == [5, 6, 3, 2]
+    m.check_invariants()
+    m.free_requests([3])
+    assert int(m.num_free_pages()) == 40
+    m.check_invariants()
+
+
+def test_chunked_prefill_errors(m: PageManager) -> None:
+    with pytest.raises(ValueError, match="prompt length 5 exceeds its reserve 4"):
+        m.allocate_prefill([0], [5], reserve_lens=[4])
+    with pytest.raises(ValueError, match="outside"):
+        m.allocate_prefill([0], [4], reserve_lens=[13])
+    with pytest.raises(ValueError, match="advance_prefill: request slot 0 is FREE"):
+        m.advance_prefill([0], [1])
+    m.allocate_prefill([0], [2], reserve_lens=[3])  # 3 pages of 2 high tokens per row
+    with pytest.raises(ValueError, match="7 high tokens do not fit its 3 reserved pages"):
+        m.advance_prefill([0], [5])
+    m.reclaim_prefill([0], heads(2, 2, 2, 2), heads(0, 0, 0, 0))
+    with pytest.raises(ValueError, match="advance_prefill: request slot 0 is DECODING"):
+        m.advance_prefill([0], [1])
+    m.check_invariants()
+
+
 def test_decode_takes_one_page_only_when_a_tier_is_exactly_full(m: PageManager) -> None:
     m.allocate_prefill([0], [12]).raise_if_failed()
     # heads: (l0h0) high full 4/2 pages, low 2/1 page not full; (l0h1) high 3/2 not full,

@@ -161,18 +161,30 @@ class PageManager:
 
     # -- ops -----------------------------------------------------------------------------
 
-    def allocate_prefill(self, req_idx: IndexLike, prompt_lens: IndexLike) -> AllocResult:
+    def allocate_prefill(self, req_idx: IndexLike, prompt_lens: IndexLike,
+                         reserve_lens: IndexLike | None = None) -> AllocResult:
         """All-high over-allocation: every (layer, head) row of request b takes
-        ``spec.prefill_pages(L_b)`` pages into row positions [0, n); counts = (L, 0, n, 0)."""
+        ``spec.prefill_pages(R_b)`` pages into row positions [0, n), R_b = ``reserve_lens[b]``
+        (default: ``prompt_lens[b]``); counts = (L_b, 0, n, 0), L_b = ``prompt_lens[b]``.
+
+        Chunked prefill reserves the whole prompt (R_b) at its first chunk of L_b tokens:
+        the row's pages then hold every later chunk at the high tier (``advance_prefill``)
+        until the last one is scored and ``reclaim_prefill`` compacts the row."""
         op = "allocate_prefill"
         req = self._req(req_idx, op, (Phase.FREE,))
         lens = torch.as_tensor(prompt_lens, device=self.device).to(torch.int64)
+        reserve = lens if reserve_lens is None else torch.as_tensor(
+            reserve_lens, device=self.device).to(torch.int64)
         b = req.shape[0]
         if self.validate:
             check_shape("prompt_lens", lens, (b,))
-            for n in lens.tolist():
+            check_shape("reserve_lens", reserve, (b,))
+            for n, r in zip(lens.tolist(), reserve.tolist(), strict=True):
                 self.spec.check_prompt_len(n)
-        pages = _ceil_div(lens, self.spec.min_tokens_per_page) + 1  # == spec.prefill_pages
+                self.spec.check_prompt_len(r)
+                if n > r:
+                    raise ValueError(f"{op}: prompt length {n} exceeds its reserve {r}")
+        pages = _ceil_div(reserve, self.spec.min_tokens_per_page) + 1  # == spec.prefill_pages
         free_slot = self._in_phase(req, Phase.FREE)
         per_row = (pages.view(b, 1, 1) * free_slot).expand(self._heads(b))
         take = self.free_list.take(per_row.reshape(-1))
@@ -191,6 +203,29 @@ class PageManager:
                                        self.counts[req])
         self.phase[req] = torch.where(done.view(-1), int(Phase.PREFILLED), self.phase[req])
         return AllocResult(op, take.ok, take.needed, take.free, torch.ones_like(take.ok))
+
+    def advance_prefill(self, req_idx: IndexLike, n_tokens: IndexLike) -> None:
+        """Chunked prefill: a PREFILLED row's pages received ``n_tokens[b]`` more tokens at
+        the high tier (slots n_high .. n_high + n - 1, in position order): n_high += n.
+        The pages were reserved by ``allocate_prefill``; nothing is taken or returned."""
+        op = "advance_prefill"
+        req = self._req(req_idx, op, (Phase.PREFILLED,))
+        b = req.shape[0]
+        n = torch.as_tensor(n_tokens, device=self.device).to(torch.int64)
+        counts = self.counts[req].to(torch.int64)
+        new = counts[..., N_HIGH] + n.view(b, 1, 1)
+        if self.validate:
+            check_shape("n_tokens", n, (b,))
+            capacity = counts[..., P_HIGH] * self.spec.high_tokens_per_page
+            hit = first_violation((n.view(b, 1, 1) < 0) | (new > capacity))
+            if hit is not None:
+                i, l, h = hit
+                raise ValueError(f"{op}: request slot {int(req[i])}, layer {l}, head {h}: "
+                                 f"{int(new[hit])} high tokens do not fit its "
+                                 f"{int(counts[hit][P_HIGH])} reserved pages")
+        active = self._in_phase(req, Phase.PREFILLED)
+        counts[..., N_HIGH] = torch.where(active, new, counts[..., N_HIGH])
+        self.counts[req] = counts.to(torch.int32)
 
     def reclaim_prefill(
         self, req_idx: IndexLike, n_high: torch.Tensor, n_low: torch.Tensor
