@@ -34,16 +34,35 @@ class SharedPrefix:
     that did not fit yields an empty handle (no pages, no tokens), so callers need no sync to
     keep handles consistent. ``num_tokens``: the sequence positions it covers (host metadata:
     the radix key's length; every row holds at most that many tokens). ``key``: its entry in
-    the manager's registry (``PageManager.handles``)."""
+    the manager's registry (``PageManager.handles``).
+
+    A prompt exported right after its prefill holds each tier's tokens in position order, so
+    it can be cut at earlier positions: ``cuts`` int32 [layers, kv_heads, C, 2] holds each
+    tier's tokens before positions ``cut_len, 2 * cut_len, ..., C * cut_len``
+    (``cut_counts``); None (and ``cut_len`` 0) for a handle that may only be attached
+    whole."""
 
     pages: torch.Tensor
     n_tokens: torch.Tensor
     num_tokens: int
     key: int
+    cuts: torch.Tensor | None = None
+    cut_len: int = 0
 
     @property
     def width(self) -> int:
         return self.pages.shape[-1]
+
+    def cut_counts(self, position: int) -> torch.Tensor:
+        """int32 [layers, kv_heads, 2]: each tier's tokens before ``position``, a multiple of
+        ``cut_len`` in (0, num_tokens] (what ``PageManager.attach_prefix`` takes as
+        ``n_tokens`` to attach that cut)."""
+        have = 0 if self.cuts is None else self.cuts.shape[2]
+        c = position // self.cut_len if self.cut_len > 0 else 0
+        if not 0 < c <= have or position != c * self.cut_len:
+            raise ValueError(f"shared prefix {self.key}: no cut at position {position} "
+                             f"({have} cuts every {self.cut_len} tokens)")
+        return self.cuts[:, :, c - 1]
 
 
 class PageCopies(NamedTuple):
