@@ -6,6 +6,12 @@ request lifecycle in plain torch (any device):
     begin_prefill -> prefill_layer (every layer) -> end_prefill
     begin_decode  -> decode_layer  (every layer) ...  -> free
 
+and with chunked prefill (a prompt over several extend steps, ``ExtendRequests``):
+``begin_prefill(reserve=whole prompt)`` at the first chunk, then per chunk and layer
+``extend_layer_attend`` (the stored chunks) and ``store_chunk`` (a chunk before the last:
+stored at the high tier, not scored) or ``store_last_chunk`` (the whole prompt scored and
+classified, earlier chunks demoted or pruned in place), ``end_extend`` after each step.
+
 and with shared prefixes: ``export_prefix`` (a DECODING request's rows frozen as a handle),
 ``attach_prefix`` (a FREE slot starts from a handle, then decodes), ``release_prefix``.
 
@@ -16,15 +22,20 @@ Prefill attention is exact on the fresh K/V (as in DiffKV); compression happens 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from sglang_diffkv import bench_mix
 from sglang_diffkv.attention import DecodeAttention, paged_decode_attention
 from sglang_diffkv.config import DiffKVConfig
-from sglang_diffkv.extend_attention import ExtendAttention, paged_extend_attention
+from sglang_diffkv.extend_attention import (
+    ExtendAttention,
+    paged_extend_attention,
+    paged_extend_probs,
+    paged_prefix_probs,
+)
 from sglang_diffkv.layout import PageGeometry
 from sglang_diffkv.memory import (
     AllocResult,
@@ -38,8 +49,10 @@ from sglang_diffkv.pages import (
     TokenLocations,
     add_scores,
     read_scores,
+    read_token_codes,
     read_tokens,
     token_locations,
+    write_token_codes,
     write_tokens,
 )
 from sglang_diffkv.policy import (
@@ -59,6 +72,74 @@ IndexLike = torch.Tensor | Sequence[int]
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return torch.div(a + b - 1, b, rounding_mode="floor")
+
+
+@dataclass(frozen=True)
+class ExtendRequests:
+    """One extend step's requests as chunked prefill sees them (host lists, one entry per
+    request in batch order; what SGLang's ForwardBatch gives: ``extend_prefix_lens_cpu``,
+    ``extend_seq_lens_cpu``, plus each prompt's whole length).
+
+    A request's fresh tokens are packed rows ``starts[b] .. starts[b] + fresh[b] - 1``;
+    ``prefix[b]`` tokens of its prompt are already stored (earlier chunks) and the prompt
+    has ``total[b]`` tokens. Kinds: whole (prefix 0, fresh = total: stage 1's prefill),
+    partial (a chunk before the last: prefix + fresh < total), last (prefix > 0 and prefix +
+    fresh = total)."""
+
+    req: torch.Tensor  # int64 [B] on the cache's device
+    slots: tuple[int, ...]  # the same request slots on the host
+    starts: tuple[int, ...]
+    fresh: tuple[int, ...]
+    prefix: tuple[int, ...]
+    total: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        b = len(self.slots)
+        if not all(len(x) == b for x in (self.starts, self.fresh, self.prefix, self.total)):
+            raise ValueError("ExtendRequests: one start, fresh, prefix and total per request")
+        for r, n, p, t in zip(self.slots, self.fresh, self.prefix, self.total, strict=True):
+            if n < 1 or p < 0 or p + n > t:
+                raise ValueError(f"ExtendRequests: request slot {r}: {n} fresh tokens after "
+                                 f"a prefix of {p} overrun its {t}-token prompt")
+
+    @classmethod
+    def build(cls, req: torch.Tensor, slots: Sequence[int], fresh: Sequence[int],
+              prefix: Sequence[int], total: Sequence[int]) -> ExtendRequests:
+        starts, at = [], 0
+        for n in fresh:
+            starts.append(at)
+            at += int(n)
+        return cls(req, tuple(int(r) for r in slots), tuple(starts),
+                   tuple(int(n) for n in fresh), tuple(int(p) for p in prefix),
+                   tuple(int(t) for t in total))
+
+    def _where(self, test: Callable[[int, int, int], bool]) -> list[int]:
+        return [b for b, (n, p, t) in enumerate(zip(self.fresh, self.prefix, self.total,
+                                                    strict=True)) if test(n, p, t)]
+
+    @property
+    def whole(self) -> list[int]:
+        return self._where(lambda n, p, t: p == 0 and n == t)
+
+    @property
+    def partial(self) -> list[int]:
+        return self._where(lambda n, p, t: p + n < t)
+
+    @property
+    def last(self) -> list[int]:
+        return self._where(lambda n, p, t: p > 0 and p + n == t)
+
+    @property
+    def prefixed(self) -> list[int]:
+        return self._where(lambda n, p, t: p > 0)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether any request is not a whole prompt (else stage 1's path applies)."""
+        return len(self.whole) < len(self.slots)
+
+    def rows(self, b: int) -> slice:
+        return slice(self.starts[b], self.starts[b] + self.fresh[b])
 
 
 class CompressedKVCache:
@@ -104,6 +185,11 @@ class CompressedKVCache:
         # a run's draws are reproducible and a reused slot does not replay its predecessor.
         self.bench_seed = torch.zeros(max_reqs, dtype=torch.int64, device=self.device)
         self._bench_serial = 0
+        # Chunked prefill: per request slot between chunks, the prompt's last score_queries
+        # queries so far, per layer ([layers, Q, Hq, D], q's dtype) and how many are held.
+        # The last chunk scores with them when it holds fewer than score_queries queries.
+        self._score_queries: dict[int, torch.Tensor] = {}
+        self._score_queries_held: dict[int, int] = {}
 
     @property
     def spec(self) -> MemorySpec:
@@ -131,16 +217,18 @@ class CompressedKVCache:
         lengths: IndexLike,
         alpha_h: Sequence[float] | torch.Tensor | None = None,
         alpha_l: Sequence[float] | torch.Tensor | None = None,
+        reserve: IndexLike | None = None,
     ) -> AllocResult:
         """All-high page allocation for whole prompts; the result's ``ok`` is False (and
-        nothing changed) if the pool is too small."""
+        nothing changed) if the pool is too small. ``reserve[b]``: the whole prompt when
+        ``lengths[b]`` is its first chunk (``PageManager.allocate_prefill``)."""
         req = self._index(req_idx)
         b = req.shape[0]
         ah = torch.full((b,), self.config.alpha_h) if alpha_h is None else torch.as_tensor(alpha_h)
         al = torch.full((b,), self.config.alpha_l) if alpha_l is None else torch.as_tensor(alpha_l)
         if bool((al > ah).any()):
             raise ValueError(f"per-request alpha_l {al.tolist()} exceeds alpha_h {ah.tolist()}")
-        result = self.manager.allocate_prefill(req, lengths)
+        result = self.manager.allocate_prefill(req, lengths, reserve)
         ok = result.ok.to(self.device)
         alphas = torch.stack([ah, al], -1).float().to(self.device)
         self.alpha[req] = torch.where(ok, alphas, self.alpha[req])
@@ -262,6 +350,163 @@ class CompressedKVCache:
         kept = self._prompt_kept[req]
         self.manager.reclaim_prefill(req, kept[..., 0], kept[..., 1])
 
+    # ---- chunked prefill (a prompt over several extend steps) -------------------------------
+    #
+    # Until its last chunk a prompt's tokens sit at the high tier of the all-high pages
+    # reserved for the whole prompt at the first chunk, in position order (slot s of the high
+    # tier = position s), unscored; nothing is demoted or pruned. The last chunk scores the
+    # whole prompt with its last score_queries queries (the same queries over the same keys
+    # as the whole-prompt path, earlier chunks' keys K8-quantised), classifies every token
+    # with the prefill policy and rewrites the row in the compressed layout: a token that
+    # stays high keeps its stored bytes, one that goes low is re-quantised from them (as a
+    # decode demotion does), a pruned one is dropped; ``end_extend`` then reclaims the pages.
+
+    def store_chunk(self, layer: int, ext: ExtendRequests, query: torch.Tensor,
+                    key: torch.Tensor, value: torch.Tensor) -> None:
+        """One layer of the chunks before a prompt's last (``ext.partial``): their fresh
+        key / value (packed [T, Hkv, D]) stored at the high tier after the row's stored
+        tokens, and their last queries kept for the scoring (``query`` [T, Hq, D])."""
+        high = self.geometry.high
+        per_page = high.tokens_per_page
+        for b in ext.partial:
+            rows = ext.rows(b)
+            n, p = ext.fresh[b], ext.prefix[b]
+            table = self.manager.table[ext.req[b], layer]  # [Hkv, row_len]
+            hkv = table.shape[0]
+            pos = torch.arange(p, p + n, device=self.device)
+            page_ids = table[:, pos // per_page]  # [Hkv, n]
+            slots = (pos % per_page).int().expand(hkv, n)
+            k = key[rows].transpose(0, 1).reshape(hkv * n, -1)
+            v = value[rows].transpose(0, 1).reshape(hkv * n, -1)
+            write_tokens(self.pages, high, page_ids.reshape(-1), slots.reshape(-1), k, v,
+                         torch.zeros(hkv * n, device=self.device),
+                         pos.int().expand(hkv, n).reshape(-1))
+            self._keep_score_queries(layer, ext.slots[b], query[rows])
+
+    def _keep_score_queries(self, layer: int, slot: int, q: torch.Tensor) -> None:
+        """Keep the prompt's last score_queries queries so far (this layer); how many are
+        held advances in ``end_extend``, once every layer has kept its own."""
+        nq = self.config.score_queries
+        buf = self._score_queries.get(slot)
+        if buf is None:
+            buf = q.new_zeros(self.spec.num_layers, nq, *q.shape[1:])
+            self._score_queries[slot] = buf
+            self._score_queries_held[slot] = 0
+        held = self._score_queries_held[slot]
+        kept = torch.cat([buf[layer, :held], q.to(buf.dtype)])[-nq:]
+        buf[layer, :kept.shape[0]] = kept
+
+    def last_chunk_significance(self, layer: int, ext: ExtendRequests, b: int,
+                                query: torch.Tensor, key: torch.Tensor,
+                                sm_scale: float) -> torch.Tensor:
+        """fp32 [1, Hkv, total]: the attention mass each prompt token of request ``b`` (a
+        last chunk) receives from the prompt's last min(score_queries, total) queries,
+        summed per query head and maxed over the GQA group, as ``prompt_attention_mass`` and
+        ``group_max`` give the whole-prompt path. The chunk's own queries see the stored
+        prefix and the chunk causally (``paged_extend_probs``); when the chunk is shorter
+        than score_queries the rest are the previous chunks' last queries, kept by
+        ``store_chunk``, which see the prefix up to their own position
+        (``paged_prefix_probs``). Read before the chunk is stored."""
+        rows = ext.rows(b)
+        n, p, total = ext.fresh[b], ext.prefix[b], ext.total[b]
+        nq_all = min(self.config.score_queries, total)
+        nq = min(nq_all, n)
+        req = ext.req[b:b + 1]
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        pr = paged_extend_probs(
+            query[rows], key[rows], zero, torch.full_like(zero, n), self.pages, self.geometry,
+            self.manager.table, self.manager.counts, req, layer, sm_scale, nq)
+        mass = torch.cat([pr.prob_high[0, :, :nq, :p], pr.prob_fresh[0, :, :nq, :n]],
+                         dim=-1).sum(1)  # [Hq, total]
+        need = nq_all - nq
+        if need > 0:
+            held = self._score_queries_held.get(ext.slots[b], 0)
+            if held < need:
+                raise RuntimeError(
+                    f"diffkv chunked prefill: request slot {ext.slots[b]} needs {need} "
+                    f"queries of its earlier chunks to score its {total}-token prompt, but "
+                    f"{held} were kept")
+            q_old = self._score_queries[ext.slots[b]][layer, held - need:held]
+            q_pos = torch.arange(p - need, p, device=self.device)
+            old = paged_prefix_probs(q_old, q_pos, self.pages, self.geometry,
+                                     self.manager.table, self.manager.counts, req, layer,
+                                     sm_scale)  # [Hq, need, p]
+            mass[:, :p] += old[..., :p].sum(1)
+        return group_max(mass, self.spec.num_kv_heads)[None]
+
+    def store_last_chunk(self, layer: int, ext: ExtendRequests, query: torch.Tensor,
+                         key: torch.Tensor, value: torch.Tensor, sm_scale: float) -> None:
+        """One layer of the last chunks (``ext.last``): score the whole prompt
+        (``last_chunk_significance``; benchmark mode draws instead), classify every token
+        with the prefill policy and store the prompt in the compressed layout
+        (``store_prefill``'s), from the stored prefix and the fresh key / value."""
+        for b in ext.last:
+            total = ext.total[b]
+            req = ext.req[b:b + 1]
+            lengths = torch.tensor([total], device=self.device)
+            sig = self.last_chunk_significance(layer, ext, b, query, key, sm_scale)
+            if self.config.bench_mix is not None:
+                sig = self.bench_significance(layer, req, lengths, total)
+            cls = self.classify(req, lengths, sig)
+            rows = ext.rows(b)
+            self._store_prompt(layer, req, ext.prefix[b], key[rows], value[rows], cls)
+
+    def _store_prompt(self, layer: int, req: torch.Tensor, prefix: int, key: torch.Tensor,
+                      value: torch.Tensor, cls: PromptClassification) -> None:
+        """Rewrite one request's row (PREFILLED: ``prefix`` tokens at the high tier in
+        position order) as ``store_prefill`` lays out a whole prompt classified by ``cls``,
+        the last tokens from key / value [n, Hkv, D]. Everything is read before anything is
+        written; prefix tokens that stay high keep their stored bytes."""
+        high = self.geometry.high
+        per_page = high.tokens_per_page
+        table = self.manager.table[req[0], layer]  # [Hkv, row_len]
+        hkv = table.shape[0]
+        pos = torch.arange(prefix, device=self.device)
+        src_pages = table[:, pos // per_page].reshape(-1)
+        src_slots = (pos % per_page).int().expand(hkv, prefix).reshape(-1)
+        old = read_tokens(self.pages, high, src_pages, src_slots)
+        codes = read_token_codes(self.pages, high, src_pages, src_slots)
+        d = key.shape[-1]
+        full_k = torch.cat([old.key.view(hkv, prefix, d), key.transpose(0, 1).float()], 1)
+        full_v = torch.cat([old.value.view(hkv, prefix, d), value.transpose(0, 1).float()], 1)
+        self.store_prefill(layer, req, full_k[None], full_v[None], cls)
+        # store_prefill re-quantised the prefix from its dequantised values; a token that
+        # stays high gets its stored bytes back: re-quantising is the identity for most
+        # groups, but not for one far from zero relative to its spread (zero + 255 * scale
+        # is inexact in fp32, and the fp16 scale then rounds up a step)
+        is_high = cls.tier[0] == Tier.HIGH  # [Hkv, total]
+        rank = is_high.long().cumsum(-1) - 1
+        keep = is_high[:, :prefix]  # [Hkv, prefix]
+        dst = rank[:, :prefix][keep]
+        head = torch.arange(hkv, device=self.device)[:, None].expand(hkv, prefix)[keep]
+        write_token_codes(self.pages, high, table[head, dst // per_page],
+                          (dst % per_page).int(),
+                          [c.view(hkv, prefix, -1)[keep] for c in codes])
+
+    def end_extend(self, ext: ExtendRequests) -> None:
+        """After the last layer of an extend step with chunks: rows of continued prompts
+        count their chunk's tokens (``PageManager.advance_prefill``), whole prompts and
+        last chunks are reclaimed (``end_prefill``: pages compression freed go back), and
+        the kept scoring queries advance or are dropped."""
+        cont = ext.prefixed
+        if cont:
+            self.manager.advance_prefill(ext.req[cont], [ext.fresh[b] for b in cont])
+        nq = self.config.score_queries
+        for b in ext.partial:
+            slot = ext.slots[b]
+            if slot in self._score_queries:
+                self._score_queries_held[slot] = min(
+                    nq, self._score_queries_held[slot] + ext.fresh[b])
+        done = ext.whole + ext.last
+        if done:
+            self.end_prefill(ext.req[sorted(done)])
+        self._drop_score_queries(ext.slots[b] for b in ext.last)
+
+    def _drop_score_queries(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            self._score_queries.pop(slot, None)
+            self._score_queries_held.pop(slot, None)
+
     # ---- decode --------------------------------------------------------------------------
 
     def begin_decode(self, req_idx: IndexLike) -> AllocResult:
@@ -357,9 +602,15 @@ class CompressedKVCache:
                                 n_tokens=h.n_tokens.to(self.device))
                      for k, h in o.handles.items()}
         m._next_handle, m._sharing = o._next_handle, o._sharing
+        self._score_queries = {k: v.to(self.device).clone()
+                               for k, v in other._score_queries.items()}
+        self._score_queries_held = dict(other._score_queries_held)
 
     def free(self, req_idx: IndexLike) -> None:
-        self.manager.free_requests(self._index(req_idx))
+        req = self._index(req_idx)
+        if self._score_queries:  # (a chunked prompt in flight: rare, so the sync is too)
+            self._drop_score_queries(req.tolist())
+        self.manager.free_requests(req)
 
     # ---- shared prefixes (memory.sharing; admission time) ----------------------------------
 
@@ -433,6 +684,7 @@ class CompressedKVCache:
         extend_start_loc: torch.Tensor,
         extend_seq_lens: torch.Tensor,
         sm_scale: float,
+        out: torch.Tensor | None = None,
     ) -> ExtendAttention:
         """Extend attention of one layer (chunked prefill, prefix hit): the fresh packed
         query [T, Hq, D] / key, value [T, Hkv, D] (request b's at rows extend_start_loc[b] +
@@ -443,7 +695,7 @@ class CompressedKVCache:
         return paged_extend_attention(
             query, key, value, extend_start_loc.to(self.device),
             extend_seq_lens.to(self.device), self.pages, self.geometry, self.manager.table,
-            self.manager.counts, req, layer, sm_scale,
+            self.manager.counts, req, layer, sm_scale, out=out,
         )
 
 

@@ -177,3 +177,34 @@ def paged_extend_probs(
         lse[i, :, :nq] = row_lse.flatten(0, 1)
         rows[i, :nq] = s + q_pos
     return ExtendProbs(prob[..., :c_high], prob[..., c_high:c], prob[..., c:], rows, lse)
+
+
+def paged_prefix_probs(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    req_idx: torch.Tensor,
+    layer: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Softmax probabilities fp32 [Hq, nq, C] of queries q [nq, Hq, D] that sit inside one
+    request's stored prefix, at positions q_pos [nq], over that prefix's tokens 0..q_pos
+    (causal). Slot s of the row's high tier must hold position s and the low tier nothing:
+    a chunked prompt before its last chunk (``PageManager.advance_prefill``). Chunked
+    prefill scores a prompt whose last chunk is shorter than ``score_queries`` with these
+    earlier queries, kept from the chunk before (``CompressedKVCache``)."""
+    req = req_idx.reshape(1)
+    pkey, _, pmask, _ = _gather_prefix(pages, geometry, table, counts, req, layer)
+    key, mask = pkey[0], pmask[0]  # [Hkv, C, D], [Hkv, C]
+    nq, hq, d = q.shape
+    hkv, c = key.shape[0], key.shape[1]
+    qg = q.float().reshape(nq, hkv, hq // hkv, d)
+    logits = torch.einsum("qhgd,hcd->hgqc", qg, key) * sm_scale
+    slot = torch.arange(c, device=q.device)
+    visible = mask[:, None, None, :] & (slot[None, None, None, :]
+                                        <= q_pos.to(q.device)[None, None, :, None])
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).flatten(0, 1)

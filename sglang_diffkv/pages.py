@@ -104,6 +104,39 @@ def read_tokens(
     return TokenData(out[0], out[1], score, pos)
 
 
+def _kv_segments(layout: TierLayout) -> tuple[tuple[int, int], ...]:
+    """(offset, bytes per token) of a tier's key codes, key meta, value codes, value meta."""
+    t, d = layout.tier, layout.head_dim
+    return (
+        (layout.key_offset, d * t.key_bits // 8),
+        (layout.key_meta_offset, t.key_groups * META_BYTES_PER_GROUP),
+        (layout.value_offset, d * t.value_bits // 8),
+        (layout.value_meta_offset, t.value_groups * META_BYTES_PER_GROUP),
+    )
+
+
+def read_token_codes(
+    pages: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor
+) -> list[torch.Tensor]:
+    """The stored K/V bytes (codes and metadata, not dequantised) of the tokens at
+    (page_ids, slots): one uint8 [T, bytes] tensor per segment, for ``write_token_codes``."""
+    _check_slots(page_ids, slots)
+    return [_read(pages, page_ids, slots, off, n, torch.uint8)
+            for off, n in _kv_segments(layout)]
+
+
+def write_token_codes(
+    pages: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor,
+    codes: list[torch.Tensor],
+) -> None:
+    """Store K/V bytes read by ``read_token_codes`` (same tier) at (page_ids, slots): a
+    token moved within its tier keeps its quantised values bit for bit. Score and position
+    are left as they are."""
+    _check_slots(page_ids, slots)
+    for (off, _), data in zip(_kv_segments(layout), codes, strict=True):
+        _write(pages, page_ids, slots, off, data)
+
+
 def read_scores(
     pages: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
