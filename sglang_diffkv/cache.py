@@ -190,6 +190,9 @@ class CompressedKVCache:
         # The last chunk scores with them when it holds fewer than score_queries queries.
         self._score_queries: dict[int, torch.Tensor] = {}
         self._score_queries_held: dict[int, int] = {}
+        # Radix prefix sharing (``prompt_sharing.PromptSharing``), when the SGLang tree cache
+        # turns it on: prompts exported with their cut counts, suffixes over attached ones.
+        self.radix = None
 
     @property
     def spec(self) -> MemorySpec:
@@ -317,6 +320,8 @@ class CompressedKVCache:
             )
         self._prompt_kept[req, layer, :, 0] = n_high
         self._prompt_kept[req, layer, :, 1] = cls.n_low.long()
+        if self.radix is not None:
+            self.radix.record(layer, req, cls.tier)
 
     def prefill_layer(
         self,
@@ -641,18 +646,21 @@ class CompressedKVCache:
         handles: Sequence[SharedPrefix],
         alpha_h: Sequence[float] | torch.Tensor | None = None,
         alpha_l: Sequence[float] | torch.Tensor | None = None,
+        n_tokens: torch.Tensor | None = None,
+        copy: bool = False,
     ) -> AllocResult:
         """Start FREE request slots from shared prefixes, ready to decode at position
         ``handles[b].num_tokens``: they read the prefix's tokens (the full pages shared, the
         partial ones copied) and the policy never changes them. A prefix must be reused under
-        the thresholds it was compressed with (the caller's cache key)."""
+        the thresholds it was compressed with (the caller's cache key). ``n_tokens`` / ``copy``
+        as ``PageManager.attach_prefix`` takes them (a cut of the handle; nothing shared)."""
         req = self._index(req_idx)
         b = req.shape[0]
         ah = torch.full((b,), self.config.alpha_h) if alpha_h is None else torch.as_tensor(alpha_h)
         al = torch.full((b,), self.config.alpha_l) if alpha_l is None else torch.as_tensor(alpha_l)
         if bool((al > ah).any()):
             raise ValueError(f"per-request alpha_l {al.tolist()} exceeds alpha_h {ah.tolist()}")
-        result, copies = self.manager.attach_prefix(req, handles)
+        result, copies = self.manager.attach_prefix(req, handles, n_tokens, copy=copy)
         self._copy_pages(copies)
         ok = result.ok.to(self.device)
         alphas = torch.stack([ah, al], -1).float().to(self.device)
