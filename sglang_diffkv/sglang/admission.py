@@ -4,6 +4,11 @@ SGLang's prefill budget counts logical slots and cannot see DiffKV's per-request
 rounding. A prompt joins a prefill batch only if its all-high pages, plus the next decode
 step's reserve for every request (running and admitted), fit in the free pages; otherwise the
 adder answers ``NO_TOKEN`` and the request waits, as it would for a full bf16 cache.
+
+With chunked prefill the hook sees a prompt once, when SGLang admits its first chunk
+(``add_one_req``; later chunks come through ``add_chunked_req``, which it never sees), and
+reserves the whole prompt: the first chunk's extend takes exactly those all-high pages
+(``DiffKVTokenToKVPool.begin_extend``), later chunks take none, so the rule stays exact.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``ServerArgs.__post_init__`` runs in the process that parses the command line; scheduler
 children receive the pickled, already fixed-up object. ``post_init_hook`` (an AROUND hook,
-``plugin.HOOKS``) applies the stage-1 settings before SGLang's own ``__post_init__`` resolves
+``plugin.HOOKS``) applies the forced settings before SGLang's own ``__post_init__`` resolves
 the arguments (so its derived defaults see them), logging each forced setting once, with the
 reason. After it the arguments are read-only (SGLang 0.5.17), so ``check_forced_settings`` only
 verifies that every forced setting survived resolution, including the per-phase CUDA-graph
@@ -39,10 +39,8 @@ FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("page_size", 1,
      "SGLang slots are per-token handles; DiffKV's own per-head pages sit behind them"),
     ("disable_radix_cache", True,
-     "stage 1 keeps mutable per-request compressed state (chunk cache); prefix sharing of "
-     "compressed tokens is stage 2"),
-    ("chunked_prefill_size", -1,
-     "stage 1 scores and compresses whole prompts in one extend (chunk-wise prefill is stage 2)"),
+     "DiffKV keeps mutable per-request compressed state (chunk cache); sharing compressed "
+     "prefixes through the radix tree is not integrated yet"),
     ("cuda_graph_backend_prefill", GRAPHS_OFF,
      "prefill CUDA graphs pad the token count, which the DiffKV extend does not handle"),
 )
@@ -101,7 +99,9 @@ def unsupported_reasons(args: Any) -> list[str]:
         (getattr(args, "disaggregation_mode", "null") not in (None, "null"),
          "P/D disaggregation (--disaggregation-mode) is not supported"),
         (getattr(args, "enable_mixed_chunk", False),
-         "--enable-mixed-chunk is not supported (prefill and decode run as separate steps)"),
+         "--enable-mixed-chunk is not supported: a mixed batch's extend and decode rows would "
+         "need per-mode metadata the DiffKV backend does not build (chunked prefill itself "
+         "is supported: its chunks run as extend steps of their own)"),
         (getattr(args, "pp_size", 1) > 1,
          "pipeline parallelism (--pp-size > 1) is not supported in stage 1"),
         (getattr(args, "cuda_graph_backend_decode", None) not in (None, *DECODE_GRAPH_BACKENDS),

@@ -4,10 +4,12 @@ Modelled on SGLang's ``TritonAttnBackend``: one metadata object built once per b
 ``init_forward_metadata`` (page allocation and index bookkeeping for every layer), then thin
 per-layer ``forward_extend`` / ``forward_decode``.
 
-- extend (stage 1: whole prompts, chunked prefill is forced off): exact causal attention on
-  the fresh, packed K/V (flash varlen on CUDA, padded SDPA elsewhere), then the layer's
-  prompts are scored, classified, quantised and stored; after the last layer the pages
-  compression freed go back to the free list.
+- extend: exact causal attention on the fresh, packed K/V (flash varlen on CUDA, padded
+  SDPA elsewhere), then the layer's prompts are scored, classified, quantised and stored;
+  after the last layer the pages compression freed go back to the free list. With chunked
+  prefill a prompt spans several extends: its chunks attend over the chunks already stored
+  (extend attention), chunks before the last are stored at the high tier unscored, and the
+  last one scores and compresses the whole prompt (``ops.DiffKVOps._chunked_extend_layer``).
 - decode: per layer the policy step stores the new token (evicting / demoting), then paged
   mixed-precision attention over the compressed cache, which also accumulates scores.
 - padded rows (``out_cache_loc == 0``: slot 0 is never allocated) are skipped.
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_diffkv.cache import ExtendRequests
 from sglang_diffkv.sglang.graphs import DecodeGraphState
 from sglang_diffkv.sglang.ops import DiffKVOps, want_kernels
 from sglang_diffkv.sglang.pool import DiffKVPoolError, DiffKVTokenToKVPool
@@ -153,23 +156,22 @@ class DiffKVAttnBackend(AttentionBackend):
             self.pool.begin_decode(req, seq)
 
     def _extend_metadata(self, fb: Any) -> DiffKVForwardMetadata:
-        prefix = list(fb.extend_prefix_lens_cpu)
-        if any(p != 0 for p in prefix):
-            raise NotImplementedError(
-                "diffkv stage 1 compresses whole prompts: an extend with a cached prefix "
-                f"(prefix lengths {prefix}) needs chunked prefill or a prefix cache, which "
-                "--attention-backend diffkv turns off"
-            )
+        """An extend step: whole prompts, and with chunked prefill the chunks of prompts
+        spread over several steps (``fb.extend_prefix_lens_cpu`` > 0: the tokens earlier
+        chunks stored). A prompt's first chunk takes the all-high pages of the whole prompt
+        (what admission reserved), later chunks take none."""
+        prefix = [int(p) for p in fb.extend_prefix_lens_cpu]
         lengths = [int(n) for n in fb.extend_seq_lens_cpu]
         req = fb.req_pool_indices.long()
+        slots = req.tolist()
         with span(self.prof, "alloc"):
-            self.pool.begin_prefill(req.tolist(), lengths)
+            totals = self.pool.begin_extend(slots, prefix, lengths)
+        ext = ExtendRequests.build(req, slots, lengths, prefix, totals)
         # SGLang's device copy of the lengths (no host-to-device copy), when it has one
         lengths_dev = getattr(fb, "extend_seq_lens", None)
-        step = self.ops.begin_prefill_step(req, lengths, lengths_dev)
-        return DiffKVForwardMetadata(
-            False, None, req, step.prompts.lengths.long(), prefill=step,
-        )
+        step = self.ops.begin_prefill_step(req, lengths, lengths_dev, ext)
+        seq = fb.seq_lens[:len(lengths)].long()  # prefix + fresh: tokens after this step
+        return DiffKVForwardMetadata(False, None, req, seq, prefill=step)
 
     # ---- per-layer forward ---------------------------------------------------------------
 

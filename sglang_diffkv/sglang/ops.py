@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sglang_diffkv.cache import CompressedKVCache
+from sglang_diffkv.cache import CompressedKVCache, ExtendRequests
 from sglang_diffkv.prompt_attention import (
     PackedPrompts,
     causal_sdpa,
@@ -61,6 +61,15 @@ def plan_bucket(batch: int, max_seq_len: int, max_reqs: int, max_context: int
     return b, ctx
 
 
+def _full_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out`` with zero rows appended up to ``rows`` (the step's padding rows)."""
+    if out.shape[0] == rows:
+        return out
+    full = out.new_zeros(rows, *out.shape[1:])
+    full[: out.shape[0]] = out
+    return full
+
+
 def want_kernels(device: torch.device, environ: dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     mode = env.get(KERNELS_ENV, "auto").strip().lower()
@@ -79,15 +88,23 @@ class PrefillStep:
     layer: the requests, where their prompts sit in the packed tokens, their thresholds
     and benchmark seeds, and (kernel path) each layer's kept (n_high, n_low) per head,
     which ``end_prefill_step`` hands to the reclaim in one copy, and the scratch every
-    layer reuses (significance, tiers, block counts: no allocation per layer)."""
+    layer reuses (significance, tiers, block counts: no allocation per layer).
+
+    With chunked prefill in the step (``ext``), ``req`` / ``prompts`` / thresholds / seeds /
+    ``totals`` / ``buffers`` describe its whole prompts only (``prompts`` packs them
+    contiguously: their rows of the step are ``whole_rows``; None when there are none) and
+    ``all_prompts`` packs every request's fresh tokens as SGLang passes them."""
 
     req: torch.Tensor  # int64 [B]
-    prompts: PackedPrompts
+    prompts: PackedPrompts | None
     alpha_h: torch.Tensor  # fp32 [B], contiguous
     alpha_l: torch.Tensor  # fp32 [B], contiguous
     seed: torch.Tensor | None  # int64 [B], benchmark mode only
     totals: torch.Tensor | None  # int32 [layers, B, Hkv, 2], kernel path only
     buffers: Any = None  # kernels.prefill.PrefillBuffers, kernel path only
+    ext: ExtendRequests | None = None  # chunked prefill in this step (None: whole prompts)
+    all_prompts: PackedPrompts | None = None  # ext only: every request's fresh tokens
+    whole_rows: torch.Tensor | None = None  # ext only: int64, the whole prompts' rows
 
 
 @dataclass
@@ -137,12 +154,32 @@ class DiffKVOps:
     # ---- prefill ----------------------------------------------------------------------
 
     def begin_prefill_step(self, req: torch.Tensor, lengths: list[int],
-                           lengths_dev: torch.Tensor | None = None) -> PrefillStep:
+                           lengths_dev: torch.Tensor | None = None,
+                           ext: ExtendRequests | None = None) -> PrefillStep:
         """What every layer of a prefill step shares, after the pages are allocated
         (``CompressedKVCache.begin_prefill``): where the packed prompts sit, and the
-        per-request thresholds and benchmark seeds as the kernels read them."""
+        per-request thresholds and benchmark seeds as the kernels read them. ``ext``: the
+        step's requests as chunked prefill sees them; when any is a chunk (not a whole
+        prompt) the whole prompts' inputs are built for them alone."""
         c = self.cache
-        prompts = PackedPrompts.from_lengths(lengths, c.device, lengths_dev)
+        if ext is None or not ext.chunked:
+            prompts = PackedPrompts.from_lengths(lengths, c.device, lengths_dev)
+            return self._whole_prompts_step(req, prompts)
+        whole = ext.whole
+        all_prompts = PackedPrompts.from_lengths(lengths, c.device, lengths_dev)
+        if not whole:
+            empty = torch.zeros(0, device=c.device)
+            return PrefillStep(req=req[:0], prompts=None, alpha_h=empty, alpha_l=empty,
+                               seed=None, totals=None, ext=ext, all_prompts=all_prompts)
+        rows = torch.cat([torch.arange(ext.starts[b], ext.starts[b] + ext.fresh[b])
+                          for b in whole]).to(c.device)
+        step = self._whole_prompts_step(
+            req[whole], PackedPrompts.from_lengths([lengths[b] for b in whole], c.device))
+        step.ext, step.all_prompts, step.whole_rows = ext, all_prompts, rows
+        return step
+
+    def _whole_prompts_step(self, req: torch.Tensor, prompts: PackedPrompts) -> PrefillStep:
+        c = self.cache
         alpha = c.alpha[req]
         totals = buffers = None
         if self.use_kernels:
@@ -161,7 +198,10 @@ class DiffKVOps:
                      v: torch.Tensor, scale: float) -> torch.Tensor:
         """One layer of a prefill step on packed tokens (q [T, Hq, D], k/v [T, Hkv, D]; rows
         past the step's tokens are padding): exact causal attention on the fresh K/V, then
-        score, classify, quantise and store. Returns the attention output [T, Hq, Dv]."""
+        score, classify, quantise and store. Returns the attention output [T, Hq, Dv].
+        A step with chunks goes through ``_chunked_extend_layer``."""
+        if step.ext is not None:
+            return self._chunked_extend_layer(layer, step, q, k, v, scale)
         p = step.prompts
         if not self.use_kernels:
             qp, kp, vp = p.pad(q), p.pad(k), p.pad(v)
@@ -173,19 +213,61 @@ class DiffKVOps:
                                      step.alpha_l, step.seed, lse=lse, starts=p.starts,
                                      max_len=p.max_len, totals=step.totals[layer],
                                      buffers=step.buffers)
-        if out.shape[0] == q.shape[0]:
-            return out
-        full = out.new_zeros(q.shape[0], *out.shape[1:])
-        full[: p.num_tokens] = out
-        return full
+        return _full_rows(out, q.shape[0])
+
+    def _chunked_extend_layer(self, layer: int, step: PrefillStep, q: torch.Tensor,
+                              k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One layer of a step with chunked prefill. Attention: every request causally over
+        its fresh tokens (as whole prompts), then requests with stored chunks again over
+        those and their fresh tokens (extend attention: the Triton kernel or its torch
+        reference), replacing their rows. Store: whole prompts as in stage 1, chunks before
+        the last at the high tier (``CompressedKVCache.store_chunk``), last chunks scored
+        over the whole prompt and stored compressed (``store_last_chunk``)."""
+        c, ext, ap = self.cache, step.ext, step.all_prompts
+        if not self.use_kernels:
+            out, lse = ap.unpad(causal_sdpa(ap.pad(q), ap.pad(k), ap.pad(v), scale)), None
+        else:
+            out, lse = self.prompt_attention.run(q, k, v, ap, scale)
+        out = _full_rows(out, q.shape[0])
+        pre = ext.prefixed
+        if pre:
+            starts = torch.tensor([ext.starts[b] for b in pre], device=c.device)
+            lens = torch.tensor([ext.fresh[b] for b in pre], device=c.device)
+            if self.use_kernels:
+                self.k.extend_attention(q, k, v, starts, lens, c.pages, c.geometry,
+                                        c.manager.table, c.manager.counts, ext.req[pre],
+                                        layer, scale, out=out,
+                                        max_new=max(ext.fresh[b] for b in pre))
+            else:
+                c.extend_layer_attend(layer, ext.req[pre], q, k, v, starts, lens, scale,
+                                      out=out)
+        if step.whole_rows is not None:
+            rows, p = step.whole_rows, step.prompts
+            qw, kw, vw = q[rows], k[rows], v[rows]
+            if not self.use_kernels:
+                c.prefill_layer(layer, step.req, p.lengths.long(), p.pad(qw), p.pad(kw),
+                                p.pad(vw), scale)
+            else:
+                self._score_and_compress(
+                    layer, step.req, p.lengths, qw, kw, vw, scale, step.alpha_h,
+                    step.alpha_l, step.seed, lse=None if lse is None else lse[rows],
+                    starts=p.starts, max_len=p.max_len, totals=step.totals[layer],
+                    buffers=step.buffers)
+        c.store_chunk(layer, ext, q, k, v)
+        c.store_last_chunk(layer, ext, q, k, v, scale)
+        return out
 
     def end_prefill_step(self, step: PrefillStep) -> None:
         """After the last layer: record what each row kept and return the pages that
-        compression freed (``CompressedKVCache.end_prefill``)."""
+        compression freed (``CompressedKVCache.end_prefill``; with chunks ``end_extend``,
+        which also counts the continued prompts' new tokens)."""
         c = self.cache
         if step.totals is not None:
             c._prompt_kept[step.req] = step.totals.transpose(0, 1).long()
-        c.end_prefill(step.req)
+        if step.ext is not None:
+            c.end_extend(step.ext)
+        else:
+            c.end_prefill(step.req)
 
     def prefill_layer(self, layer: int, req: torch.Tensor, lengths: torch.Tensor,
                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:

@@ -86,6 +86,11 @@ class DiffKVTokenToKVPool(KVCache):
         self._pending_free: list[int] = []
         # Per-request thresholds set at ReqToTokenPool.alloc, consumed at begin_prefill.
         self.req_alpha: dict[int, tuple[float, float]] = {}
+        # Chunked prefill: each slot's whole prompt (the tokens its prefill computes, as
+        # admission counts them), set at ReqToTokenPool.alloc; and the tokens stored so far
+        # of each prompt whose prefill is still in chunks.
+        self.prompt_len: dict[int, int] = {}
+        self.chunked: dict[int, int] = {}
         # Tokens each request slot holds (prompt + decoded), for the metrics; on the device
         # so that decode steps set it without a sync.
         self.seq_lens_dev = torch.zeros(cache.spec.max_reqs, dtype=torch.int64,
@@ -221,21 +226,59 @@ class DiffKVTokenToKVPool(KVCache):
         by the caller (``request_check``)."""
         self.req_alpha[req_idx] = alpha
 
-    def begin_prefill(self, req_idx: list[int], lengths: list[int]) -> None:
+    def set_prompt_length(self, req_idx: int, length: int) -> None:
+        """The whole prompt of the request in slot ``req_idx`` (``ReqToTokenPool.alloc``)."""
+        self.prompt_len[req_idx] = length
+
+    def begin_extend(self, req_idx: list[int], prefix: list[int], lengths: list[int]
+                     ) -> list[int]:
+        """An extend step's page work; returns each request's whole prompt length. A request
+        with no stored prefix starts its prefill (``begin_prefill``): a whole prompt, or the
+        first chunk of a longer one, which takes the all-high pages of the whole prompt now
+        (exactly what admission reserved for it). A request with a prefix continues its
+        chunks: it must hold exactly that many stored tokens and takes no pages."""
+        totals = []
+        for r, p, n in zip(req_idx, prefix, lengths, strict=True):
+            total = max(self.prompt_len.get(r, p + n), p + n)
+            if p > 0 and self.chunked.get(r) != p:
+                raise DiffKVPoolError(
+                    f"DiffKV: an extend of request slot {r} continues a {p}-token prefix, but "
+                    f"the slot holds {self.chunked.get(r, 0)} tokens of a chunked prompt: "
+                    "diffkv has no prefix cache (--attention-backend diffkv keeps the radix "
+                    "cache off), only chunked prefill continues a prompt")
+            totals.append(total)
+        new = [b for b, p in enumerate(prefix) if p == 0]
+        if new:
+            self.begin_prefill([req_idx[b] for b in new], [lengths[b] for b in new],
+                               [totals[b] for b in new])
+        for r, p, n, total in zip(req_idx, prefix, lengths, totals, strict=True):
+            if p + n < total:
+                self.chunked[r] = p + n
+            else:
+                self.chunked.pop(r, None)
+        self.seq_lens_dev[torch.as_tensor(req_idx, device=self.cache.device)] = torch.as_tensor(
+            [p + n for p, n in zip(prefix, lengths, strict=True)], dtype=torch.int64,
+            device=self.cache.device)
+        return totals
+
+    def begin_prefill(self, req_idx: list[int], lengths: list[int],
+                      reserve: list[int] | None = None) -> None:
+        """``reserve[b]``: the whole prompt when ``lengths[b]`` is its first chunk."""
         self.flush_frees()  # a released slot may come back in this very batch
         c = self.cache.config
         alphas = [self.req_alpha.get(r, (c.alpha_h, c.alpha_l)) for r in req_idx]
+        reserve = list(lengths) if reserve is None else reserve
         res = self.cache.begin_prefill(
-            req_idx, lengths, [a[0] for a in alphas], [a[1] for a in alphas]
+            req_idx, lengths, [a[0] for a in alphas], [a[1] for a in alphas], reserve
         )
-        self.free_bound.taken(self.cache.spec.pages_needed_for_prefill(lengths))
+        self.free_bound.taken(self.cache.spec.pages_needed_for_prefill(reserve))
         if not bool(res.ok):
             # Admission (PrefillAdder hook) guarantees room, so this is a bug, not a load
             # condition: say exactly what did not fit.
             raise DiffKVPoolError(
-                f"DiffKV prefill of {len(req_idx)} request(s), lengths {lengths}: needed "
-                f"{int(res.needed)} pages but only {int(res.free)} are free "
-                f"(active requests {len(self.active)})"
+                f"DiffKV prefill of {len(req_idx)} request(s), lengths {lengths} (whole "
+                f"prompts {reserve}): needed {int(res.needed)} pages but only "
+                f"{int(res.free)} are free (active requests {len(self.active)})"
             )
         self.active.update(req_idx)
         self.seq_lens_dev[torch.as_tensor(req_idx, device=self.cache.device)] = torch.as_tensor(
@@ -243,6 +286,8 @@ class DiffKVTokenToKVPool(KVCache):
 
     def release(self, req_idx: int) -> None:
         self.req_alpha.pop(req_idx, None)
+        self.prompt_len.pop(req_idx, None)
+        self.chunked.pop(req_idx, None)  # (aborted or retracted between chunks)
         if req_idx not in self.active:
             return  # freed before its prefill ran (e.g. aborted while waiting)
         self.after_forward()  # its counters as the last forward left them
@@ -272,6 +317,8 @@ class DiffKVTokenToKVPool(KVCache):
             self._free(sorted(self.active))  # one batched free, as flush_frees does
         self.active.clear()
         self.req_alpha.clear()
+        self.prompt_len.clear()
+        self.chunked.clear()
 
     # -- KVCache interface -----------------------------------------------------------------
 
@@ -316,6 +363,10 @@ class DiffKVReqToTokenPool(ReqToTokenPool):
         if out is not None:
             for r, alpha in zip(reqs, alphas, strict=True):
                 self.kv_pool.set_request_thresholds(r.req_pool_idx, alpha)
+                # the whole prompt its prefill computes, however SGLang chunks it (a chunked
+                # request keeps its slot and comes back here for every chunk)
+                self.kv_pool.set_prompt_length(
+                    r.req_pool_idx, len(getattr(r, "full_untruncated_fill_ids", ())))
         return out
 
     def free(self, req: Any) -> None:

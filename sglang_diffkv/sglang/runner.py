@@ -57,6 +57,18 @@ def check_model(runner: Any) -> None:
         )
 
 
+def chunked_prefill_line(server_args: Any, config: DiffKVConfig) -> str:
+    """The start-up line saying how prompts are prefilled."""
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    if chunk is None or chunk <= 0:
+        return (f"DiffKV chunked prefill: off (--chunked-prefill-size {chunk}): every prompt "
+                "is scored and compressed in one extend")
+    return (f"DiffKV chunked prefill: chunks of {chunk} tokens; a longer prompt's earlier "
+            "chunks stay at the high tier (the whole prompt's all-high pages, reserved at "
+            "admission) until its last chunk scores every token with the prompt's last "
+            f"{config.score_queries} queries and compresses it")
+
+
 def _num_kv_heads(runner: Any) -> int:
     """KV heads this rank stores (its attention-TP share)."""
     return runner.model_config.get_num_kv_heads(runner.ps.attn_tp_size)
@@ -193,6 +205,7 @@ def init_pools(kvc: Any, plan: CapacityPlan, tokens: int, max_reqs: int, start_l
     )
     for name, value, why in forced_settings():
         logger.info("diffkv: %s=%s (forced): %s", name, value, why)
+    logger.info(chunked_prefill_line(kvc.server_args, plan.config))
     for line in capacity_report(plan, num_pages, slots, max_reqs, context_len):
         logger.info(line)
     if not kv.fits_empty_pool(context_len):

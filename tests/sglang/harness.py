@@ -35,7 +35,7 @@ plugin.register()  # idempotent; a server gets it from load_plugins() (the entry
 import sglang.srt.mem_cache.allocation as mem_allocation  # noqa: E402
 import sglang.srt.mem_cache.common as mem_common  # noqa: E402
 import sglang.srt.model_executor.forward_batch_info as fbi  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode, prepare_abort  # noqa: E402
 from sglang.srt.distributed.parallel_state_wrapper import ParallelState  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
@@ -44,7 +44,7 @@ from sglang.srt.managers.overlap_utils import (  # noqa: E402
     RelayPayload,
     resolve_forward_inputs,
 )
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, retract_all  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import (  # noqa: E402
     SchedulerInvariantChecker,
@@ -259,9 +259,18 @@ class MiniScheduler:
     graph_replays: int = 0
     # this rank's parallel state (None: TP 1); its KV heads are shape.num_kv_heads / TP
     ps: ParallelState | None = None
+    # SGLang's --chunked-prefill-size (None: whole prompts, one extend each); with it the
+    # scheduler's chunked-request flow (Scheduler.get_next_batch_to_run /
+    # get_new_batch_prefill) runs: one request at a time is prefilled in chunks, each
+    # chunk an extend step of its own that may also carry other requests' prompts
+    chunked_prefill_size: int | None = None
+    chunked_req: Req | None = None
+    # (what ran each step: a request's chunk is recorded as (rid, prefix, fresh))
+    chunks: list[tuple[str, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.server_args = ServerArgs(model_path="dummy", attention_backend="diffkv")
+        self.server_args = ServerArgs(model_path="dummy", attention_backend="diffkv",
+                                      chunked_prefill_size=self.chunked_prefill_size or -1)
         self.runner = FakeRunner(self.server_args, self.shape, self.kv_budget_bytes,
                                  self.max_running_requests, ps=self.ps)
         self.req_to_token_pool = self.runner.req_to_token_pool
@@ -393,12 +402,19 @@ class MiniScheduler:
     # -- one scheduler iteration ----------------------------------------------------------
 
     def step(self) -> str:
-        """Prefill new requests if any fit, else decode the running batch. Returns what ran."""
+        """Prefill new requests (and the chunked request's next chunk) if any fit, else
+        decode the running batch. Returns what ran."""
         batch = self._new_prefill_batch()
         if batch is not None:
             self._run(batch)
             self._process(batch)
-            if self.running is None or self.running.is_empty():
+            # get_next_batch_to_run: the prefill batch joins the running batch, less the
+            # request still in chunks (it comes back as the next prefill's chunk)
+            if self.chunked_req is not None:
+                batch.filter_batch(chunked_req_to_exclude=[self.chunked_req])
+            if batch.is_empty():
+                pass
+            elif self.running is None or self.running.is_empty():
                 self.running = batch
             else:
                 self.running.merge_batch(batch)
@@ -425,33 +441,81 @@ class MiniScheduler:
 
     def run_until_idle(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
-            if self.step() == "idle" and not self.waiting:
+            if self.step() == "idle" and not self.waiting and self.chunked_req is None:
                 return
         raise AssertionError("requests did not finish")
 
+    # -- a request between chunks: abort and retraction, as the scheduler does them ---------
+
+    def abort_chunked(self) -> Req:
+        """Scheduler.process_pending_chunked_abort: the request in chunks is aborted between
+        two chunks and its slot and KV released."""
+        req = self.chunked_req
+        assert req is not None, "no request is being prefilled in chunks"
+        prepare_abort(req, "Aborted")
+        mem_common.release_kv_cache(req, self.tree_cache, is_insert=False)
+        self.chunked_req = None
+        self.finished.append(req)
+        return req
+
+    def retract_all(self) -> list[Req]:
+        """Scheduler.pause_generation(mode="retract"): every running request and the one in
+        chunks are retracted (released, reset) and go back to the waiting queue."""
+        reqs = [r for r in self.running.reqs if not r.finished()] if self.running else []
+        if self.chunked_req is not None and not self.chunked_req.finished():
+            reqs.append(self.chunked_req)
+        self.last_batch = None
+        retract_all(reqs=reqs, server_args=self.server_args,
+                    req_to_token_pool=self.req_to_token_pool,
+                    token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+                    tree_cache=self.tree_cache, hisparse_coordinator=None, offload_kv=False)
+        self.running = None
+        self.chunked_req = None
+        self.retractions += len(reqs)
+        self.waiting = reqs + self.waiting
+        return reqs
+
     def _new_prefill_batch(self) -> ScheduleBatch | None:
-        if not self.waiting:
+        if not self.waiting and self.chunked_req is None:
             return None
+        if self.chunked_req is not None:
+            # get_next_batch_to_run: stash the previous chunk (ChunkCache sets the request's
+            # prefix_indices to the slots of every token computed so far)
+            mem_common.maybe_cache_unfinished_req(self.chunked_req, self.tree_cache,
+                                                  chunked=True)
         running = self.running if self.running is not None else ScheduleBatch(reqs=[])
         adder = PrefillAdder(
             1, self.tree_cache, self.token_to_kv_pool_allocator, running,
-            self.new_token_ratio, rem_input_tokens=16384, rem_chunk_tokens=None,
+            self.new_token_ratio, rem_input_tokens=16384,
+            rem_chunk_tokens=self.chunked_prefill_size,
         )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
         for req in list(self.waiting):
             if len(running.reqs) + len(adder.can_run_list) >= self.max_running_requests:
                 break
             req.init_next_round_input(self.tree_cache)
-            res = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
+                                    truncation_align_size=None)
             if res != AddReqResult.CONTINUE:
                 break
         if not adder.can_run_list:
             return None
         self.waiting = [r for r in self.waiting if r not in adder.can_run_list]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.inflight_middle_chunks += 1
         batch = ScheduleBatch.init_new(
             adder.can_run_list, self.req_to_token_pool, self.token_to_kv_pool_allocator,
             self.tree_cache, self.runner.model_config, False, SpeculativeAlgorithm.NONE,
+            chunked_req=self.chunked_req,
         )
         batch.prepare_for_extend()
+        for r in batch.reqs:
+            self.chunks.append((r.rid, r.extend_range.start, r.extend_range.length))
         return batch
 
     def _run(self, batch: ScheduleBatch) -> None:
@@ -517,6 +581,9 @@ class MiniScheduler:
 
     def _process(self, batch: ScheduleBatch) -> None:
         for req, tok in zip(batch.reqs, self.output_ids, strict=True):
+            if req.inflight_middle_chunks > 0:  # a chunk before the prompt's last: no token
+                req.inflight_middle_chunks -= 1
+                continue
             req.output_ids.append(tok)
             req.update_finish_state()
             if req.finished():

@@ -1,5 +1,6 @@
-"""ServerArgs accepts --attention-backend diffkv, forces the stage-1 settings, and refuses
-what stage 1 does not support, with the documented messages."""
+"""ServerArgs accepts --attention-backend diffkv, forces its settings (not chunked prefill:
+SGLang's --chunked-prefill-size stands), and refuses what it does not support, with the
+documented messages."""
 
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ def _args(*extra: str) -> ServerArgs:
     return prepare_server_args(["--model-path", "dummy", "--attention-backend", "diffkv", *extra])
 
 
-def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
+def test_cli_accepts_diffkv_and_forces_its_settings(caplog):
     with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
         a = _args("--page-size", "16", "--chunked-prefill-size", "4096")
     assert a.attention_backend == "diffkv"
     assert a.page_size == 1
     assert a.disable_radix_cache is True
-    assert a.chunked_prefill_size == -1
+    assert a.chunked_prefill_size == 4096  # chunked prefill is the user's (or SGLang's) choice
     assert a.cuda_graph_backend_decode is None  # the kernel path captures decode graphs
     assert a.cuda_graph_max_bs_decode == DEFAULT_CUDA_GRAPH_MAX_BS
     assert a.cuda_graph_backend_prefill == "disabled"
@@ -51,7 +52,7 @@ def test_cli_accepts_diffkv_and_forces_stage_one_settings(caplog):
     assert any("page_size=1 (was 16)" in m for m in forced)
     overridden = [r for r in caplog.records if "(was " in r.getMessage()]
     assert overridden and all(r.levelno == logging.WARNING for r in overridden)
-    assert any("chunked_prefill_size=-1 (was 4096)" in m for m in forced)
+    assert not any("chunked_prefill_size" in m for m in forced)
     assert all(": " in m and len(m.split(": ", 1)[1]) > 20 for m in forced)
     assert any("SGLANG_DIFFKV_CONFIG" in r.getMessage() for r in caplog.records)
 

@@ -58,7 +58,7 @@ SERVER_ARGS_0_5_23 = (
     "arg_groups.pipeline.run_resolution_pipeline, which seals the record (writes raise) and "
     "takes decisions through declare_resolution / resolving_view. So the user's or SGLang's "
     "values stay (page_size None, or 16 when given; disable_radix_cache False; "
-    "chunked_prefill_size None, or 4096 when given; cuda_graph_backend_prefill None) and "
+    "cuda_graph_backend_prefill None) and "
     "--pp-size 2 is accepted. Porting: hook resolve_once or a run_hook pipeline step "
     "(arg_groups.resolution_hooks) and declare the forced values there"
 )
