@@ -19,6 +19,7 @@ from sglang_diffkv import prompt_sharing
 from sglang_diffkv.attention import gather_cache
 from sglang_diffkv.cache import CompressedKVCache, ExtendRequests
 from sglang_diffkv.config import DiffKVConfig
+from sglang_diffkv.pages import read_scores, token_locations
 from sglang_diffkv.policy import Tier, classify_prompt, group_max
 from sglang_diffkv.prompt_sharing import PromptSharing
 from sglang_diffkv.quant import error_bound, fake_quantize, quantize
@@ -205,6 +206,27 @@ def test_a_suffix_over_an_attached_cut(cut: int, s: int, copy_attach: bool) -> N
                 torch.testing.assert_close(key[h, n:n + picked.numel()], want, rtol=0,
                                            atol=1e-5)
     # the shared full pages are the exporter's; the boundary pages are private copies
+    # the attached tokens' virtual positions: the exporter's, moved by the difference of the
+    # prompt lengths when copied (the decode policy reads them), as they are when shared
+    delta = 0 if not copy_attach else cut + s - qa.shape[1]
+    for layer in range(LAYERS):
+        for t in (0, 1):
+            layout = c.geometry.tiers[t]
+            pos = []
+            for slot in (1, 2):
+                n = c.counts[slot, layer, :, t].long()
+                if slot == 2:
+                    n = handle.cut_counts(cut)[layer, :, t].long()
+                loc = token_locations(c.manager.table[slot, layer][None], n[None],
+                                      layout.tokens_per_page, low=t == 1,
+                                      capacity=max(int(n.max()), 1))
+                _, p = read_scores(c.pages, layout, loc.page_ids[loc.mask], loc.slots[loc.mask])
+                pos.append((p, n))
+            (pa, _), (pb, nb) = pos
+            # (the exporter's first nb tokens per head, in the same flattened head order)
+            la = c.counts[1, layer, :, t].long()
+            keep = torch.cat([torch.arange(int(la[h])) < int(nb[h]) for h in range(HKV)])
+            assert torch.equal(pb, pa[keep] + delta)
     per_page = torch.tensor(c.spec.tokens_per_page)
     want_shared = torch.zeros_like(n_cut) if copy_attach else n_cut // per_page
     assert torch.equal(c.manager.shared[2], want_shared.int())

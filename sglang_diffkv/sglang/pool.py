@@ -365,13 +365,13 @@ class DiffKVTokenToKVPool(KVCache):
     def release(self, req_idx: int) -> None:
         self.req_alpha.pop(req_idx, None)
         self.hits.pop(req_idx, None)
-        if self.radix is not None:  # (an export the tree did not take goes back now)
-            self.radix.release(req_idx)
         self.prompt_len.pop(req_idx, None)
         self.chunked.pop(req_idx, None)  # (aborted or retracted between chunks)
         if req_idx not in self.active:
             return  # freed before its prefill ran (e.g. aborted while waiting)
         self.after_forward()  # its counters as the last forward left them
+        if self.radix is not None:  # (an export the tree did not take goes back now)
+            self.radix.release(req_idx)
         self.stats.record_finished(self.cache, req_idx, self.seq_lens_dev[req_idx])
         self.active.discard(req_idx)
         if self.agreement is not None:

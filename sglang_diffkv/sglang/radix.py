@@ -96,12 +96,13 @@ class DiffKVRadixCache(RadixCache):
         self.pool = None  # (RadixCache.__init__ calls reset())
         self.handle_nodes: dict[int, int] = {}  # handle key -> nodes holding it
         self._released: list[SharedPrefix] = []
+        # prompts inserted; their handles released (evicted, or the tree flushed)
+        self.stats = {"inserted": 0, "released": 0}
         super().__init__(params)
         self.pool = pool
         self.cut_len = cut_len
         self.sharing = pool.enable_radix(cut_len)
         self.config = pool.cache.config
-        self.stats = {"inserted": 0, "released": 0}  # prompts inserted, handles released
         logger.info(
             "DiffKV radix cache: prompts shared as compressed pages, cut every %d tokens "
             "(%s=%s); %s", cut_len, CUT_LEN_ENV, cut_len,
@@ -130,13 +131,13 @@ class DiffKVRadixCache(RadixCache):
         else:
             del self.handle_nodes[handle.key]
             self._released.append(handle)
+            self.stats["released"] += 1
 
     def _flush_released(self) -> None:
         if self._released and self.pool is not None:
             gone, self._released = self._released, []
             self.pool.after_forward()  # (ordered after the forward in flight, as frees are)
             self.pool.cache.release_prefix(gone)
-            self.stats["released"] += len(gone)
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
         new_node = super()._split_node(key, child, split_len)
@@ -219,7 +220,8 @@ class DiffKVRadixCache(RadixCache):
             return
         aligned = handle.num_tokens // self.cut_len * self.cut_len
         if self.disable or aligned <= req.cache_protected_len:
-            self.pool.cache.release_prefix([handle])  # (nothing new to share)
+            self._released.append(handle)  # (nothing new to share)
+            self._flush_released()
             return
         token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
         key = RadixKey(token_ids, req.extra_key)
@@ -233,8 +235,9 @@ class DiffKVRadixCache(RadixCache):
             self._hold(node, handle)
             held = True
             node = node.parent
-        if not held:
-            self.pool.cache.release_prefix([handle])
+        if not held:  # (every position was in the tree already)
+            self._released.append(handle)
+            self._flush_released()
         else:
             self.stats["inserted"] += 1
         # the request's own slots for tokens the tree already had are duplicates
