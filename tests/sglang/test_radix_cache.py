@@ -402,7 +402,9 @@ def test_kernel_path_shares_prefixes_as_copies(monkeypatch):
     """The Triton path (interpreter): an attached prefix is copied into the request's own
     pages (the decode kernels do not skip shared tokens), the cut counts come from the
     compress kernel's tiers and equal the reference path's, hits are the same, and the
-    outputs agree within bf16 rounding; ownership and the idle check as always."""
+    outputs agree within bf16 rounding with the reference path copying too (a copied
+    prefix's tokens may be demoted or evicted by the decode policy, a shared one's never);
+    ownership and the idle check as always."""
     shape = H.ModelShape(dtype=torch.bfloat16)
     sys_p = system(50, 9)
     runs = []
@@ -411,6 +413,7 @@ def test_kernel_path_shares_prefixes_as_copies(monkeypatch):
         monkeypatch.setenv("SGLANG_DIFFKV_CONFIG", json.dumps(COMPRESSING))
         s = H.MiniScheduler(shape, H.budget_for_pages(shape, 400, 8), radix=True)
         assert s.kv_pool.radix.copy_attach == (kernels == "1")
+        s.kv_pool.radix.copy_attach = True
         s.add_request("a", sys_p + [3, 4], 4)
         s.run_until_idle()
         cuts = s.tree_cache.root_node.children[sys_p[0]].diffkv_handle.cuts.clone()
