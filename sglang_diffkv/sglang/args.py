@@ -156,6 +156,12 @@ def apply_radix_setting(args: Any) -> None:
                        "rank's tree would have to agree on which prompt exports fit their "
                        "pages (not built); prompts are prefilled from their first token")
         return
+    for flag in ("enable_lmcache", "enable_flexkv"):
+        if getattr(args, flag, False):
+            raise DiffKVUnsupportedError(
+                f"--attention-backend diffkv: --{flag.replace('_', '-')}: diffkv's radix tree "
+                "holds compressed pages no external KV store can hold; drop the option (or "
+                "add --disable-radix-cache)")
     backend = getattr(args, "radix_cache_backend", None)
     if backend not in (None, RADIX_BACKEND):
         raise DiffKVUnsupportedError(
