@@ -44,6 +44,7 @@ from sglang_diffkv.memory import (
     PageManager,
     SharedPrefix,
     alloc_page_storage,
+    copy_pages,
 )
 from sglang_diffkv.pages import (
     TokenLocations,
@@ -625,9 +626,7 @@ class CompressedKVCache:
         return self.manager.shared[self._index(req_idx), layer].long() * per_page
 
     def _copy_pages(self, copies: PageCopies) -> None:
-        # (boolean indexing syncs; the reference path tolerates it, a kernel would not)
-        m = copies.mask
-        self.pages[copies.dst[m]] = self.pages[copies.src[m]]
+        copy_pages(self.pages, copies)  # (no host sync)
 
     def export_prefix(
         self, req_idx: IndexLike, num_tokens: Sequence[int]

@@ -35,25 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from sglang_diffkv.extend_attention import _gather_prefix, paged_extend_probs
-from sglang_diffkv.memory import AllocResult, PageCopies, SharedPrefix
+from sglang_diffkv.memory import AllocResult, SharedPrefix, copy_pages
 from sglang_diffkv.pages import read_token_codes, read_tokens, write_token_codes, write_tokens
 from sglang_diffkv.policy import Tier, classify_prompt, group_max
 
 N_HIGH, N_LOW, P_HIGH, P_LOW = range(4)  # columns of PageManager.counts
-
-
-def copy_pages(pages: torch.Tensor, copies: PageCopies) -> None:
-    """``pages[dst[i]] = pages[src[i]]`` where ``mask[i]``, without a host sync: masked-out
-    lanes repeat the first real copy (identical bytes to the same page), or copy a page
-    onto itself when there is none. Destinations are fresh pages, never a source."""
-    if copies.mask.numel() == 0:
-        return
-    m = copies.mask
-    first = torch.argmax(m.to(torch.int8))
-    src = torch.where(m, copies.src, copies.src[first])
-    dst = torch.where(m, copies.dst, copies.dst[first])
-    dst = torch.where(m.any(), dst, src)
-    pages.index_copy_(0, dst, pages.index_select(0, src))
 
 
 @dataclass

@@ -75,6 +75,20 @@ class PageCopies(NamedTuple):
     mask: torch.Tensor  # bool [M]
 
 
+def copy_pages(pages: torch.Tensor, copies: PageCopies) -> None:
+    """Perform ``copies`` on page storage ``pages`` without a host sync: masked-out lanes
+    repeat the first real copy (the same bytes to the same page), or copy a page onto itself
+    when there is none. Destinations are fresh pages, never a source."""
+    if copies.mask.numel() == 0:
+        return
+    m = copies.mask
+    first = torch.argmax(m.to(torch.int8))
+    src = torch.where(m, copies.src, copies.src[first])
+    dst = torch.where(m, copies.dst, copies.dst[first])
+    dst = torch.where(m.any(), dst, src)
+    pages.index_copy_(0, dst, pages.index_select(0, src))
+
+
 def tier_columns(width: int, row_len: int, device: torch.device) -> torch.Tensor:
     """int64 [2, width]: row position of tier page j (high j, low row_len - 1 - j), clamped
     into the row so a gather past a tier's pages stays in range."""
