@@ -147,6 +147,7 @@ class PromptSharing:
         """Start FREE ``slot`` from ``handle``'s first ``cut`` positions and reserve its
         ``suffix`` (``reserve_extend``). Both results must be ok (admission counted them)."""
         c = self.cache
+        handle = c.manager.handles.get(handle.key, handle)  # (a tree may have truncated it)
         n = handle.cut_counts(cut)
         res = c.attach_prefix([slot], [handle], [alpha[0]], [alpha[1]], n_tokens=n[None],
                               copy=self.copy_attach)

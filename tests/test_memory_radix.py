@@ -186,8 +186,9 @@ def test_reserve_and_reclaim_extend_lay_out_a_suffix_after_an_attached_prefix() 
 def test_random_prompts_cut_attach_extend_release(seed: int) -> None:
     """Random prefills exported with cuts, attached at random cuts (shared or copied),
     suffixes reserved and reclaimed at random splits, some of them exported again (a handle
-    over an attached prefix), frees and releases in random order: invariants after every op,
-    and every page free once everything is let go."""
+    over an attached prefix), handles truncated to an earlier cut, frees and releases in
+    random order: invariants after every op, and every page free once everything is let
+    go."""
     rng = random.Random(seed)
     cut_len = rng.choice((4, 8))
     spec = _spec(num_pages=rng.choice((150, 400)), n_high=rng.randint(2, 5),
@@ -244,6 +245,17 @@ def test_random_prompts_cut_attach_extend_release(seed: int) -> None:
                     live[h2.key], tiers_of[h2.key] = h2, tiers
                 else:
                     m.release_prefix([h2])
+        elif live and op < 0.72:  # a tree evicted a prompt's deeper part: truncate it
+            key = rng.choice(sorted(live))
+            h = live[key]
+            if h.num_tokens // cut_len >= 2:
+                keep = cut_len * rng.randint(1, h.num_tokens // cut_len - 1)
+                free = int(m.num_free_pages())
+                short = m.truncate_prefix(h, keep)
+                assert short.key == key and short.num_tokens == keep
+                assert torch.equal(short.n_tokens, h.cut_counts(keep))
+                assert int(m.num_free_pages()) >= free
+                live[key] = short
         elif busy and op < 0.85:
             m.free_requests(rng.sample(busy, rng.randint(1, len(busy))))
         elif live:

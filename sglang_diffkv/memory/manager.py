@@ -670,6 +670,32 @@ class PageManager:
             del self.handles[key]
         self._drop_refs(pages, pages >= 0)
 
+    def truncate_prefix(self, handle: SharedPrefix, num_tokens: int) -> SharedPrefix:
+        """Shorten a live handle with cut counts to its first ``num_tokens`` positions (a
+        multiple of its ``cut_len``): per row and tier it keeps the pages that hold the tier's
+        tokens before that cut and lets go of the rest (pages nobody else holds go back).
+        Returns the shortened handle, which replaces ``handle`` in the registry under the same
+        key (attach it from now on); when a tree evicts the deeper part of a prompt, the part
+        it keeps stops pinning the rest."""
+        op = "truncate_prefix"
+        (live,) = self._registered([handle], op)
+        n_tok = live.cut_counts(num_tokens).to(self.device, torch.int64)
+        k = _ceil_div(n_tok, self._tokens_per_page)  # [layers, heads, 2]
+        width = max(1, self._handle_width(num_tokens))
+        j = torch.arange(live.width, device=self.device)
+        pages = live.pages.to(torch.int64)
+        drop = (j >= k.unsqueeze(-1)) & (pages >= 0)
+        self._drop_refs(pages, drop)
+        kept = torch.where(drop, -1, pages)[..., :width]
+        if kept.shape[-1] < width:
+            kept = torch.nn.functional.pad(kept, (0, width - kept.shape[-1]), value=-1)
+        short = SharedPrefix(kept.to(torch.int32).contiguous(), n_tok.to(torch.int32),
+                             num_tokens, live.key,
+                             live.cuts[:, :, :num_tokens // live.cut_len].contiguous(),
+                             live.cut_len)
+        self.handles[live.key] = short
+        return short
+
     # -- token counters (advanced by the policy / store) ----------------------------------
 
     def add_tokens(self, req_idx: IndexLike, tier_deltas: torch.Tensor) -> None:

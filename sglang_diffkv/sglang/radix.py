@@ -94,10 +94,12 @@ def create_tree_cache(ctx: Any) -> Any:
 class DiffKVRadixCache(RadixCache):
     def __init__(self, params: Any, pool: Any, cut_len: int) -> None:
         self.pool = None  # (RadixCache.__init__ calls reset())
-        self.handle_nodes: dict[int, int] = {}  # handle key -> nodes holding it
+        self.handle_nodes: dict[int, set[TreeNode]] = {}  # handle key -> nodes holding it
+        self._shrink: set[int] = set()  # handles that lost a node but not their last
         self._released: list[SharedPrefix] = []
-        # prompts inserted; their handles released (evicted, or the tree flushed)
-        self.stats = {"inserted": 0, "released": 0}
+        # prompts inserted; their handles released (evicted, or the tree flushed) or
+        # truncated (their deeper nodes evicted)
+        self.stats = {"inserted": 0, "released": 0, "truncated": 0}
         super().__init__(params)
         self.pool = pool
         self.cut_len = cut_len
@@ -118,22 +120,55 @@ class DiffKVRadixCache(RadixCache):
 
     def _hold(self, node: TreeNode, handle: SharedPrefix) -> None:
         node.diffkv_handle = handle
-        self.handle_nodes[handle.key] = self.handle_nodes.get(handle.key, 0) + 1
+        self.handle_nodes.setdefault(handle.key, set()).add(node)
 
     def _let_go(self, node: TreeNode) -> None:
         handle = self.handle_of(node)
         if handle is None:
             return
         node.diffkv_handle = None
-        left = self.handle_nodes[handle.key] - 1
-        if left:
-            self.handle_nodes[handle.key] = left
+        held = self.handle_nodes[handle.key]
+        held.discard(node)
+        if held:
+            self._shrink.add(handle.key)
         else:
             del self.handle_nodes[handle.key]
+            self._shrink.discard(handle.key)
             self._released.append(handle)
             self.stats["released"] += 1
 
+    @staticmethod
+    def _end(node: TreeNode) -> int:
+        """The prompt position a node's tokens end at."""
+        end = 0
+        while node.parent is not None:
+            end += len(node.key)
+            node = node.parent
+        return end
+
+    def _shrink_handles(self) -> None:
+        """Handles whose deeper nodes were evicted: truncated to the first cut at or after
+        the end of the deepest node still holding them (``PageManager.truncate_prefix``), so
+        the evicted part's pages go back."""
+        for key in sorted(self._shrink):
+            nodes = self.handle_nodes.get(key)
+            if not nodes:
+                continue
+            handle = self.handle_of(next(iter(nodes)))
+            keep = max(self._end(n) for n in nodes)
+            keep = -(-keep // self.cut_len) * self.cut_len
+            if keep >= handle.num_tokens // self.cut_len * self.cut_len:
+                continue
+            self.pool.after_forward()
+            short = self.pool.cache.manager.truncate_prefix(handle, keep)
+            for n in nodes:
+                n.diffkv_handle = short
+            self.stats["truncated"] += 1
+        self._shrink.clear()
+
     def _flush_released(self) -> None:
+        if self._shrink and self.pool is not None:
+            self._shrink_handles()
         if self._released and self.pool is not None:
             gone, self._released = self._released, []
             self.pool.after_forward()  # (ordered after the forward in flight, as frees are)

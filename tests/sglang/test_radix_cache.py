@@ -88,7 +88,7 @@ def check_ownership(s: H.MiniScheduler) -> None:
     pending = {h.key for h, _ in s.kv_pool.radix.exports.values()}
     assert not held & pending
     assert set(m.handles) == held | pending
-    counts: dict[int, int] = {}
+    nodes: dict[int, set] = {}
     stack = [(tree.root_node, 0)]
     while stack:
         node, depth = stack.pop()
@@ -96,9 +96,10 @@ def check_ownership(s: H.MiniScheduler) -> None:
             end = depth + len(child.key)
             h = child.diffkv_handle
             assert h is not None and h.num_tokens >= end
-            counts[h.key] = counts.get(h.key, 0) + 1
+            assert h is m.handles[h.key]  # (the live handle, truncated or not)
+            nodes.setdefault(h.key, set()).add(child)
             stack.append((child, end))
-    assert counts == tree.handle_nodes
+    assert nodes == tree.handle_nodes
 
 
 def assert_idle_and_flush(s: H.MiniScheduler) -> None:
@@ -303,6 +304,35 @@ def test_tree_eviction_returns_pages_to_admission(monkeypatch):
     s.tree_cache.evict(EvictParams(num_tokens=10**6))
     check_ownership(s)
     assert not m.handles and m.num_free_pages_host() == s.kv_pool.num_pages
+    assert_idle_and_flush(s)
+
+
+def test_evicting_a_prompts_own_tail_truncates_its_handle(monkeypatch):
+    """A prompt whose first tokens other prompts share: once its own tail is evicted, the
+    node it keeps (the shared part) still holds its handle, truncated to that node's end (the
+    next cut), so the tail's pages come back; a later hit attaches the truncated handle."""
+    s = sched(COMPRESSING, monkeypatch=monkeypatch)
+    sys_p = system(70, 6)
+    s.add_request("a", sys_p + [3 + i % 50 for i in range(300)], 2)  # a's own tail: 300
+    s.run_until_idle()
+    s.add_request("b", sys_p + [4] * 20, 2)  # splits a's node at 70
+    s.run_until_idle()
+    m = s.kv_pool.cache.manager
+    (a_key,) = [k for k, h in m.handles.items() if h.num_tokens == 370]
+    tree = s.tree_cache
+    ends = sorted(tree._end(n) for n in tree.handle_nodes[a_key])
+    assert ends == [64, 70, 368]  # (b's match split a's node at its cut, its insert at 70)
+    free = s.kv_pool.exact_free_pages()
+    while 368 in [tree._end(n) for n in tree.handle_nodes[a_key]]:
+        tree.evict(EvictParams(num_tokens=1))  # least recently used leaves: a's tail first
+    assert tree.stats["truncated"] == 1 and tree.stats["released"] == 0
+    check_ownership(s)
+    short = m.handles[a_key]
+    assert short.num_tokens == 80  # the shared node ends at 70: the next cut
+    assert s.kv_pool.exact_free_pages() > free
+    s.add_request("c", sys_p + [5] * 9, 2)  # hits 64 tokens of the truncated handle
+    s.run_until_idle()
+    assert first_extend_prefix(s)["c"] == 64
     assert_idle_and_flush(s)
 
 
