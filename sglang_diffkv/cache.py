@@ -44,6 +44,7 @@ from sglang_diffkv.memory import (
     PageManager,
     SharedPrefix,
     alloc_page_storage,
+    copy_pages,
 )
 from sglang_diffkv.pages import (
     TokenLocations,
@@ -190,6 +191,9 @@ class CompressedKVCache:
         # The last chunk scores with them when it holds fewer than score_queries queries.
         self._score_queries: dict[int, torch.Tensor] = {}
         self._score_queries_held: dict[int, int] = {}
+        # Radix prefix sharing (``prompt_sharing.PromptSharing``), when the SGLang tree cache
+        # turns it on: prompts exported with their cut counts, suffixes over attached ones.
+        self.radix = None
 
     def _request_thresholds(
         self,
@@ -328,6 +332,8 @@ class CompressedKVCache:
             )
         self._prompt_kept[req, layer, :, 0] = n_high
         self._prompt_kept[req, layer, :, 1] = cls.n_low.long()
+        if self.radix is not None:
+            self.radix.record(layer, req, cls.tier)
 
     def prefill_layer(
         self,
@@ -637,9 +643,7 @@ class CompressedKVCache:
         return self.manager.shared[self._index(req_idx), layer].long() * per_page
 
     def _copy_pages(self, copies: PageCopies) -> None:
-        # (boolean indexing syncs; the reference path tolerates it, a kernel would not)
-        m = copies.mask
-        self.pages[copies.dst[m]] = self.pages[copies.src[m]]
+        copy_pages(self.pages, copies)  # (no host sync)
 
     def export_prefix(
         self, req_idx: IndexLike, num_tokens: Sequence[int]
@@ -658,15 +662,18 @@ class CompressedKVCache:
         handles: Sequence[SharedPrefix],
         alpha_h: Sequence[float] | torch.Tensor | None = None,
         alpha_l: Sequence[float] | torch.Tensor | None = None,
+        n_tokens: torch.Tensor | None = None,
+        copy: bool = False,
     ) -> AllocResult:
         """Start FREE request slots from shared prefixes, ready to decode at position
         ``handles[b].num_tokens``: they read the prefix's tokens (the full pages shared, the
         partial ones copied) and the policy never changes them. A prefix must be reused under
-        the thresholds it was compressed with (the caller's cache key)."""
+        the thresholds it was compressed with (the caller's cache key). ``n_tokens`` / ``copy``
+        as ``PageManager.attach_prefix`` takes them (a cut of the handle; nothing shared)."""
         req = self._index(req_idx)
         b = req.shape[0]
         ah, al = self._request_thresholds(b, alpha_h, alpha_l)
-        result, copies = self.manager.attach_prefix(req, handles)
+        result, copies = self.manager.attach_prefix(req, handles, n_tokens, copy=copy)
         self._copy_pages(copies)
         ok = result.ok.to(self.device)
         alphas = torch.stack([ah, al], -1).float().to(self.device)

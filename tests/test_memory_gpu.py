@@ -128,3 +128,43 @@ CudaSharingMachine.TestCase.settings = settings(
     max_examples=30, stateful_step_count=20, deadline=None
 )
 TestCudaSharingMachine = requires_cuda(CudaSharingMachine.TestCase)
+
+
+@requires_cuda
+def test_radix_ops_never_sync() -> None:
+    """What radix prefix sharing runs per prompt: a copy export with its cut counts and a
+    decode reserve, the sync-free page copy, attaches at a cut (shared and copied), a suffix
+    reserved and reclaimed, releases: all on the device."""
+    from sglang_diffkv.memory import copy_pages
+
+    spec = MemorySpec(num_pages=96, max_reqs=6, num_layers=2, num_kv_heads=2,
+                      high_tokens_per_page=2, low_tokens_per_page=3, max_context=12)
+    m = PageManager(spec, "cuda", validate=False)
+    on = {"device": "cuda"}
+    pages = torch.zeros(spec.num_pages, 16, dtype=torch.uint8, **on)
+    m.allocate_prefill(torch.tensor([1], **on), torch.tensor([9], **on))
+    m.reclaim_prefill(torch.tensor([1], **on), torch.full((1, 2, 2), 5, **on),
+                      torch.full((1, 2, 2), 4, **on))
+    cuts = torch.zeros(1, 2, 2, 3, 2, dtype=torch.int32, **on)
+    cuts[..., 0], cuts[..., 1] = 2, 1  # (2 high and 1 low token before position 3, ...)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (h,), res, copies = m.export_prefix(torch.tensor([1], **on), [9], copy=True,
+                                            keep_free=4, cuts=cuts, cut_len=3)
+        copy_pages(pages, copies)
+        res2, copies2 = m.attach_prefix(torch.tensor([2], **on), [h], h.cut_counts(3)[None])
+        copy_pages(pages, copies2)
+        res3, _ = m.attach_prefix(torch.tensor([3], **on), [h], h.cut_counts(6)[None],
+                                  copy=True)
+        room = m.reserve_extend(torch.tensor([2, 3], **on), [4, 2])
+        m.reclaim_extend(torch.tensor([2, 3], **on), torch.full((2, 2, 2), 4, **on),
+                         torch.full((2, 2, 2), 2, **on))
+        m.free_requests(torch.tensor([1, 2], **on))
+        m.release_prefix([h])
+        m.free_requests(torch.tensor([3], **on))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(res.ok) and bool(res2.ok) and bool(res3.ok) and bool(room.ok)
+    m.check_invariants()
+    assert int(m.num_free_pages()) == spec.num_pages

@@ -9,7 +9,7 @@ from sglang_diffkv.memory.inputs import Phase
 from sglang_diffkv.memory.invariants import check_invariants
 from sglang_diffkv.memory.manager import PageManager
 from sglang_diffkv.memory.result import AllocResult, OutOfPages, PageTableRowFull
-from sglang_diffkv.memory.sharing import PageCopies, SharedPrefix
+from sglang_diffkv.memory.sharing import PageCopies, SharedPrefix, copy_pages
 from sglang_diffkv.memory.spec import MemorySpec
 from sglang_diffkv.memory.storage import alloc_page_storage
 
@@ -26,4 +26,5 @@ __all__ = [
     "Take",
     "alloc_page_storage",
     "check_invariants",
+    "copy_pages",
 ]

@@ -413,7 +413,9 @@ class PageManager:
         return out
 
     def export_prefix(
-        self, req_idx: IndexLike, num_tokens: Sequence[int]
+        self, req_idx: IndexLike, num_tokens: Sequence[int], *, copy: bool = False,
+        keep_free: int | torch.Tensor = 0, cuts: torch.Tensor | None = None,
+        cut_len: int = 0,
     ) -> tuple[list[SharedPrefix], AllocResult, PageCopies]:
         """Freeze the current rows of DECODING requests as shared prefixes, one handle per
         request covering ``num_tokens[b]`` sequence positions (every row of request b holds
@@ -422,7 +424,16 @@ class PageManager:
         prune those tokens) and the partial last page is copied into a fresh page the handle
         owns. All or nothing: when the copies' pages do not fit, nothing changes and every
         handle is empty. The caller performs ``PageCopies`` on the page storage before the
-        exporting request writes again."""
+        exporting request writes again.
+
+        ``copy=True`` leaves the exporting rows as they are: every private page holding
+        tokens is copied into a page the handle owns (the rows' own shared regions, pages
+        they attached, are shared with the handle as they are), so the exporter keeps
+        decoding exactly as if nothing was exported. ``keep_free``: the export also fails
+        unless that many pages stay free after it (a decode reserve). ``cuts`` int [B,
+        layers, heads, C, 2] with ``cut_len``: the tokens of each tier before positions
+        ``cut_len, 2 * cut_len, ...``, kept in the handles (``SharedPrefix.cuts``) for
+        ``attach_prefix`` at a cut."""
         op = "export_prefix"
         req = self._req(req_idx, op, (Phase.DECODING,))
         b = req.shape[0]
@@ -443,36 +454,46 @@ class PageManager:
                                  f"head {hit[2]} holds {n_tok[hit].tolist()} tokens, more "
                                  f"than num_tokens={lens[hit[0]]}")
         full = torch.div(n_tok, self._tokens_per_page, rounding_mode="floor")
-        part = n_tok > full * self._tokens_per_page
-        take = self.free_list.take(part.reshape(-1))
-        got = take.count.view(b, L, H, 2) > 0
-        fresh = self.free_list.ids_at(take.start).view(b, L, H, 2).to(torch.int64)
+        k = _ceil_div(n_tok, self._tokens_per_page)  # pages holding tokens, per tier
+        shared = self.shared[req].to(torch.int64)
+        # the handle's pages [0, fresh_from) are the row's own; [fresh_from, k) are copies
+        fresh_from = shared if copy else full
+        free = self.free_list.num_free()
+        need = (k - fresh_from).sum()
+        take = self.free_list.take((k - fresh_from).reshape(-1),
+                                   extra_ok=free - need >= keep_free)
+        start = take.start.view(b, L, H, 2, 1)
 
         rows = self.table[req].to(torch.int64)
         cols = tier_columns(width, R, self.device)
         tier_pages = rows.unsqueeze(-2).expand(b, L, H, 2, R).gather(
             -1, cols.expand(b, L, H, 2, width))
         j = torch.arange(width, device=self.device)
-        full_ = full.unsqueeze(-1)
-        pages = torch.where(j < full_, tier_pages, -1)
-        pages = torch.where((j == full_) & got.unsqueeze(-1), fresh.unsqueeze(-1), pages)
+        from_, k_ = fresh_from.unsqueeze(-1), k.unsqueeze(-1)
+        is_copy = (j >= from_) & (j < k_) & take.ok
+        fresh = self.free_list.ids_at(start + (j - from_).clamp(min=0)).to(torch.int64)
+        pages = torch.where(j < from_, tier_pages, -1)
+        pages = torch.where(is_copy, fresh, pages)
         pages = torch.where(take.ok, pages, -1)
         # +1 for the handle on each of its pages, +1 for the exporting row on each page it
         # now shares for the first time ([shared, full): private until now, refs 0)
-        shared = self.shared[req].to(torch.int64)
-        newly = (j >= shared.unsqueeze(-1)) & (j < full_) & take.ok
+        newly = (j >= shared.unsqueeze(-1)) & (j < from_) & take.ok
         self._add_refs(pages, (pages >= 0).to(torch.int32) + newly.to(torch.int32))
-        self.shared[req] = torch.where(take.ok, torch.maximum(shared, full), shared).to(
-            torch.int32)
+        if not copy:
+            self.shared[req] = torch.where(take.ok, torch.maximum(shared, full),
+                                           shared).to(torch.int32)
         n_out = torch.where(take.ok, n_tok, 0).to(torch.int32)
-        src_col = torch.stack((full[..., 0], R - 1 - full[..., 1]), -1).clamp(0, R - 1)
-        copies = self._copy_plan(rows.gather(-1, src_col), fresh, got)
+        copies = self._copy_plan(tier_pages, fresh, is_copy)
 
         handles = []
         for i, n in enumerate(lens):
             w = self._handle_width(n)
+            c = None
+            if cuts is not None and cut_len > 0:
+                c = (cuts[i, :, :, :n // cut_len].to(self.device, torch.int32)
+                     * take.ok).contiguous()
             h = SharedPrefix(pages[i, ..., :w].to(torch.int32).contiguous(), n_out[i], n,
-                             self._next_handle)
+                             self._next_handle, c, cut_len if c is not None else 0)
             self.handles[h.key] = h
             self._next_handle += 1
             handles.append(h)
@@ -481,13 +502,19 @@ class PageManager:
                                     torch.ones_like(take.ok)), copies
 
     def attach_prefix(
-        self, req_idx: IndexLike, handles: Sequence[SharedPrefix]
+        self, req_idx: IndexLike, handles: Sequence[SharedPrefix],
+        n_tokens: torch.Tensor | None = None, *, copy: bool = False,
     ) -> tuple[AllocResult, PageCopies]:
         """Start FREE request slots from shared prefixes (``handles[b]`` for slot b, the same
         handle any number of times): each row takes the handle's full pages of each tier as
         its shared region and a fresh private page for the partial last page (the caller
         performs ``PageCopies``), its counters the handle's tokens; the slot is DECODING.
-        All or nothing: when the fresh pages do not fit, nothing changes."""
+        All or nothing: when the fresh pages do not fit, nothing changes.
+
+        ``n_tokens`` int [B, layers, heads, 2]: attach only each tier's first tokens, at most
+        the handle's (a cut of it: ``SharedPrefix.cut_counts``); the boundary rule is the
+        same. ``copy=True``: nothing is shared, every page is copied into the row's private
+        pages (a row the kernels' decode may change freely)."""
         op = "attach_prefix"
         req = self._req(req_idx, op, (Phase.FREE,))
         b = req.shape[0]
@@ -500,23 +527,34 @@ class PageManager:
             return (AllocResult(op, true, zero, self.num_free_pages(), true),
                     PageCopies(empty, empty, empty.bool()))
         pages, n_tok = stack_handles(self._registered(handles, op), self.device)
+        if n_tokens is not None:
+            cut = torch.as_tensor(n_tokens, device=self.device).to(torch.int64)
+            if self.validate:
+                check_shape("n_tokens", cut, tuple(n_tok.shape))
+                hit = first_violation((cut < 0) | (cut > n_tok))
+                if hit is not None:
+                    raise ValueError(f"{op}: n_tokens {int(cut[hit])} at request {hit[0]}, "
+                                     f"layer {hit[1]}, head {hit[2]}, tier {hit[3]} is not "
+                                     f"within the handle's {int(n_tok[hit])} tokens")
+            n_tok = cut
         L, H, R = self.spec.num_layers, self.spec.num_kv_heads, self.row_len
         width = pages.shape[-1]
         free_slot = self._in_phase(req, Phase.FREE)
         n_tok = n_tok * free_slot.unsqueeze(-1)
         full = torch.div(n_tok, self._tokens_per_page, rounding_mode="floor")
-        part = n_tok > full * self._tokens_per_page
-        take = self.free_list.take(part.reshape(-1))
-        got = take.count.view(b, L, H, 2) > 0
-        fresh = self.free_list.ids_at(take.start).view(b, L, H, 2).to(torch.int64)
+        k = _ceil_div(n_tok, self._tokens_per_page)
+        fresh_from = torch.zeros_like(full) if copy else full
+        take = self.free_list.take((k - fresh_from).reshape(-1))
+        start = take.start.view(b, L, H, 2, 1)
 
         j = torch.arange(width, device=self.device)
-        full_ = full.unsqueeze(-1)
+        from_, k_ = fresh_from.unsqueeze(-1), k.unsqueeze(-1)
         done = take.ok & free_slot  # [B, 1, 1]
-        is_shared = (j < full_) & done.view(b, 1, 1, 1, 1)
-        new_pages = torch.where(j < full_, pages, -1)
-        new_pages = torch.where((j == full_) & got.unsqueeze(-1), fresh.unsqueeze(-1),
-                                new_pages)
+        is_copy = (j >= from_) & (j < k_) & done.view(b, 1, 1, 1, 1)
+        is_shared = (j < from_) & done.view(b, 1, 1, 1, 1)
+        fresh = self.free_list.ids_at(start + (j - from_).clamp(min=0)).to(torch.int64)
+        new_pages = torch.where(j < from_, pages, -1)
+        new_pages = torch.where(is_copy, fresh, new_pages)
         col = torch.stack((j, R - 1 - j)).expand(b, L, H, 2, width)
         col = torch.where(new_pages >= 0, col, R)  # (column R: a sink past the row)
         new_rows = torch.full((b, L, H, R + 1), -1, dtype=torch.int64, device=self.device)
@@ -525,18 +563,114 @@ class PageManager:
         old_rows = self.table[req]
         self.table[req] = torch.where(done.unsqueeze(-1), new_rows[..., :R].to(torch.int32),
                                       old_rows)
-        k = full + part
         new_counts = torch.cat((n_tok, k), -1).to(torch.int32)
         self.counts[req] = torch.where(done.unsqueeze(-1), new_counts, self.counts[req])
-        self.shared[req] = torch.where(done.unsqueeze(-1), full.to(torch.int32),
+        self.shared[req] = torch.where(done.unsqueeze(-1), fresh_from.to(torch.int32),
                                        self.shared[req])
         self._add_refs(pages, is_shared.to(torch.int32))
         self.phase[req] = torch.where(done.view(-1), int(Phase.DECODING), self.phase[req])
         decode_hint.invalidate(self.decode_hints, req)
-        src = pages.gather(-1, full.clamp(max=width - 1).unsqueeze(-1)).squeeze(-1)
         self._sharing = True
         return (AllocResult(op, take.ok, take.needed, take.free, torch.ones_like(take.ok)),
-                self._copy_plan(src, fresh, got))
+                self._copy_plan(pages, fresh, is_copy))
+
+    # -- a prompt suffix over an attached prefix (radix hit) -------------------------------
+    #
+    # An attached row (DECODING) takes the rest of its prompt as a prefill: ``reserve_extend``
+    # appends the suffix's all-high over-allocation after its high pages (the suffix's
+    # chunks before the last are stored there at the high tier, in position order), and once
+    # the suffix is classified ``reclaim_extend`` keeps the high pages its high tokens need,
+    # turns the next ones into low pages (appended to the row's low tier: that is where the
+    # store put its low tokens) and returns the rest.
+
+    def reserve_extend(self, req_idx: IndexLike, lengths: IndexLike) -> AllocResult:
+        """Every row of DECODING request b takes ``spec.prefill_pages(lengths[b])`` pages at
+        high positions [high_pages, high_pages + K): enough for the suffix at the high tier
+        and for any split of it into the two tiers. All or nothing (also when a row would
+        pass ``row_len``)."""
+        op = "reserve_extend"
+        req = self._req(req_idx, op, (Phase.DECODING,))
+        b = req.shape[0]
+        lens = torch.as_tensor(lengths, device=self.device).to(torch.int64)
+        if self.validate:
+            check_shape("lengths", lens, (b,))
+            for n in lens.tolist():
+                self.spec.check_prompt_len(n)
+        pages = _ceil_div(lens, self.spec.min_tokens_per_page) + 1  # == spec.prefill_pages
+        active = self._in_phase(req, Phase.DECODING)
+        per_row = (pages.view(b, 1, 1) * active).expand(self._heads(b))
+        counts = self.counts[req].to(torch.int64)
+        hp, lp = counts[..., P_HIGH], counts[..., P_LOW]
+        rows_ok = (hp + per_row + lp <= self.row_len).all()
+        if self.validate and not bool(rows_ok):
+            raise PageTableRowFull(f"{op}: a page-table row would exceed row_len={self.row_len}")
+        take = self.free_list.take(per_row.reshape(-1), extra_ok=rows_ok)
+        start = take.start.view(*self._heads(b), 1)
+        got = take.count.view(*self._heads(b), 1)
+        pos, hp_ = self._pos, hp.unsqueeze(-1)
+        new = (pos >= hp_) & (pos < hp_ + got)
+        rows = self.table[req]
+        self.table[req] = torch.where(new, self.free_list.ids_at(start + pos - hp_), rows)
+        counts[..., P_HIGH] = hp + got.squeeze(-1)
+        self.counts[req] = counts.to(torch.int32)
+        return AllocResult(op, take.ok, take.needed, take.free, rows_ok)
+
+    def reclaim_extend(self, req_idx: IndexLike, n_high: torch.Tensor,
+                       n_low: torch.Tensor) -> None:
+        """A DECODING row whose suffix was stored (``reserve_extend``) gets its final counts
+        (n_high, n_low): it keeps hp = ceil(n_high / N_high) high pages, the next
+        lp - low_pages of its high run become its new low pages (low page low_pages + i is
+        high position hp + i, where the store wrote it), the rest of the run goes back."""
+        op = "reclaim_extend"
+        req = self._req(req_idx, op, (Phase.DECODING,))
+        b = req.shape[0]
+        nh = torch.as_tensor(n_high, device=self.device).to(torch.int64)
+        nl = torch.as_tensor(n_low, device=self.device).to(torch.int64)
+        counts = self.counts[req].to(torch.int64)
+        hp_run, lp_old = counts[..., P_HIGH], counts[..., P_LOW]
+        hp = _ceil_div(nh, self.spec.high_tokens_per_page)
+        lp = _ceil_div(nl, self.spec.low_tokens_per_page)
+        grow = lp - lp_old
+        if self.validate:
+            check_shape("n_high", nh, self._heads(b))
+            check_shape("n_low", nl, self._heads(b))
+            shared = self.shared[req].to(torch.int64) * self._tokens_per_page
+            for name, bad in (
+                ("fewer tokens than its shared pages hold",
+                 (nh < shared[..., 0]) | (nl < shared[..., 1])),
+                ("fewer low pages than it holds", grow < 0),
+                ("more pages than its run holds", hp + grow > hp_run),
+                (f"more than max_context={self.spec.max_context} tokens",
+                 nh + nl > self.spec.max_context),
+            ):
+                hit = first_violation(bad)
+                if hit is not None:
+                    i, l, h = hit
+                    raise ValueError(
+                        f"{op}: {name} at request slot {int(req[i])}, layer {l}, head {h}: "
+                        f"n_high={int(nh[hit])}, n_low={int(nl[hit])}, "
+                        f"counts={counts[hit].tolist()}")
+        active = self._in_phase(req, Phase.DECODING)
+        grow = grow.clamp(min=0)
+        back = (hp_run - hp - grow).clamp(min=0) * active
+        start = self.free_list.give(back.reshape(-1)).view(*self._heads(b), 1)
+        pos, R = self._pos, self.row_len
+        rows = self.table[req]
+        hp_, grow_, back_ = hp.unsqueeze(-1), grow.unsqueeze(-1), back.unsqueeze(-1)
+        returned = (pos >= hp_ + grow_) & (pos < hp_ + grow_ + back_)
+        self.free_list.write(start + (pos - hp_ - grow_), rows, returned)
+        # one gather: high positions below hp stay, new low page m (m >= lp_old) at row_len
+        # - 1 - m reads high position hp + m - lp_old, old low pages stay, the rest is -1
+        lo_old = lp_old.unsqueeze(-1)
+        m = R - 1 - pos
+        src = torch.where(pos < hp_, pos, R)
+        src = torch.where((m >= lo_old) & (m < lo_old + grow_), hp_ + m - lo_old, src)
+        src = torch.where(m < lo_old, pos, src)
+        padded = torch.cat((rows, torch.full_like(rows[..., :1], -1)), -1)
+        new_rows = padded.gather(-1, src)
+        self.table[req] = torch.where(active.unsqueeze(-1), new_rows, rows)
+        new_counts = torch.stack((nh, nl, hp, lp), -1)
+        self.counts[req] = torch.where(active.unsqueeze(-1), new_counts, counts).to(torch.int32)
 
     def release_prefix(self, handles: Sequence[SharedPrefix]) -> None:
         """Drop these handles (tree eviction): one reference fewer on each of their pages;
@@ -552,6 +686,32 @@ class PageManager:
         for key in keys:
             del self.handles[key]
         self._drop_refs(pages, pages >= 0)
+
+    def truncate_prefix(self, handle: SharedPrefix, num_tokens: int) -> SharedPrefix:
+        """Shorten a live handle with cut counts to its first ``num_tokens`` positions (a
+        multiple of its ``cut_len``): per row and tier it keeps the pages that hold the tier's
+        tokens before that cut and lets go of the rest (pages nobody else holds go back).
+        Returns the shortened handle, which replaces ``handle`` in the registry under the same
+        key (attach it from now on); when a tree evicts the deeper part of a prompt, the part
+        it keeps stops pinning the rest."""
+        op = "truncate_prefix"
+        (live,) = self._registered([handle], op)
+        n_tok = live.cut_counts(num_tokens).to(self.device, torch.int64)
+        k = _ceil_div(n_tok, self._tokens_per_page)  # [layers, heads, 2]
+        width = max(1, self._handle_width(num_tokens))
+        j = torch.arange(live.width, device=self.device)
+        pages = live.pages.to(torch.int64)
+        drop = (j >= k.unsqueeze(-1)) & (pages >= 0)
+        self._drop_refs(pages, drop)
+        kept = torch.where(drop, -1, pages)[..., :width]
+        if kept.shape[-1] < width:
+            kept = torch.nn.functional.pad(kept, (0, width - kept.shape[-1]), value=-1)
+        short = SharedPrefix(kept.to(torch.int32).contiguous(), n_tok.to(torch.int32),
+                             num_tokens, live.key,
+                             live.cuts[:, :, :num_tokens // live.cut_len].contiguous(),
+                             live.cut_len)
+        self.handles[live.key] = short
+        return short
 
     # -- token counters (advanced by the policy / store) ----------------------------------
 

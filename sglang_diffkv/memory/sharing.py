@@ -34,16 +34,35 @@ class SharedPrefix:
     that did not fit yields an empty handle (no pages, no tokens), so callers need no sync to
     keep handles consistent. ``num_tokens``: the sequence positions it covers (host metadata:
     the radix key's length; every row holds at most that many tokens). ``key``: its entry in
-    the manager's registry (``PageManager.handles``)."""
+    the manager's registry (``PageManager.handles``).
+
+    A prompt exported right after its prefill holds each tier's tokens in position order, so
+    it can be cut at earlier positions: ``cuts`` int32 [layers, kv_heads, C, 2] holds each
+    tier's tokens before positions ``cut_len, 2 * cut_len, ..., C * cut_len``
+    (``cut_counts``); None (and ``cut_len`` 0) for a handle that may only be attached
+    whole."""
 
     pages: torch.Tensor
     n_tokens: torch.Tensor
     num_tokens: int
     key: int
+    cuts: torch.Tensor | None = None
+    cut_len: int = 0
 
     @property
     def width(self) -> int:
         return self.pages.shape[-1]
+
+    def cut_counts(self, position: int) -> torch.Tensor:
+        """int32 [layers, kv_heads, 2]: each tier's tokens before ``position``, a multiple of
+        ``cut_len`` in (0, num_tokens] (what ``PageManager.attach_prefix`` takes as
+        ``n_tokens`` to attach that cut)."""
+        have = 0 if self.cuts is None else self.cuts.shape[2]
+        c = position // self.cut_len if self.cut_len > 0 else 0
+        if not 0 < c <= have or position != c * self.cut_len:
+            raise ValueError(f"shared prefix {self.key}: no cut at position {position} "
+                             f"({have} cuts every {self.cut_len} tokens)")
+        return self.cuts[:, :, c - 1]
 
 
 class PageCopies(NamedTuple):
@@ -54,6 +73,20 @@ class PageCopies(NamedTuple):
     src: torch.Tensor  # int64 [M]
     dst: torch.Tensor  # int64 [M]
     mask: torch.Tensor  # bool [M]
+
+
+def copy_pages(pages: torch.Tensor, copies: PageCopies) -> None:
+    """Perform ``copies`` on page storage ``pages`` without a host sync: masked-out lanes
+    repeat the first real copy (the same bytes to the same page), or copy a page onto itself
+    when there is none. Destinations are fresh pages, never a source."""
+    if copies.mask.numel() == 0:
+        return
+    m = copies.mask
+    first = torch.argmax(m.to(torch.int8))
+    src = torch.where(m, copies.src, copies.src[first])
+    dst = torch.where(m, copies.dst, copies.dst[first])
+    dst = torch.where(m.any(), dst, src)
+    pages.index_copy_(0, dst, pages.index_select(0, src))
 
 
 def tier_columns(width: int, row_len: int, device: torch.device) -> torch.Tensor:

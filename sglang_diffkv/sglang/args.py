@@ -38,9 +38,6 @@ class DiffKVUnsupportedError(ValueError):
 FORCED_SETTINGS: tuple[tuple[str, Any, str], ...] = (
     ("page_size", 1,
      "SGLang slots are per-token handles; DiffKV's own per-head pages sit behind them"),
-    ("disable_radix_cache", True,
-     "DiffKV keeps mutable per-request compressed state (chunk cache); sharing compressed "
-     "prefixes through the radix tree is not integrated yet"),
     ("cuda_graph_backend_prefill", GRAPHS_OFF,
      "prefill CUDA graphs pad the token count, which the DiffKV extend does not handle"),
 )
@@ -142,6 +139,41 @@ def apply_forced_settings(args: Any) -> None:
         setattr(args, name, value)
 
 
+RADIX_BACKEND = "diffkv"  # (sglang_diffkv.sglang.radix.BACKEND_NAME)
+
+
+def apply_radix_setting(args: Any) -> None:
+    """The radix cache: DiffKV's own tree (``--radix-cache-backend diffkv``, registered by
+    the plugin) unless the user turned the radix cache off, which gives SGLang's chunk cache
+    (no prefix sharing). One log line says which."""
+    if args.disable_radix_cache:
+        logger.info("diffkv: radix cache off (--disable-radix-cache): no prefix sharing, "
+                    "every prompt is prefilled from its first token")
+        return
+    if getattr(args, "tp_size", 1) > 1:
+        args.disable_radix_cache = True
+        logger.warning("diffkv: forcing disable_radix_cache=True: with --tp-size > 1 every "
+                       "rank's tree would have to agree on which prompt exports fit their "
+                       "pages (not built); prompts are prefilled from their first token")
+        return
+    for flag in ("enable_lmcache", "enable_flexkv"):
+        if getattr(args, flag, False):
+            raise DiffKVUnsupportedError(
+                f"--attention-backend diffkv: --{flag.replace('_', '-')}: diffkv's radix tree "
+                "holds compressed pages no external KV store can hold; drop the option (or "
+                "add --disable-radix-cache)")
+    backend = getattr(args, "radix_cache_backend", None)
+    if backend not in (None, RADIX_BACKEND):
+        raise DiffKVUnsupportedError(
+            f"--attention-backend diffkv: --radix-cache-backend {backend}: diffkv shares "
+            f"prefixes through its own tree ({RADIX_BACKEND}); drop the option")
+    args.radix_cache_backend = RADIX_BACKEND
+    logger.info("diffkv: radix_cache_backend=%s: prompts enter SGLang's radix tree as their "
+                "compressed pages (shared read-only, cut at multiples of "
+                "SGLANG_DIFFKV_RADIX_CUT tokens); --disable-radix-cache turns it off",
+                RADIX_BACKEND)
+
+
 def apply_defaults(args: Any) -> None:
     """Defaults diffkv changes where the user left SGLang's (before its __post_init__)."""
     explicit = args.cuda_graph_config
@@ -216,6 +248,7 @@ def post_init_hook(original: Callable[[Any], None], self: Any) -> None:
     check_supported(self)
     load_config_for_startup()
     apply_forced_settings(self)
+    apply_radix_setting(self)
     apply_defaults(self)
     original(self)
     check_supported(self)

@@ -76,6 +76,20 @@ def _full_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
     return full
 
 
+def _split_attached(cache: CompressedKVCache, ext: ExtendRequests
+                    ) -> tuple[ExtendRequests, list[int]]:
+    """(the step's requests less those prefilling a suffix over an attached radix prefix,
+    those requests' rows in ``ext``)."""
+    radix = cache.radix
+    att = [b for b, r in enumerate(ext.slots) if radix is not None and r in radix.attached]
+    if not att:
+        return ext, []
+    keep = [b for b in range(len(ext.slots)) if b not in att]
+    pick = lambda xs: tuple(xs[b] for b in keep)  # noqa: E731
+    return ExtendRequests(ext.req[keep], pick(ext.slots), pick(ext.starts), pick(ext.fresh),
+                          pick(ext.prefix), pick(ext.total)), att
+
+
 def want_kernels(device: torch.device, environ: dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     mode = env.get(KERNELS_ENV, "auto").strip().lower()
@@ -279,8 +293,16 @@ class DiffKVOps:
                     step.alpha_l, step.seed, lse=None if lse is None else lse[rows],
                     starts=p.starts, max_len=p.max_len, totals=step.totals[layer],
                     buffers=step.buffers)
-        c.store_chunk(layer, ext, q, k, v)
-        c.store_last_chunk(layer, ext, q, k, v, scale)
+        chunks, attached = _split_attached(c, ext)
+        c.store_chunk(layer, chunks, q, k, v)
+        c.store_last_chunk(layer, chunks, q, k, v, scale)
+        for b in attached:  # radix hits: the prompt suffix over the attached prefix
+            slot, r = ext.slots[b], c.radix
+            a = r.attached[slot]
+            if ext.prefix[b] + ext.fresh[b] < a.total:
+                r.store_chunk(layer, b, slot, ext, q, k, v)
+            else:
+                r.store_last(layer, b, slot, ext, q, k, v, scale)
         return out
 
     def end_prefill_step(self, step: PrefillStep) -> None:
@@ -291,9 +313,14 @@ class DiffKVOps:
         if step.totals is not None:
             c._prompt_kept[step.req] = step.totals.transpose(0, 1).long()
         if step.ext is not None:
-            c.end_extend(step.ext)
+            chunks, attached = _split_attached(c, step.ext)
+            c.end_extend(chunks)
+            if attached:
+                c.radix.end_step(step.ext, attached)
         else:
             c.end_prefill(step.req)
+        if c.radix is not None:  # (radix prefix sharing: the completed prompts)
+            c.radix.export()
 
     def prefill_layer(self, layer: int, req: torch.Tensor, lengths: torch.Tensor,
                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
@@ -336,13 +363,16 @@ class DiffKVOps:
                 self._bench_mix_t = torch.tensor(cfg.bench_mix, dtype=torch.float64,
                                                  device=c.device)
             bench = (seed, self._bench_mix_t)
-        return self.k.compress_prefill(
+        cls = self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
             alpha_h, alpha_l, cfg.window, cfg.score_queries, starts=starts, totals=totals,
             tier_out=None if buffers is None else buffers.tier,
             block_counts=None if buffers is None else buffers.block_counts, scores=False,
             bench=bench,
         )
+        if c.radix is not None:  # (radix prefix sharing: the prompts' cut counts)
+            c.radix.record(layer, req, cls.tier)
+        return cls
 
     # ---- decode -----------------------------------------------------------------------
 

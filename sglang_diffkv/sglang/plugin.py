@@ -6,6 +6,8 @@ scheduler process before it builds its model runner. It uses SGLang's official h
 
 - ``add_attention_backend_choices`` makes ``diffkv`` a valid ``--attention-backend``;
 - ``register_attention_backend`` makes ``create_diffkv_backend`` its factory;
+- ``register_radix_cache_backend`` makes ``radix.create_tree_cache`` the factory of
+  ``--radix-cache-backend diffkv`` (the ServerArgs hook selects it);
 - ``HookRegistry`` (hooks applied by ``load_plugins``) for the five places that have
   no dedicated extension point. Each leaves every other backend on SGLang's own code:
 
@@ -83,6 +85,7 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     if BACKEND_NAME not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND_NAME)(create_diffkv_backend)
+    _register_radix_cache()
     if not _registered:
         for target, hook in HOOKS:
             HookRegistry.register(target, _resolve(hook), HookType.AROUND)
@@ -91,6 +94,21 @@ def register() -> None:
         _registered = True
         _install_loop_trace()
     HookRegistry.apply_hooks()  # skips targets already patched
+
+
+def _register_radix_cache() -> None:
+    """``--radix-cache-backend diffkv``: SGLang's tree-cache registry builds the DiffKV
+    radix cache (``sglang_diffkv.sglang.radix``) through it."""
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+
+    from sglang_diffkv.sglang.radix import BACKEND_NAME as RADIX_NAME
+    from sglang_diffkv.sglang.radix import create_tree_cache
+
+    if get_radix_cache_factory(RADIX_NAME) is None:
+        register_radix_cache_backend(RADIX_NAME, create_tree_cache)
 
 
 def hooks_applied() -> dict[str, bool]:

@@ -91,6 +91,12 @@ class DiffKVTokenToKVPool(KVCache):
         # of each prompt whose prefill is still in chunks.
         self.prompt_len: dict[int, int] = {}
         self.chunked: dict[int, int] = {}
+        # Radix prefix sharing (``enable_radix``, by the DiffKV radix cache): the cache's
+        # ``PromptSharing``, and each slot's tree hit (handle, cut), recorded when the slot
+        # is allocated and attached at its first extend.
+        self.radix = None
+        self.hits: dict[int, tuple[Any, int]] = {}
+        self.radix_counts = {"attached": 0, "attached_tokens": 0}
         # Tokens each request slot holds (prompt + decoded), for the metrics; on the device
         # so that decode steps set it without a sync.
         self.seq_lens_dev = torch.zeros(cache.spec.max_reqs, dtype=torch.int64,
@@ -230,6 +236,76 @@ class DiffKVTokenToKVPool(KVCache):
         """The whole prompt of the request in slot ``req_idx`` (``ReqToTokenPool.alloc``)."""
         self.prompt_len[req_idx] = length
 
+    def enable_radix(self, cut_len: int) -> Any:
+        """Radix prefix sharing on (the DiffKV radix cache's constructor): completed prompts
+        are exported with their cuts, tree hits attached. On the Triton path an attached
+        prefix is copied into the request's own pages (its decode kernels do not yet skip
+        shared tokens); on the reference path its full pages are shared."""
+        from sglang_diffkv.prompt_sharing import PromptSharing
+        from sglang_diffkv.sglang.ops import want_kernels
+
+        self.radix = PromptSharing(self.cache, cut_len,
+                                   copy_attach=want_kernels(self.cache.device))
+        self.cache.radix = self.radix
+        return self.radix
+
+    def set_prefix_hit(self, req_idx: int, handle: Any, cut: int) -> None:
+        """The slot's request matched ``cut`` tokens of ``handle`` in the tree (locked there
+        until the request is cached): its first extend attaches them."""
+        self.hits[req_idx] = (handle, cut)
+
+    def extend_pages(self, req: Any, extend: int) -> int:
+        """Pages a new request's first extend takes (admission): its prompt's all-high pages,
+        or with a tree hit the attach and its suffix's."""
+        handle = getattr(getattr(req, "last_node", None), "diffkv_handle", None)
+        cut = len(req.prefix_indices)
+        if self.radix is not None and handle is not None and cut > 0:
+            return self.radix.attach_pages(cut, max(extend, 1))
+        return self.prefill_pages(extend)
+
+    def exact_free_pages(self) -> int:
+        """Free pages, read exactly (a sync on CUDA): after a tree eviction."""
+        self.flush_frees()
+        self.after_forward()
+        return self.free_bound.exact()
+
+    def _attach_hits(self, req_idx: list[int], prefix: list[int], totals: list[int]
+                     ) -> set[int]:
+        """Slots whose first extend continues a tree hit: attach it (and reserve the
+        suffix); returns them."""
+        done = set()
+        for r, p, total in zip(req_idx, prefix, totals, strict=True):
+            hit = self.hits.pop(r, None)
+            if hit is None or p == 0:
+                continue
+            handle, cut = hit
+            if cut != p:
+                raise DiffKVPoolError(f"DiffKV: request slot {r} matched {cut} tokens in the "
+                                      f"radix tree but its extend starts at {p}")
+            self.flush_frees()
+            c = self.cache.config
+            alpha = self.req_alpha.get(r, (c.alpha_h, c.alpha_l))
+            res, room = self.radix.attach(r, handle, cut, total - cut, alpha)
+            self.free_bound.taken(self.radix.attach_pages(cut, total - cut))
+            if not (bool(res.ok) and bool(room.ok)):
+                raise DiffKVPoolError(
+                    f"DiffKV: attaching {cut} cached tokens and a {total - cut}-token suffix "
+                    f"to request slot {r} did not fit (admission counted them)")
+            self.active.add(r)
+            self.radix_counts["attached"] += 1
+            self.radix_counts["attached_tokens"] += cut
+            done.add(r)
+        return done
+
+    def _begin_exports(self, req_idx: list[int], prefix: list[int], lengths: list[int],
+                       totals: list[int]) -> None:
+        """The prompts this step completes are exported at its end (``PromptSharing``)."""
+        done = [(r, t) for r, p, n, t in zip(req_idx, prefix, lengths, totals, strict=True)
+                if p + n == t]
+        keep = self.decode_reserve_pages(len(self.active))
+        self.radix.begin_prompts([r for r, _ in done], [t for _, t in done], keep)
+        self.free_bound.taken(self.cache.spec.pages_needed_for_prefill([t for _, t in done]))
+
     def begin_extend(self, req_idx: list[int], prefix: list[int], lengths: list[int]
                      ) -> list[int]:
         """An extend step's page work; returns each request's whole prompt length. A request
@@ -237,16 +313,16 @@ class DiffKVTokenToKVPool(KVCache):
         first chunk of a longer one, which takes the all-high pages of the whole prompt now
         (exactly what admission reserved for it). A request with a prefix continues its
         chunks: it must hold exactly that many stored tokens and takes no pages."""
-        totals = []
-        for r, p, n in zip(req_idx, prefix, lengths, strict=True):
-            total = max(self.prompt_len.get(r, p + n), p + n)
-            if p > 0 and self.chunked.get(r) != p:
+        totals = [max(self.prompt_len.get(r, p + n), p + n)
+                  for r, p, n in zip(req_idx, prefix, lengths, strict=True)]
+        attached = self._attach_hits(req_idx, prefix, totals) if self.hits else set()
+        for r, p in zip(req_idx, prefix, strict=True):
+            if p > 0 and self.chunked.get(r) != p and r not in attached:
                 raise DiffKVPoolError(
                     f"DiffKV: an extend of request slot {r} continues a {p}-token prefix, but "
                     f"the slot holds {self.chunked.get(r, 0)} tokens of a chunked prompt: "
                     "diffkv has no prefix cache (--attention-backend diffkv keeps the radix "
                     "cache off), only chunked prefill continues a prompt")
-            totals.append(total)
         new = [b for b, p in enumerate(prefix) if p == 0]
         if new:
             self.begin_prefill([req_idx[b] for b in new], [lengths[b] for b in new],
@@ -259,6 +335,8 @@ class DiffKVTokenToKVPool(KVCache):
         self.seq_lens_dev[torch.as_tensor(req_idx, device=self.cache.device)] = torch.as_tensor(
             [p + n for p, n in zip(prefix, lengths, strict=True)], dtype=torch.int64,
             device=self.cache.device)
+        if self.radix is not None:
+            self._begin_exports(req_idx, prefix, lengths, totals)
         return totals
 
     def begin_prefill(self, req_idx: list[int], lengths: list[int],
@@ -286,11 +364,14 @@ class DiffKVTokenToKVPool(KVCache):
 
     def release(self, req_idx: int) -> None:
         self.req_alpha.pop(req_idx, None)
+        self.hits.pop(req_idx, None)
         self.prompt_len.pop(req_idx, None)
         self.chunked.pop(req_idx, None)  # (aborted or retracted between chunks)
         if req_idx not in self.active:
             return  # freed before its prefill ran (e.g. aborted while waiting)
         self.after_forward()  # its counters as the last forward left them
+        if self.radix is not None:  # (an export the tree did not take goes back now)
+            self.radix.release(req_idx)
         self.stats.record_finished(self.cache, req_idx, self.seq_lens_dev[req_idx])
         self.active.discard(req_idx)
         if self.agreement is not None:
@@ -317,6 +398,10 @@ class DiffKVTokenToKVPool(KVCache):
             self._free(sorted(self.active))  # one batched free, as flush_frees does
         self.active.clear()
         self.req_alpha.clear()
+        self.hits.clear()
+        if self.radix is not None:
+            for r in list(self.radix.exports) + list(self.radix.attached):
+                self.radix.release(r)
         self.prompt_len.clear()
         self.chunked.clear()
 
@@ -359,6 +444,7 @@ class DiffKVReqToTokenPool(ReqToTokenPool):
         # scheduler carry on), before any slot is taken
         config = self.kv_pool.cache.config
         alphas = [thresholds_or_abort(r, config) for r in reqs]
+        new = [r.req_pool_idx is None for r in reqs]
         out = super().alloc(reqs)
         if out is not None:
             for r, alpha in zip(reqs, alphas, strict=True):
@@ -367,6 +453,10 @@ class DiffKVReqToTokenPool(ReqToTokenPool):
                 # request keeps its slot and comes back here for every chunk)
                 self.kv_pool.set_prompt_length(
                     r.req_pool_idx, len(getattr(r, "full_untruncated_fill_ids", ())))
+            for r, fresh in zip(reqs, new, strict=True):
+                handle = getattr(getattr(r, "last_node", None), "diffkv_handle", None)
+                if fresh and handle is not None and len(r.prefix_indices) > 0:
+                    self.kv_pool.set_prefix_hit(r.req_pool_idx, handle, len(r.prefix_indices))
         return out
 
     def free(self, req: Any) -> None:
@@ -394,6 +484,12 @@ class DiffKVTokenToKVPoolAllocator(TokenToKVPoolAllocator):
         return super().available_size()
 
     def available_size(self) -> int:
+        """``min(logical, physical)``; with no request holding pages, the logical count: the
+        radix tree's pages are then the only ones held, and SGLang counts its slots as
+        evictable (available + evictable == size at idle; admission evicts by pages)."""
+        if not self._kvcache.active:
+            self._kvcache.flush_frees()  # (the released requests' pages go back now)
+            return self.logical_available_size()
         return min(self.logical_available_size(), self._kvcache.physical_available_tokens())
 
     def clear(self) -> None:
@@ -471,11 +567,16 @@ def step_summary(pool: DiffKVTokenToKVPool, req_idx: torch.Tensor, seq_lens: tor
     tokens = int(pool.seq_lens_dev[held].sum())
     bf16_bytes = tokens * pool.plan.rows_per_request * fp16_bytes_per_token(g.head_dim)
     bf16_pages = bf16_bytes / g.page_bytes
+    radix = ""
+    if pool.radix is not None:
+        n = pool.radix_counts
+        radix = (f"; radix: {n['attached']} hits ({n['attached_tokens']} prompt tokens not "
+                 f"recomputed), {len(pool.cache.manager.handles)} prompts held")
     return (
         f"DiffKV {mode}: batch {int(req_idx.numel())}, tokens high {frac[0]:.1%} / "
         f"low {frac[1]:.1%} / pruned {frac[2]:.1%}; pages in use {used}/{pool.num_pages} "
         f"({used / pool.num_pages:.1%}; a bf16 cache would need {bf16_pages:.0f}), "
-        f"active requests {len(pool.active)} holding {tokens} tokens"
+        f"active requests {len(pool.active)} holding {tokens} tokens{radix}"
     )
 
 

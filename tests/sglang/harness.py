@@ -44,7 +44,12 @@ from sglang.srt.managers.overlap_utils import (  # noqa: E402
     RelayPayload,
     resolve_forward_inputs,
 )
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, retract_all  # noqa: E402
+from sglang.srt.managers.schedule_batch import (  # noqa: E402
+    FINISH_ABORT,
+    Req,
+    ScheduleBatch,
+    retract_all,
+)
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import (  # noqa: E402
     SchedulerInvariantChecker,
@@ -55,6 +60,10 @@ from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # no
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.chunk_cache import ChunkCache  # noqa: E402
 from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator  # noqa: E402
+from sglang.srt.mem_cache.registry import (  # noqa: E402
+    TreeCacheBuildContext,
+    create_tree_cache,
+)
 from sglang.srt.model_executor.cuda_graph_buffer_registry import (  # noqa: E402
     build_decode_registry,
 )
@@ -265,25 +274,39 @@ class MiniScheduler:
     # chunk an extend step of its own that may also carry other requests' prompts
     chunked_prefill_size: int | None = None
     chunked_req: Req | None = None
+    # SGLang's radix cache through its tree-cache registry (--radix-cache-backend diffkv, as
+    # the ServerArgs hook selects it); False: the ChunkCache of --disable-radix-cache
+    radix: bool = False
     # (what ran each step: a request's chunk is recorded as (rid, prefix, fresh))
     chunks: list[tuple[str, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.server_args = ServerArgs(model_path="dummy", attention_backend="diffkv",
-                                      chunked_prefill_size=self.chunked_prefill_size or -1)
+                                      chunked_prefill_size=self.chunked_prefill_size or -1,
+                                      disable_radix_cache=not self.radix)
         self.runner = FakeRunner(self.server_args, self.shape, self.kv_budget_bytes,
                                  self.max_running_requests, ps=self.ps)
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.token_to_kv_pool_allocator = self.runner.token_to_kv_pool_allocator
         self.kv_pool = self.runner.token_to_kv_pool
         self.max_total_num_tokens = self.runner.max_total_num_tokens
-        self.tree_cache = ChunkCache(CacheInitParams(
-            disable=True,
+        params = CacheInitParams(
+            disable=not self.radix,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             page_size=1,
             chunked_prefill_size=self.server_args.chunked_prefill_size,
-        ))
+        )
+        if self.radix:  # as kv_cache_builder.build_kv_cache builds it
+            self.tree_cache = create_tree_cache(TreeCacheBuildContext(
+                server_args=self.server_args, params=params, is_hybrid_swa=False,
+                is_hybrid_ssm=False, enable_hierarchical_cache=False,
+                disable_radix_cache=False,
+                effective_chunked_prefill_size=self.server_args.chunked_prefill_size,
+                tp_worker=None, model_config=self.runner.model_config, tp_size=1, tp_rank=0,
+                tp_group=None))
+        else:
+            self.tree_cache = ChunkCache(params)
         # the next iteration's input ids, relayed per request slot as the scheduler does
         self.future_map = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.NONE,
                                     self.req_to_token_pool)
@@ -458,6 +481,28 @@ class MiniScheduler:
         self.finished.append(req)
         return req
 
+    def abort(self, rid: str) -> Req:
+        """Scheduler.abort_request: a waiting request is dropped; a running one finishes
+        as aborted at its next step (its KV released then, by SGLang's own path)."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.finished.append(req)
+                return req
+        for req in self.running.reqs if self.running is not None else []:
+            if req.rid == rid:
+                req.to_finish = FINISH_ABORT()  # (abort method 3: set to_finish)
+                return req
+        raise KeyError(rid)
+
+    def flush_cache(self) -> None:
+        """Scheduler.flush_cache (only when idle): the tree and the pools are reset."""
+        assert not self.waiting and (self.running is None or self.running.is_empty())
+        self.last_batch = None
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+
     def retract_all(self) -> list[Req]:
         """Scheduler.pause_generation(mode="retract"): every running request and the one in
         chunks are retracted (released, reset) and go back to the waiting queue."""
@@ -589,6 +634,10 @@ class MiniScheduler:
             if req.finished():
                 mem_common.release_kv_cache(req, self.tree_cache)
                 self.finished.append(req)
+            elif batch.forward_mode.is_extend():
+                # process_batch_result_prefill: the prompt is cached (a radix tree inserts
+                # it now; ChunkCache keeps the request's own slots)
+                mem_common.maybe_cache_unfinished_req(req, self.tree_cache)
 
     def _drop_finished(self) -> None:
         if self.running is not None:

@@ -20,6 +20,7 @@ def probe() -> dict:
               "plugin": "sglang_diffkv.sglang.plugin" in sys.modules}
     sglang_cpu_env.install()
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, prepare_server_args
 
@@ -28,6 +29,7 @@ def probe() -> dict:
         "imported_before_load": before,
         "choice": "diffkv" in ATTENTION_BACKEND_CHOICES,
         "factory": "diffkv" in ATTENTION_BACKENDS,
+        "radix_factory": get_radix_cache_factory("diffkv") is not None,
         "hooks": {},
         "parsed": None,
     }
@@ -39,6 +41,7 @@ def probe() -> dict:
     try:
         a = prepare_server_args(["--model-path", "dummy", "--attention-backend", "diffkv"])
         out["parsed"] = {"attention_backend": a.attention_backend, "page_size": a.page_size}
+        out["radix_cache_backend"] = a.radix_cache_backend
     except SystemExit:  # argparse: invalid choice
         pass
     return out

@@ -57,13 +57,14 @@ def test_load_plugins_in_a_spawned_scheduler_style_child_registers_everything():
     assert child["choice"] and child["factory"]
     assert child["hooks"] and all(child["hooks"].values()), child["hooks"]
     assert child["parsed"] == {"attention_backend": "diffkv", "page_size": 1}
+    assert child["radix_factory"] and child["radix_cache_backend"] == "diffkv"
 
 
 @pytest.mark.parametrize("env", [{"SGLANG_DIFFKV_DISABLE": "1"},
                                  {"SGLANG_PLUGINS": "some-other-plugin"}])
 def test_disable_env_or_plugin_selection_turns_it_off(env):
     child = _spawned_child(**env)
-    assert not child["choice"] and not child["factory"]
+    assert not child["choice"] and not child["factory"] and not child["radix_factory"]
     assert not any(child["hooks"].values())
     assert child["parsed"] is None  # --attention-backend diffkv is not a valid choice
 

@@ -35,7 +35,7 @@ def test_cli_accepts_diffkv_and_forces_its_settings(caplog):
         a = _args("--page-size", "16", "--chunked-prefill-size", "4096")
     assert a.attention_backend == "diffkv"
     assert a.page_size == 1
-    assert a.disable_radix_cache is True
+    assert a.disable_radix_cache is False and a.radix_cache_backend == "diffkv"
     assert a.chunked_prefill_size == 4096  # chunked prefill is the user's (or SGLang's) choice
     assert a.cuda_graph_backend_decode is None  # the kernel path captures decode graphs
     assert a.cuda_graph_max_bs_decode == DEFAULT_CUDA_GRAPH_MAX_BS
@@ -104,7 +104,8 @@ def test_tensor_parallelism_is_accepted():
     """Each TP rank holds its KV heads' pages; the ranks' schedulers agree on one free-page
     count (tp_agreement, test_tp_agreement.py)."""
     a = _args("--tp-size", "2")
-    assert a.tp_size == 2 and a.page_size == 1 and a.disable_radix_cache
+    assert a.tp_size == 2 and a.page_size == 1
+    assert a.disable_radix_cache and a.radix_cache_backend is None  # (test_radix_cache.py)
 
 
 @pytest.mark.parametrize(
