@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 Z95 = 1.959963984540054  # the two-sided 95 % normal quantile
 SIZE_TOLERANCE = 0.03  # a sized prompt lies within 3 % under its target
-SIZE_ROUNDS = 8
+SIZE_ROUNDS = 12
 TOKENIZE_BATCH = 8  # prompts per /tokenize request
 # SGLang (tokenizer manager, scheduler): the prompt must stay under max_req_input_len
 # (context - 6 when the pool is not smaller) and prompt + max_new_tokens within the context
@@ -227,6 +227,11 @@ def size_cases(cases: Sequence[TaskCase], filler: str, seed: int,
     target (its first one if none was). The cases carry ``tokens`` and ``target``."""
     targets = [c.length if cap(c) is None else min(c.length, cap(c)) for c in cases]
     chars = [c.length * CHARS_PER_TOKEN for c in cases]
+    # the bracket found so far: most characters whose prompt fits, fewest whose does not
+    # (a prompt's token count is not exactly proportional to its characters, so a
+    # proportional step can jump over the band; it then bisects the bracket)
+    fits: list[int] = [0] * len(cases)
+    over: list[int | None] = [None] * len(cases)
     cur = list(cases)
     counts = counter([c.prompt for c in cur])
     best: list[tuple[TaskCase, int] | None] = [None] * len(cases)
@@ -236,14 +241,20 @@ def size_cases(cases: Sequence[TaskCase], filler: str, seed: int,
         for i in todo:
             n = counts[i]
             if n is not None and n <= targets[i]:
+                fits[i] = max(fits[i], chars[i])
                 if best[i] is None or n > best[i][1]:
                     best[i] = (cur[i], n)
                 if n >= targets[i] * (1 - tolerance):
                     continue
+            elif n is not None:
+                over[i] = chars[i] if over[i] is None else min(over[i], chars[i])
             if r == rounds:
                 continue
             goal = targets[i] * (1 - tolerance / 2)
             new = max(int(chars[i] * (goal / n if n else 0.5)), 1)
+            hi = over[i]
+            if hi is not None and not fits[i] < new < hi:
+                new = (fits[i] + hi) // 2
             if new == chars[i]:
                 continue  # (the case cannot change size any more)
             chars[i] = new
