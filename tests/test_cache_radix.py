@@ -14,29 +14,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from extend_case import CFG, HKV, LAYERS, SCALE, D, G, qkv
 
 from sglang_diffkv import prompt_sharing
 from sglang_diffkv.attention import gather_cache
 from sglang_diffkv.cache import CompressedKVCache, ExtendRequests
-from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.pages import read_scores, token_locations
 from sglang_diffkv.policy import Tier, classify_prompt, group_max
 from sglang_diffkv.prompt_sharing import PromptSharing
 from sglang_diffkv.quant import error_bound, fake_quantize, quantize
 
-D, HKV, G, LAYERS = 64, 2, 2, 2
-SCALE = D**-0.5
 CUT = 8
-CFG = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 1.2, "alpha_l": 0.3,
-                              "window": 4, "score_queries": 8})
-
-
-def qkv(n: int, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(LAYERS, n, HKV * G, D, generator=g) * 1.5
-    k = torch.randn(LAYERS, n, HKV, D, generator=g) * 1.5
-    v = torch.randn(LAYERS, n, HKV, D, generator=g)
-    return q, k, v
 
 
 def new_cache(radix: bool = True, copy_attach: bool = False) -> CompressedKVCache:
