@@ -179,6 +179,28 @@ def paged_extend_probs(
     return ExtendProbs(prob[..., :c_high], prob[..., c_high:c], prob[..., c:], rows, lse)
 
 
+def stored_logits(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    geometry: PageGeometry,
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    req_idx: torch.Tensor,
+    layer: int,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Scaled logits fp32 [Hkv, G, nq, C] of queries q [nq, Hq, D] over every token one
+    request (``req_idx``, one element) has stored in ``layer`` (high slots, then low), the
+    stored mask [Hkv, C] and the high tier's column count; the callers mask by position."""
+    pkey, _, pmask, c_high = _gather_prefix(pages, geometry, table, counts,
+                                            req_idx.reshape(1), layer)
+    key, mask = pkey[0], pmask[0]  # [Hkv, C, D], [Hkv, C]
+    nq, hq, d = q.shape
+    hkv = key.shape[0]
+    qg = q.float().reshape(nq, hkv, hq // hkv, d)
+    return torch.einsum("qhgd,hcd->hgqc", qg, key) * sm_scale, mask, c_high
+
+
 def paged_prefix_probs(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -196,14 +218,9 @@ def paged_prefix_probs(
     a chunked prompt before its last chunk (``PageManager.advance_prefill``). Chunked
     prefill scores a prompt whose last chunk is shorter than ``score_queries`` with these
     earlier queries, kept from the chunk before (``CompressedKVCache``)."""
-    req = req_idx.reshape(1)
-    pkey, _, pmask, _ = _gather_prefix(pages, geometry, table, counts, req, layer)
-    key, mask = pkey[0], pmask[0]  # [Hkv, C, D], [Hkv, C]
-    nq, hq, d = q.shape
-    hkv, c = key.shape[0], key.shape[1]
-    qg = q.float().reshape(nq, hkv, hq // hkv, d)
-    logits = torch.einsum("qhgd,hcd->hgqc", qg, key) * sm_scale
-    slot = torch.arange(c, device=q.device)
+    logits, mask, _ = stored_logits(q, pages, geometry, table, counts, req_idx, layer,
+                                    sm_scale)
+    slot = torch.arange(mask.shape[1], device=q.device)
     visible = mask[:, None, None, :] & (slot[None, None, None, :]
                                         <= q_pos.to(q.device)[None, None, :, None])
     logits = logits.masked_fill(~visible, float("-inf"))

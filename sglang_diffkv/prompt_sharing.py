@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_diffkv.extend_attention import _gather_prefix, paged_extend_probs
+from sglang_diffkv.extend_attention import paged_extend_probs, stored_logits
 from sglang_diffkv.memory import AllocResult, SharedPrefix, copy_pages
 from sglang_diffkv.pages import read_token_codes, read_tokens, write_token_codes, write_tokens
 from sglang_diffkv.policy import Tier, classify_prompt, group_max
@@ -259,14 +259,10 @@ class PromptSharing:
         [nq, Hq, D] at prompt positions q_pos inside the stored suffix: they see every
         attached token and the stored suffix tokens up to their own position."""
         c = self.cache
-        pkey, _, pmask, c_high = _gather_prefix(c.pages, c.geometry, c.manager.table,
-                                                c.manager.counts, req, layer)
-        key, mask = pkey[0], pmask[0]  # [Hkv, C, D], [Hkv, C]
-        nq, hq, d = q.shape
-        hkv, cols = key.shape[0], key.shape[1]
-        qg = q.float().reshape(nq, hkv, hq // hkv, d)
-        logits = torch.einsum("qhgd,hcd->hgqc", qg, key) * sm_scale
-        slot = torch.arange(cols, device=q.device)
+        logits, mask, c_high = stored_logits(q, c.pages, c.geometry, c.manager.table,
+                                             c.manager.counts, req, layer, sm_scale)
+        hkv, nq, hq = mask.shape[0], q.shape[0], q.shape[1]
+        slot = torch.arange(mask.shape[1], device=q.device)
         a_h = a.counts[layer, :, 0][:, None]  # [Hkv, 1]
         suffix_pos = a.cut + slot[None, :] - a_h  # high slot -> its prompt position
         in_suffix = (slot[None, :] >= a_h) & (slot[None, :] < c_high)
