@@ -10,6 +10,9 @@
 #   default  diffkv, default preset: logprobs, per-request thresholds, a long-generation batch,
 #            then idle (SGLang's strict idle leak check runs), health, log audit
 #   small    diffkv, default preset, a SmolLM2-135M-shaped dummy model (head_dim 64, GQA 3)
+#   long32k  diffkv, default preset, the dummy Llama-3-8B at a 32,768-token context: one
+#            LONG32K_IN-token prompt (default 32,000) through chunked prefill (SGLang's default
+#            chunk), 64 tokens out, then the idle leak check
 #   flashinfer  stock flashinfer server against triton: the same logprob KL, as a control of
 #            how much two correct backends differ on the model
 #   rtriton rnocomp rdefault   the same three on a SmolLM2-135M-shaped model with random
@@ -119,6 +122,13 @@ run_step() {
         --attention-backend diffkv "${X[@]}" || return
       timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}nocomp$S.json" | tee -a "$SUMMARY"
       $CLIENT compare "$RES/${P}triton.json" "$RES/${P}nocomp$S.json" | tee -a "$SUMMARY"
+      # the same prompts again hit the radix cache (all but their last token): every token
+      # is high, so the outputs must equal the first pass's
+      timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}nocomp$S-hit.json" | tee -a "$SUMMARY"
+      say "${P}nocomp$S second pass (radix hit) against the first:"
+      $CLIENT compare "$RES/${P}nocomp$S.json" "$RES/${P}nocomp$S-hit.json" | tee -a "$SUMMARY"
+      grep -oE "#cached-token: [0-9]+" "$LOGS/${P}nocomp$S.log" | sort | uniq -c | tr '\n' ' ' \
+        | sed "s/^/${P}nocomp$S prefill lines: /" | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
       audit ${P}nocomp$S
       stop_server
       if [ ! -s "$RES/${P}nocomp$S.json" ] && [ -z "${SGLANG_DIFFKV_KERNELS:-}" ]; then
@@ -131,6 +141,9 @@ run_step() {
         --attention-backend diffkv || return
       timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}default.json" | tee -a "$SUMMARY"
       $CLIENT compare "$RES/${P}triton.json" "$RES/${P}default.json" | tee -a "$SUMMARY"
+      timeout 200 $CLIENT logits $PORT "$RES/${P}support.json" "$RES/${P}default-hit.json" | tee -a "$SUMMARY"
+      say "${P}default second pass (radix hit over compressed prefixes) against triton:"
+      $CLIENT compare "$RES/${P}triton.json" "$RES/${P}default-hit.json" | tee -a "$SUMMARY"
       timeout 60 $CLIENT thresholds $PORT | tee -a "$SUMMARY"
       local budget=$(( $(left) - 60 ))
       timeout "$budget" $CLIENT long $PORT "${LONG_N:-16}" "${LONG_IN:-1024}" "${LONG_OUT:-512}" \
@@ -158,6 +171,28 @@ PYEOF
       timeout 60 $CLIENT thresholds $PORT | tee -a "$SUMMARY"
       timeout 90 $CLIENT long $PORT 8 512 128 "$RES/small_long.json" | tee -a "$SUMMARY"
       audit small
+      stop_server ;;
+    long32k)
+      [ "$(left)" -gt 150 ] || { say "skipped: no time"; return; }
+      local m32=/tmp/dummy-llama3-8b-32k
+      python3 scripts/dummy_model.py "$m32" >/dev/null
+      python3 - "$m32" <<'PYEOF'
+import json, sys
+p = sys.argv[1] + "/config.json"
+c = json.load(open(p))
+c.update(max_position_embeddings=32768)
+json.dump(c, open(p, "w"))
+PYEOF
+      SGLANG_DIFFKV_LOG_INTERVAL=16 start_server long32k 240 "$m32" --attention-backend diffkv \
+        --context-length 32768 || return
+      grep -oE "chunked_prefill_size=[-0-9]+|disable_radix_cache=[A-Za-z]+" "$LOGS/long32k.log" \
+        | sort -u | sed 's/^/long32k: /' | tee -a "$SUMMARY"
+      timeout 200 $CLIENT long $PORT 1 "${LONG32K_IN:-32000}" 64 "$RES/long32k.json" | tee -a "$SUMMARY"
+      say "long32k: prefill chunks logged: $(grep -c 'Prefill batch' "$LOGS/long32k.log")"
+      sleep 8
+      kill -0 "$SERVER_PID" 2>/dev/null && say "long32k: server alive after idle" \
+        || say "long32k: server DIED"
+      audit long32k
       stop_server ;;
     *) say "unknown step $step" ;;
   esac

@@ -33,9 +33,12 @@
 #
 # Environment knobs (defaults in brackets):
 #   CANDIDATES   in priority order [sglang_diffkv/presets/smollm2-135m.json fp8 llama-3-8b
-#                no-compression default]: fp8 (triton, --kv-cache-dtype fp8_e4m3) or a DiffKV
-#                preset by name or file; llama-3-8b must be refused at start-up (pruning
-#                thresholds of another model), which takes seconds
+#                sglang_diffkv/presets/smollm2-135m.json@chunk1024 no-compression default]:
+#                fp8 (triton, --kv-cache-dtype fp8_e4m3) or a DiffKV preset by name or file;
+#                a suffix @chunkN serves it with --chunked-prefill-size N (prompts over N
+#                tokens prefill in chunks; without it the 8,192-token context never chunks);
+#                llama-3-8b must be refused at start-up (pruning thresholds of another
+#                model), which takes seconds
 #   BUDGET_S [540]  wall clock for the whole run: a candidate that would not finish inside it
 #                is skipped with a line (never killed half-way), so keep it below the call's
 #                timeout_s
@@ -124,7 +127,8 @@ say "model ready at $(( $(date +%s) - T0 )) s"
 INFLIGHT=${INFLIGHT:-4}
 KL_TOKENS=${KL_TOKENS:-16}
 START_S=${START_S:-240}
-CANDIDATES=${CANDIDATES:-"sglang_diffkv/presets/smollm2-135m.json fp8 llama-3-8b no-compression default"}
+P135=sglang_diffkv/presets/smollm2-135m.json
+CANDIDATES=${CANDIDATES:-"$P135 fp8 llama-3-8b $P135@chunk1024 no-compression default"}
 COMMON=(--host 127.0.0.1 --context-length 8192 --mem-fraction-static 0.35
         --cuda-graph-max-bs-decode "$INFLIGHT" --cuda-graph-backend-prefill disabled)
 PID=
@@ -155,8 +159,9 @@ case $? in
   *) say "reference did not start: $(tail -n 3 "$W/logs/reference.log" | tr '\n' ' ')"; exit 1 ;;
 esac
 status=0 last=120 measured=0  # last: what a candidate takes (the longest measured, + 10 s)
-for c in $CANDIDATES; do
-  name=$(basename "$c" .json)
+for cand in $CANDIDATES; do
+  c=${cand%@chunk*}; chunk=; [ "$c" != "$cand" ] && chunk=${cand##*@chunk}
+  name=$(basename "$c" .json)${chunk:+@chunk$chunk}
   refusal_check=no; [ "$name" = llama-3-8b ] && refusal_check=yes
   need=$last; [ $refusal_check = yes ] && need=60
   if [ "$(left)" -lt "$need" ]; then
@@ -166,6 +171,7 @@ for c in $CANDIDATES; do
   t_c=$(date +%s)
   if [ "$c" = fp8 ]; then args=(--attention-backend triton --kv-cache-dtype fp8_e4m3); cfg=
   else args=(--attention-backend diffkv); cfg=$c; fi
+  [ -n "$chunk" ] && args+=(--chunked-prefill-size "$chunk")
   limit=$(( $(left) - 30 < START_S ? $(left) - 30 : START_S ))
   SGLANG_DIFFKV_CONFIG=$cfg start 30001 "$W/logs/$name.log" "$limit" "${args[@]}"
   case $? in

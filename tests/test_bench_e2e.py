@@ -11,19 +11,24 @@ import tarfile
 import pytest
 
 from sglang_diffkv.bench.budget import Budget
+from sglang_diffkv.bench.client import request_ids
 from sglang_diffkv.bench.e2e import main
 from sglang_diffkv.bench.errors import BenchInputError
 from sglang_diffkv.bench.server import parse_config_list
 from sglang_diffkv.bench.workloads import (
     LongGen,
+    PrefixReuse,
     auto_longgen_n,
+    hit_ceiling,
     ladder_trace,
+    paced_trace,
     parse_rates,
     parse_workloads,
     sharegpt_trace,
     to_specs,
 )
 from sglang_diffkv.serving_io.loaders import load_trace
+from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
 from simulator.validation.bench_result import read_bench_result
 
@@ -113,6 +118,58 @@ def test_ladder_trace_rate_window_and_roundtrip(tmp_path) -> None:
     assert len(ladder_trace(sharegpt_trace(10), 50.0, 2.0)) > 10
     with pytest.raises(BenchInputError, match="positive finite"):
         ladder_trace(base, float("inf"), 10.0)
+
+
+def test_prefix_workload_shares_token_blocks_by_hash_id() -> None:
+    wl = PrefixReuse(n=200, max_input=2000, max_output=64)
+    trace = wl.trace()
+    assert len(trace) == 200 and trace.requests[0].arrival_s == 0
+    assert max(r.input_tokens for r in trace.requests) == 2000
+    assert max(r.requested_new_tokens for r in trace.requests) == 64
+    # a cut prompt keeps its leading ids: ceil(2000 / 512) = 4 blocks at most
+    assert all(len(r.prefix_hash_ids) == -(-r.input_tokens // 512) for r in trace.requests)
+    specs = to_specs(trace)
+    # two requests whose leading ids agree share exactly those blocks' tokens
+    pairs = [(i, j) for i in range(len(specs)) for j in range(i + 1, min(i + 40, len(specs)))
+             if specs[i].prefix_blocks[:1] == specs[j].prefix_blocks[:1]]
+    assert pairs, "the trace has no shared leading block"
+    for i, j in pairs[:20]:
+        a, b = request_ids(specs[i], 0, i), request_ids(specs[j], 0, j)
+        assert len(a) == specs[i].input_len and len(b) == specs[j].input_len
+        k = 0
+        while (k < len(specs[i].prefix_blocks) and k < len(specs[j].prefix_blocks)
+               and specs[i].prefix_blocks[k] == specs[j].prefix_blocks[k]):
+            k += 1
+        shared = min(k * 512, len(a), len(b))
+        assert a[:shared] == b[:shared]
+        if shared < min(len(a), len(b)):
+            assert a[shared:shared + 8] != b[shared:shared + 8]
+    # the same request is the same prompt in every run, another seed another prompt
+    assert request_ids(specs[5], 0, 5) == request_ids(specs[5], 0, 5)
+    assert request_ids(specs[5], 1, 5) != request_ids(specs[5], 0, 5)
+
+
+def test_paced_trace_keeps_order_and_scales_to_the_rate() -> None:
+    trace = PrefixReuse(n=300).trace()
+    paced = paced_trace(trace, 2.0, 60.0)
+    n = len(paced)
+    assert 0 < n < len(trace) and paced.requests[-1].arrival_s < 60
+    assert [r.prefix_hash_ids for r in paced.requests] == \
+        [r.prefix_hash_ids for r in trace.requests[:n]]
+    full = paced_trace(trace, 2.0, 1e9)
+    assert full.mean_rate == pytest.approx(2.0)
+    with pytest.raises(BenchInputError, match="rate"):
+        paced_trace(trace, 0.0, 10)
+
+
+def test_hit_ceiling_counts_leading_blocks_seen_before() -> None:
+    reqs = [TraceRequest(0.0, 1024, 4, prefix_hash_ids=(1, 2)),
+            TraceRequest(1.0, 1500, 4, prefix_hash_ids=(1, 2, 3)),   # 1024 hit
+            TraceRequest(2.0, 600, 4, prefix_hash_ids=(1, 9)),       # 512 hit
+            TraceRequest(3.0, 1024, 4, prefix_hash_ids=(1, 2)),      # all but one token
+            TraceRequest(4.0, 512, 4, prefix_hash_ids=(7,))]         # none
+    t = Trace(tuple(reqs), prefix_block_tokens=512)
+    assert hit_ceiling(t) == pytest.approx((1024 + 512 + 1023) / (1024 + 1500 + 600 + 1024 + 512))
 
 
 @pytest.mark.parametrize(("text", "match"), [
@@ -255,6 +312,39 @@ def test_harness_end_to_end_on_the_fake_server(fake_python, tmp_path, monkeypatc
             "logs/traces/diffkv-mix__ladder@1x.jsonl"} <= names
     assert "diffkv-mix" in printed and "ladder@1x" in printed
     assert "1.50" in printed  # the mm ms/step column
+
+
+@pytest.mark.slow
+def test_prefix_workload_on_the_fake_servers_prefix_cache(fake_python, tmp_path,
+                                                          monkeypatch) -> None:
+    """The fake caches every prompt when it arrives (16-token pages), so the hit rate the
+    client reads from meta_info.cached_tokens is what the trace's shared blocks allow."""
+    monkeypatch.setenv("FAKE_MAX_RUNNING", "64")
+    monkeypatch.setenv("FAKE_STEP_S", "0.002")
+    out = tmp_path / "out"
+    rc = main(["--python", fake_python, "--out", str(out), "--port", str(_free_port()),
+               "--configs", "bf16", "--workloads", "prefix", "--prefix-n", "120",
+               "--prefix-max-input", "1536", "--prefix-max-output", "4",
+               "--prefix-window-s", "20", "--ladder-window-s", "1", "--prefix-rates", "0.5",
+               "--min-window-s", "0.5", "--budget-s", "600", "--start-estimate-s", "5",
+               "--decode-log-interval", "1", "--warmup", "0"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    sat, paced = res["runs"]
+    assert (sat["label"], paced["label"]) == ("prefix", "prefix@0.5x")
+    c = sat["client"]
+    assert c["completed"] == 120 and not c["time_limited"]
+    assert c["cache_hit_rate"] > 0.05
+    # every prompt arrives before any later one (all at t=0, in order), so the fake's hits
+    # are the ceiling's up to partial last blocks (a shorter earlier one caches less)
+    assert c["cache_hit_rate"] <= sat["hit_ceiling"] + 1e-9
+    assert c["cache_hit_rate"] >= sat["hit_ceiling"] - 0.02
+    # the server log's Prefill lines say the same
+    assert sat["server_log"]["prefix_hit_rate_log"] == pytest.approx(c["cache_hit_rate"])
+    assert paced["rate_req_s"] == pytest.approx(0.5 * sat["saturation_req_s"])
+    # a second pass over cached prompts: the paced run hits nearly everything
+    assert paced["client"]["cache_hit_rate"] > 0.9
+    assert "hit %" in res["table"]
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ from sglang_diffkv.bench.errors import BenchInputError
 
 VOCAB_IDS = 128_000  # Llama-3's ordinary ids; 128000.. are special tokens
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _ABORT = re.compile(rb'"finish_reason"\s*:\s*\{[^}]*"type"\s*:\s*"abort"')
 
 
@@ -49,14 +50,22 @@ class RequestSpec:
     arrival_s: float
     input_len: int
     output_len: int
+    # the prompt's leading blocks, by id: equal ids are equal token blocks in every request
+    # (``block_ids``), so requests whose ids agree share that token prefix
+    prefix_blocks: tuple[int, ...] = ()
+    block_tokens: int = 512
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
             raise BenchInputError(f"arrival_s={self.arrival_s!r} must be a finite number >= 0")
-        for name in ("input_len", "output_len"):
+        for name in ("input_len", "output_len", "block_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BenchInputError(f"{name}={v!r} must be an integer >= 1")
+        if len(self.prefix_blocks) * self.block_tokens >= self.input_len + self.block_tokens:
+            raise BenchInputError(
+                f"{len(self.prefix_blocks)} prefix blocks of {self.block_tokens} tokens do not "
+                f"fit a {self.input_len}-token prompt (its last block may be partial, no more)")
 
 
 @dataclass
@@ -76,6 +85,8 @@ class RequestRecord:
     completed: bool = False
     cancelled: bool = False
     error: str | None = None
+    # prompt tokens the server took from its prefix cache (SGLang's meta_info.cached_tokens)
+    cached_tokens: int | None = None
 
     def compact(self) -> dict[str, Any]:
         d = asdict(self)
@@ -129,9 +140,30 @@ def prompt_ids(seed: int, index: int, length: int) -> list[int]:
     return rng.integers(0, VOCAB_IDS, size=length).tolist()
 
 
+# a third seed word keeps block streams apart from the per-request streams [seed, index]
+_BLOCK_STREAM = 0x51_0C
+
+
+def block_ids(seed: int, block: int, length: int) -> list[int]:
+    """Prefix block ``block``'s first ``length`` token ids (the same in every request)."""
+    rng = np.random.default_rng([seed, _BLOCK_STREAM, block])
+    return rng.integers(0, VOCAB_IDS, size=length).tolist()
+
+
+def request_ids(spec: RequestSpec, seed: int, index: int) -> list[int]:
+    """The prompt of request ``index``: its prefix blocks (the last one cut to the prompt's
+    length), then its own seeded tokens for the rest."""
+    ids: list[int] = []
+    for b in spec.prefix_blocks:
+        ids += block_ids(seed, b, min(spec.block_tokens, spec.input_len - len(ids)))
+    if len(ids) < spec.input_len:
+        ids += prompt_ids(seed, index, spec.input_len - len(ids))
+    return ids
+
+
 def generate_payload(spec: RequestSpec, seed: int, index: int) -> dict[str, Any]:
     return {
-        "input_ids": prompt_ids(seed, index, spec.input_len),
+        "input_ids": request_ids(spec, seed, index),
         "sampling_params": {"max_new_tokens": spec.output_len, "temperature": 0.0,
                             "ignore_eos": True},
         "stream": True,
@@ -180,6 +212,8 @@ async def _one_request(session: aiohttp.ClientSession, url: str, spec: RequestSp
                 rec.end_s = now
                 break
             count, aborted_here, err = _chunk_tokens(line)
+            if rec.cached_tokens is None and (m := _CACHED.search(line)):
+                rec.cached_tokens = int(m.group(1))
             aborted = aborted or aborted_here
             if err is not None:
                 rec.error = err

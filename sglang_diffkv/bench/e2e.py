@@ -50,8 +50,11 @@ from sglang_diffkv.bench.workloads import (
     AUTO_FACTOR,
     WORKLOADS,
     LongGen,
+    PrefixReuse,
     auto_longgen_n,
+    hit_ceiling,
     ladder_trace,
+    paced_trace,
     parse_rates,
     parse_workloads,
     sharegpt_trace,
@@ -130,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "server")
     p.add_argument("--ladder-abs-rates", default=None,
                    help="absolute req/s instead of fractions (sharegpt not needed)")
+    p.add_argument("--prefix-trace", default=PrefixReuse.source,
+                   help="prefix workload: a bundled trace or file with Mooncake hash_ids")
+    p.add_argument("--prefix-n", type=int, default=PrefixReuse.n,
+                   help="prefix workload: the trace's first N requests")
+    p.add_argument("--prefix-max-input", type=int, default=PrefixReuse.max_input,
+                   help="prefix workload: prompts cut to this many tokens (leading blocks "
+                        "kept); with --prefix-max-output it must fit the served context")
+    p.add_argument("--prefix-max-output", type=int, default=PrefixReuse.max_output)
+    p.add_argument("--prefix-window-s", type=float, default=60.0,
+                   help="prefix workload: the saturation window (s); its paced runs use "
+                        "--ladder-window-s")
+    p.add_argument("--prefix-rates", default="0.25,0.5",
+                   help="prefix workload: fractions of its saturation req/s (measured first, "
+                        "all requests at t=0) at which the trace is replayed paced")
     p.add_argument("--diffkv-config", action="append", default=[], metavar="NAME=JSON",
                    help="SGLANG_DIFFKV_CONFIG of a diffkv variant (default: "
                         "the llama-3-8b preset with bench_mix [0.3, 0.5, 0.2])")
@@ -187,6 +204,8 @@ class Plan:
     ladder_rates: list[float]
     ladder_absolute: bool
     windows: dict[str, float]
+    prefix: PrefixReuse
+    prefix_rates: list[float]
 
 
 def make_plan(a: argparse.Namespace) -> Plan:
@@ -207,7 +226,7 @@ def make_plan(a: argparse.Namespace) -> Plan:
             "ladder with fractional --ladder-rates needs sharegpt in --workloads (it measures "
             "the saturation rate); or give --ladder-abs-rates in req/s")
     windows = {"longgen": a.longgen_window_s, "sharegpt": a.window_s,
-               "ladder": a.ladder_window_s}
+               "ladder": a.ladder_window_s, "prefix": a.prefix_window_s}
     if not a.min_window_s > 0:
         raise BenchInputError(f"--min-window-s {a.min_window_s!r} must be > 0")
     for k, v in windows.items():
@@ -232,6 +251,10 @@ def make_plan(a: argparse.Namespace) -> Plan:
         raise BenchInputError(f"--budget-s {a.budget_s!r} must be > 0")
     if {"sharegpt", "ladder"} & set(workloads):
         sharegpt_trace(a.sharegpt_n, a.sharegpt_trace, a.sharegpt_skip)  # fail before a start
+    prefix = PrefixReuse(a.prefix_n, a.prefix_max_input, a.prefix_max_output, a.prefix_trace)
+    prefix_rates = parse_rates(a.prefix_rates, "--prefix-rates")
+    if "prefix" in workloads:
+        prefix.trace()  # fail before a start
     auto = str(a.longgen_n).strip().lower() == "auto"
     if auto:
         n = 512  # a placeholder: each server's start-up capacity decides
@@ -244,7 +267,7 @@ def make_plan(a: argparse.Namespace) -> Plan:
             raise BenchInputError(f"--longgen-n {a.longgen_n!r}: a number or 'auto'") from e
     return Plan(configs, workloads, launch, LongGen(n, lo, hi, a.longgen_out, a.seed), auto,
                 a.longgen_n_factor, a.sharegpt_n, a.sharegpt_trace, a.sharegpt_skip, rates,
-                absolute, windows)
+                absolute, windows, prefix, prefix_rates)
 
 
 _ALL_HIGH = re.compile(r"capacity (\d+) tokens all-high")
@@ -323,6 +346,7 @@ TABLE_COLS = (
     ("config", 12), ("workload", 14), ("win s", 6), ("out tok/s", 9), ("steady", 8),
     ("req/s", 6), ("done", 5), ("batch", 6), ("peak", 5), ("pool tok", 9), ("peak #tok", 9),
     ("TPOT ms", 7), ("TPOT med", 8), ("TTFT ms", 8), ("mm ms", 6), ("retr", 5),
+    ("hit %", 5),
 )
 
 
@@ -335,6 +359,7 @@ def table_row(run: dict[str, Any]) -> list[str]:
         _fmt(pool), _fmt(s.get("peak_tokens_used")), _fmt(c["mean_tpot_all_ms"], ".1f"),
         _fmt(c["median_tpot_all_ms"], ".1f"), _fmt(c["mean_ttft_all_ms"]),
         _fmt(mm_ms_per_step(s), ".2f"), _fmt(s.get("retractions")),
+        _fmt(None if c.get("cache_hit_rate") is None else 100 * c["cache_hit_rate"], ".1f"),
     ]
 
 
@@ -347,7 +372,9 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     lines.append("out tok/s: tokens received in the window / window; steady: the window's "
                  "second half; TPOT/TTFT: every request that streamed (completed or not); "
                  "batch/peak/#tok: 'Decode batch' log lines; mm ms: DiffKV memory "
-                 "management per step (SGLANG_DIFFKV_PROFILE)")
+                 "management per step (SGLANG_DIFFKV_PROFILE); hit %: prompt tokens served from "
+                 "the prefix cache (meta_info.cached_tokens) over prompt tokens, requests "
+                 "that streamed")
     return "\n".join(lines)
 
 
@@ -379,6 +406,7 @@ class Harness:
                      "sharegpt_source": plan.sharegpt_source,
                      "sharegpt_skip": plan.sharegpt_skip,
                      "ladder_rates": plan.ladder_rates,
+                     "prefix": asdict(plan.prefix), "prefix_rates": plan.prefix_rates,
                      "ladder_rates_are": "req/s" if plan.ladder_absolute else
                      "fractions of the sharegpt saturation req/s"},
         }
@@ -399,6 +427,8 @@ class Harness:
                 self._traces[key] = self.plan.longgen.trace()
             elif key.startswith("longgen-"):
                 self._traces[key] = replace(self.plan.longgen, n=longgen_n).trace()
+            elif key == "prefix":
+                self._traces[key] = self.plan.prefix.trace()
             elif key == "sharegpt":
                 self._traces[key] = sharegpt_trace(self.plan.sharegpt_n,
                                                    self.plan.sharegpt_source,
@@ -564,6 +594,9 @@ class Harness:
                                   else c["request_throughput"])
                     rec["saturation_req_s"] = saturation
                 continue
+            if wl == "prefix":
+                self._prefix(server, cfg)
+                continue
             # ladder
             if not plan.ladder_absolute and not saturation:
                 self.say(f"SKIP {cfg.name}/ladder: no saturation rate measured on this server "
@@ -585,6 +618,39 @@ class Harness:
                                    "saturation_req_s": saturation})
                 if not server.alive():
                     break
+
+    def _prefix(self, server: ServerProcess, cfg: ServerConfig) -> None:
+        """The prefix-reuse trace all at t = 0, then paced at fractions of the request rate
+        that run completed (steady rate when the window cut it)."""
+        plan = self.plan
+        w = self.windowed(f"{cfg.name}/prefix", plan.windows["prefix"])
+        if w is None:
+            return
+        trace = self.trace("prefix")
+        ceiling = hit_ceiling(trace)
+        tf = self.write_trace(trace, trace.name)
+        rec = self.run_workload(server, cfg, "prefix", trace, True, w, tf,
+                                {"hit_ceiling": ceiling})
+        if rec is None:
+            return
+        c = rec["client"]
+        saturation = (c["steady_request_throughput"] if c["time_limited"]
+                      and c["steady_request_throughput"] > 0 else c["request_throughput"])
+        rec["saturation_req_s"] = saturation
+        if not saturation:
+            self.say(f"SKIP {cfg.name}/prefix paced runs: the saturation run completed nothing")
+            return
+        for x in plan.prefix_rates:
+            label = f"prefix@{x:g}x"
+            w = self.windowed(f"{cfg.name}/{label}", plan.windows["ladder"])
+            if w is None or not server.alive():
+                break
+            paced = paced_trace(trace, x * saturation, w)
+            tf = self.write_trace(paced, f"{cfg.name}__{label}")
+            self.run_workload(server, cfg, label, paced, False, w, tf,
+                              {"rate_req_s": x * saturation, "rate_fraction": x,
+                               "saturation_req_s": saturation,
+                               "hit_ceiling": hit_ceiling(paced)})
 
     def _auto_n(self, cfg: ServerConfig) -> dict[str, Any] | None:
         """``--longgen-n auto``: N from this server's start-up capacity (printed, recorded)."""
@@ -671,6 +737,14 @@ def dry_run(plan: Plan, a: argparse.Namespace) -> int:
             print(f"longgen: N auto ({plan.longgen_factor:g} x the requests of mean length "
                   "each server's reported KV capacity holds, at its start), window "
                   f"{plan.windows['longgen']:g} s")
+            continue
+        if wl == "prefix":
+            trace = plan.prefix.trace()
+            p = write_mooncake_jsonl(trace, out / "logs" / "traces" / f"{trace.name}.jsonl")
+            print(f"prefix: {len(trace)} requests all at t=0, window {plan.windows[wl]:g} s, "
+                  f"then paced at {plan.prefix_rates} x its saturation, "
+                  f"{plan.windows['ladder']:g} s each; an unbounded prefix cache could serve "
+                  f"{100 * hit_ceiling(trace):.1f}% of its prompt tokens; trace {p}")
             continue
         trace = plan.longgen.trace() if wl == "longgen" else sharegpt_trace(
             plan.sharegpt_n, plan.sharegpt_source, plan.sharegpt_skip)

@@ -23,6 +23,11 @@ SGLang 0.5.17 streams for a ValueError of its tokenizer manager (HTTP 200, ``dat
 it on purpose for the tests: ``accept_invalid`` skips the custom_params check, ``short``
 streams one token less than asked.
 
+Prefix cache: an unbounded radix cache that a prompt enters, in ``FAKE_PREFIX_PAGE``-token
+(default 16) pages, when it arrives; every streamed chunk's ``meta_info.cached_tokens`` is the
+prompt's longest cached run of whole pages (at most its length - 1, as SGLang always computes
+one token), and each Prefill line reports ``#cached-token``.
+
 For the served-path quality harness (``diffkv-eval served``): a ``/generate`` with ``text``
 and no ``stream`` answers at once, as a "copy model": its ``text`` is the prompt it kept and
 its ``output_ids`` the last ``max_new_tokens`` bytes of it, so an answer is found exactly when
@@ -94,6 +99,7 @@ def log(msg: str) -> None:
 @dataclass
 class FakeReq:
     want: int
+    cached: int = 0
     done: int = 0
     aborted: bool = False
     queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
@@ -120,6 +126,20 @@ class FakeState:
     context_length: int = 8192
     chars_per_token: int = 4
     logit_t: float = 4.0
+    prefix_page: int = 16
+    prefixes: set[int] = field(default_factory=set)  # hashes of cached page-aligned prefixes
+
+    def cache_prompt(self, ids: list[int]) -> int:
+        """Tokens of ``ids`` already cached (whole pages, at most len - 1); caches the rest."""
+        p, hit, known = self.prefix_page, 0, True
+        for end in range(p, len(ids) + 1, p):
+            h = hash(tuple(ids[:end]))
+            if known and h in self.prefixes:
+                hit = min(end, len(ids) - 1)
+            else:
+                known = False
+                self.prefixes.add(h)
+        return hit
 
     def count(self, text: str) -> int:
         return fake_token_count(text, self.chars_per_token)
@@ -158,7 +178,8 @@ class FakeState:
         return {"text": kept, "output_ids": ids, "meta_info": meta}
 
     def finish(self, r: FakeReq, reason: str) -> None:
-        meta = {"completion_tokens": r.done, "finish_reason": {"type": reason}}
+        meta = {"completion_tokens": r.done, "finish_reason": {"type": reason},
+                "cached_tokens": r.cached}
         r.queue.put_nowait({"output_ids": [], "meta_info": meta})
         r.queue.put_nowait(None)
 
@@ -176,13 +197,15 @@ class FakeState:
             r.done += 1
             if r.done >= r.want:
                 # the last chunk carries the last ids and the finish reason
-                meta = {"completion_tokens": r.done, "finish_reason": {"type": "length"}}
+                meta = {"completion_tokens": r.done, "finish_reason": {"type": "length"},
+                        "cached_tokens": r.cached}
                 r.queue.put_nowait({"output_ids": [7], "meta_info": meta})
                 r.queue.put_nowait(None)
                 continue
             if r.done == 1 or r.done % self.stream_interval == 1 or self.stream_interval == 1:
                 n = 1 if r.done == 1 else min(self.stream_interval, r.done)
-                meta = {"completion_tokens": r.done, "finish_reason": None}
+                meta = {"completion_tokens": r.done, "finish_reason": None,
+                        "cached_tokens": r.cached}
                 r.queue.put_nowait({"output_ids": [7] * n, "meta_info": meta})
             still.append(r)
         self.running = still
@@ -239,7 +262,10 @@ def make_app(state: FakeState) -> web.Application:
             await resp.write(b'data: {"error": {"message": "boom"}}\n\n')
             await resp.write(b"data: [DONE]\n\n")
             return resp
-        r = FakeReq(want)
+        r = FakeReq(want, cached=state.cache_prompt(ids))
+        log(f"Prefill batch, #new-seq: 1, #new-token: {len(ids) - r.cached}, "
+            f"#cached-token: {r.cached}, token usage: 0.00, #running-req: "
+            f"{len(state.running)}, #queue-req: {len(state.waiting)}")
         state.waiting.append(r)
         rid = body.get("rid")
         if isinstance(rid, str):
@@ -352,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     state.context_length = a.context_length
     state.chars_per_token = int(os.environ.get("FAKE_CHARS_PER_TOKEN", "4"))
     state.logit_t = float(os.environ.get("FAKE_LOGIT_T", "4"))
+    state.prefix_page = int(os.environ.get("FAKE_PREFIX_PAGE", "16"))
     if forget := os.environ.get("FAKE_FORGET"):
         a_, b_ = (float(x) for x in forget.split(","))
         state.forget = (a_, b_)

@@ -215,6 +215,8 @@ def slice_stats(path: str | Path, start: int = 0, end: int | None = None) -> dic
     if log is not None:
         out["prefill_batches"] = len(log.prefill_new_tokens)
         out["prefill_new_tokens"] = int(sum(log.prefill_new_tokens))
+        out["prefill_cached_tokens"] = int(sum(log.prefill_cached_tokens))
+        out["prefix_hit_rate_log"] = log.prefix_hit_rate
     out["retractions"] = max(retracted, log.retractions if log is not None else 0)
     out.update(_diffkv_stats([ln for ln in lines if "diffkv" in ln.lower()]))
     errs = [ln for ln in lines if _ERROR.search(ln) and not _HARMLESS.search(ln)]

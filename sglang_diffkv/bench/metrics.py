@@ -104,6 +104,10 @@ def summarize_run(run: ClientRun, name: str = "") -> dict[str, Any]:
                      if r.error is not None and not r.cancelled)
     first_errors = [r.error for r in recs if r.error is not None and not r.cancelled][:3]
 
+    # prefix-cache hits as the server reported them (meta_info.cached_tokens), over the
+    # requests that streamed (a hit is decided at admission, before the first token)
+    hit = [r for r in streamed if r.cached_tokens is not None]
+    hit_in = sum(r.input_len for r in hit)
     out: dict[str, Any] = {
         "tag": name,
         "backend": "sglang-diffkv-bench",
@@ -137,6 +141,8 @@ def summarize_run(run: ClientRun, name: str = "") -> dict[str, Any]:
         **_stat(ttft_all, "ttft_all", ("mean", "median", "p99")),
         **_stat(tpot_all, "tpot_all", ("mean", "median", "p99")),
         **_stat(itl_all, "itl_all", ("mean", "median", "p99")),
+        "cached_tokens": int(sum(r.cached_tokens or 0 for r in hit)),
+        "cache_hit_rate": (sum(r.cached_tokens or 0 for r in hit) / hit_in) if hit_in else None,
         "concurrency": per_s(sum(e2e)),
         "mean_inflight": per_s(open_s),
         "max_output_tokens_per_s": float(buckets.max()) if buckets.size else 0.0,

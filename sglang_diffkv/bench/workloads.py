@@ -12,12 +12,19 @@ be written out (Mooncake JSONL, ``write_mooncake_jsonl``) and replayed by ``diff
   ladder    the same ShareGPT-shaped lengths re-timed as Poisson arrivals at given rates
             (fractions of the saturation request rate measured on the same server just before,
             or absolute req/s), one window-limited run per rate.
+  prefix    prefix reuse: the bundled Mooncake conversation trace, whose ``hash_ids`` name
+            512-token blocks, replayed with one deterministic token block per id
+            (``client.block_ids``), so requests that share leading ids share that token
+            prefix and a radix cache can hit. Prompts are cut to fit the served context (their
+            leading blocks kept). First all at t = 0 (saturation), then at fractions of that
+            rate with the trace's own arrival order and gaps scaled (a conversation's next turn
+            still comes after the one before it).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,7 +34,7 @@ from sglang_diffkv.serving_io.arrivals import resample_arrivals
 from sglang_diffkv.serving_io.bundled import load_named_trace
 from sglang_diffkv.serving_io.trace import Trace, TraceRequest
 
-WORKLOADS = ("longgen", "sharegpt", "ladder")
+WORKLOADS = ("longgen", "sharegpt", "ladder", "prefix")
 
 
 def parse_workloads(text: str) -> list[str]:
@@ -171,8 +178,73 @@ def ladder_trace(base: Trace, rate: float, window_s: float, seed: int = 0) -> Tr
     return Trace(keep, name=f"ladder-{rate:.3g}rps", source=f"{base.name} at Poisson {rate:g}")
 
 
+@dataclass(frozen=True)
+class PrefixReuse:
+    """The prefix-reuse workload: the first ``n`` requests of ``source`` (a trace with prefix
+    hash ids), outputs cut to ``max_output`` and prompts to ``max_input`` tokens (the leading
+    hash ids kept, the rest dropped)."""
+
+    n: int = 1000
+    max_input: int = 6144
+    max_output: int = 1024
+    source: str = "mooncake-conversation"
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_input < 1 or self.max_output < 1:
+            raise BenchInputError(f"prefix workload needs n, max_input, max_output >= 1; got "
+                                  f"{self.n}, {self.max_input}, {self.max_output}")
+
+    def trace(self) -> Trace:
+        base = load_named_trace(self.source)
+        if not any(r.prefix_hash_ids for r in base.requests):
+            raise BenchInputError(f"prefix workload: trace {self.source!r} has no hash_ids "
+                                  "(prefix block ids); use a Mooncake trace that has them")
+        block = base.prefix_block_tokens
+        reqs = []
+        for r in base.requests[:self.n]:
+            inp = min(r.input_tokens, self.max_input)
+            out = min(r.requested_new_tokens, self.max_output)
+            ids = r.prefix_hash_ids[:-(-inp // block)]
+            reqs.append(TraceRequest(r.arrival_s, inp, out, prefix_hash_ids=ids))
+        return Trace(tuple(reqs), name=f"prefix-n{len(reqs)}",
+                     source=f"{self.source}, prompts <= {self.max_input}, outputs <= "
+                            f"{self.max_output}", prefix_block_tokens=block).rebased()
+
+
+def paced_trace(trace: Trace, rate: float, window_s: float) -> Trace:
+    """``trace`` in its own order and relative gaps, time-scaled to a mean of ``rate`` req/s,
+    cut to the requests arriving inside ``window_s``."""
+    if not (rate > 0 and math.isfinite(rate)):
+        raise BenchInputError(f"rate {rate!r} must be a positive finite number of req/s")
+    if len(trace) < 2 or trace.duration_s <= 0:
+        raise BenchInputError(f"trace {trace.name!r} has no arrival span to scale")
+    scaled = trace.rebased().time_scaled(1.0 / (rate * trace.duration_s / (len(trace) - 1)))
+    keep = tuple(r for r in scaled.requests if r.arrival_s < window_s)
+    return replace(scaled, requests=keep, name=f"{trace.name}-{rate:.3g}rps",
+                   source=f"{trace.source}, paced to {rate:g} req/s")
+
+
+def hit_ceiling(trace: Trace) -> float:
+    """The share of prompt tokens an unbounded prefix cache could serve if every request
+    arrived after the ones before it had been prefilled: the tokens of its leading hash ids
+    seen in earlier requests, over all prompt tokens."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    block = trace.prefix_block_tokens
+    for r in trace.requests:
+        ids = r.prefix_hash_ids
+        k = 0
+        while k < len(ids) and ids[:k + 1] in seen:
+            k += 1
+        hit += min(k * block, r.input_tokens - 1) if k else 0
+        total += r.input_tokens
+        seen.update(ids[:j] for j in range(1, len(ids) + 1))
+    return hit / total
+
+
 def to_specs(trace: Trace) -> list[RequestSpec]:
     """Client requests: output = ``max_new_tokens`` (what SGLang reserves for, generated in
-    full with ignore_eos)."""
-    return [RequestSpec(r.arrival_s, r.input_tokens, r.requested_new_tokens)
+    full with ignore_eos); a request with prefix hash ids starts with their token blocks."""
+    return [RequestSpec(r.arrival_s, r.input_tokens, r.requested_new_tokens,
+                        r.prefix_hash_ids, trace.prefix_block_tokens)
             for r in trace.requests]

@@ -323,18 +323,24 @@ def test_the_gpu_script_rehearsed_on_the_fake_server(tmp_path):
                               capture_output=True, text=True, timeout=300)
         return done.returncode, out
 
-    rc, out = rehearse("full", 300, "sglang_diffkv/presets/smollm2-135m.json fp8")
+    p135 = "sglang_diffkv/presets/smollm2-135m.json"
+    rc, out = rehearse("full", 300, f"{p135} fp8 {p135}@chunk512")
     summary = (out / "summary.md").read_text()
     assert rc == 0, summary
     assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "summary.md"]
     assert "### smollm2-135m (diffkv-eval served exit 0" in summary
     assert "### fp8 (diffkv-eval served exit 0" in summary
-    assert summary.count("| needle | 256 |") == 2
+    # a @chunkN candidate is the same preset served with --chunked-prefill-size N
+    assert "### smollm2-135m@chunk512 (diffkv-eval served exit 0" in summary
+    assert summary.count("| needle | 256 |") == 3
     # the preset's provenance beside it is the offline harness's KL for it
     assert "Offline harness (preset provenance, eval split" in summary
     with tarfile.open(out / "results.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"./smollm2-135m.json", "./fp8.json", "./logs/reference.log"} <= names
+    with tarfile.open(out / "results.tar.gz") as tar:
+        log = tar.extractfile("./logs/smollm2-135m@chunk512.log").read().decode()
+    assert "--attention-backend diffkv" in log and "--chunked-prefill-size 512" in log
     rc, out = rehearse("short", 30, "fp8")  # a candidate is first guessed at 120 s
     summary = (out / "summary.md").read_text()
     assert rc == 3 and "fp8: skipped: " in summary and "BUDGET_S=30" in summary
