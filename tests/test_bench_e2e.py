@@ -342,8 +342,11 @@ def test_prefix_workload_on_the_fake_servers_prefix_cache(fake_python, tmp_path,
     # the server log's Prefill lines say the same
     assert sat["server_log"]["prefix_hit_rate_log"] == pytest.approx(c["cache_hit_rate"])
     assert paced["rate_req_s"] == pytest.approx(0.5 * sat["saturation_req_s"])
-    # a second pass over cached prompts: the paced run hits nearly everything
-    assert paced["client"]["cache_hit_rate"] > 0.9
+    # each run starts from an empty cache: the paced one hits what its own requests share
+    assert sat["cache_flushed"] and paced["cache_flushed"]
+    pc = paced["client"]
+    assert paced["hit_ceiling"] > 0.05
+    assert paced["hit_ceiling"] - 0.02 <= pc["cache_hit_rate"] <= paced["hit_ceiling"] + 1e-9
     assert "hit %" in res["table"]
 
 

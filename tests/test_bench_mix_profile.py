@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from sglang_diffkv.bench.logstats import _diffkv_stats
 from sglang_diffkv.serving_io.profile_lines import (
     HOST_LINE_RE,
+    PART_BUCKETS,
     PROFILE_LINE_RE,
+    parse_parts_line,
     parse_profile_line,
     profile_line,
 )
@@ -85,6 +88,37 @@ def test_buckets_steps_and_free_between_steps():
     assert d2["steps"] == 1 and d2["total_steps"] == 3
     assert d2["total_mm_ms"] == pytest.approx(2 * dec["mm_ms"] + d2["mm_ms"], abs=0.01)
     assert p.lines() == []
+
+
+def test_prefill_parts_get_their_own_line():
+    """Where a prefill step's time goes (attention, compress, chunk stores, radix, export):
+    a second line, only when a part was timed; the bench reads it back per step."""
+    p = StepProfiler("cpu", clock=FakeClock())
+    for _ in range(2):
+        p.begin_step()
+        _sleep_span(p, "alloc", 0.001)
+        _sleep_span(p, "attend", 0.010)
+        _sleep_span(p, "chunk", 0.030)
+        _sleep_span(p, "radix", 0.005)
+        p._clock.sleep(0.002)
+        p.end_step("prefill")
+    lines = p.lines()
+    assert len(lines) == 3  # profile, parts, host
+    assert parse_profile_line(lines[1]) is None  # the main line's reader skips it
+    parts = parse_parts_line(lines[1])
+    assert parts["mode"] == "prefill" and parts["steps"] == 2
+    assert parts["attend_ms"] == pytest.approx(10) and parts["chunk_ms"] == pytest.approx(30)
+    assert parts["radix_ms"] == pytest.approx(5) and parts["compress_ms"] == 0
+    assert parts["step_ms"] == pytest.approx(48)
+    assert sum(parts[f"{b}_ms"] for b in PART_BUCKETS) <= parts["step_ms"]
+    stats = _diffkv_stats(["[2026-01-01 00:00:00] " + ln for ln in lines])
+    assert stats["diffkv_parts"]["prefill"]["chunk_ms"] == pytest.approx(30)
+    assert "diffkv_other_lines" not in stats
+    # decode steps time no part: no parts line for them
+    p.begin_step()
+    _sleep_span(p, "policy", 0.001)
+    p.end_step("decode")
+    assert not any(parse_parts_line(x) for x in p.lines())
 
 
 def test_line_format_is_the_documented_one():

@@ -325,6 +325,18 @@ async def freeze_gc(base_url: str, timeout_s: float = 30.0) -> bool:
         return False
 
 
+async def flush_cache(base_url: str, timeout_s: float = 30.0) -> bool:
+    """``POST /flush_cache``: SGLang empties its prefix cache (only when idle). True when it
+    answered 200."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as s, \
+                s.post(base_url.rstrip("/") + "/flush_cache") as r:
+            return r.status == 200
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return False
+
+
 async def server_load(base_url: str, timeout_s: float = 5.0) -> int | None:
     """Requests running or waiting (``GET /get_load``, summed over DP ranks); None when the
     server did not answer."""

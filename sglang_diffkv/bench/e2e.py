@@ -621,7 +621,9 @@ class Harness:
 
     def _prefix(self, server: ServerProcess, cfg: ServerConfig) -> None:
         """The prefix-reuse trace all at t = 0, then paced at fractions of the request rate
-        that run completed (steady rate when the window cut it)."""
+        that run completed (steady rate when the window cut it). Each run starts from an
+        empty prefix cache (``/flush_cache``): the paced runs replay the same first requests,
+        which the run before would otherwise have cached."""
         plan = self.plan
         w = self.windowed(f"{cfg.name}/prefix", plan.windows["prefix"])
         if w is None:
@@ -630,7 +632,7 @@ class Harness:
         ceiling = hit_ceiling(trace)
         tf = self.write_trace(trace, trace.name)
         rec = self.run_workload(server, cfg, "prefix", trace, True, w, tf,
-                                {"hit_ceiling": ceiling})
+                                {"hit_ceiling": ceiling, "cache_flushed": self._flush(cfg)})
         if rec is None:
             return
         c = rec["client"]
@@ -650,7 +652,15 @@ class Harness:
             self.run_workload(server, cfg, label, paced, False, w, tf,
                               {"rate_req_s": x * saturation, "rate_fraction": x,
                                "saturation_req_s": saturation,
-                               "hit_ceiling": hit_ceiling(paced)})
+                               "hit_ceiling": hit_ceiling(paced),
+                               "cache_flushed": self._flush(cfg)})
+
+    def _flush(self, cfg: ServerConfig) -> bool:
+        ok = bool(cl.run_async(cl.flush_cache(self.plan.launch.base_url)))
+        if not ok:
+            self.say(f"{cfg.name}: /flush_cache refused (server not idle?): this run starts "
+                     "with the prefix cache the run before left")
+        return ok
 
     def _auto_n(self, cfg: ServerConfig) -> dict[str, Any] | None:
         """``--longgen-n auto``: N from this server's start-up capacity (printed, recorded)."""

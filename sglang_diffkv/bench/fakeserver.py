@@ -26,7 +26,8 @@ streams one token less than asked.
 Prefix cache: an unbounded radix cache that a prompt enters, in ``FAKE_PREFIX_PAGE``-token
 (default 16) pages, when it arrives; every streamed chunk's ``meta_info.cached_tokens`` is the
 prompt's longest cached run of whole pages (at most its length - 1, as SGLang always computes
-one token), and each Prefill line reports ``#cached-token``.
+one token), and each Prefill line reports ``#cached-token``; ``/flush_cache`` empties it
+when nothing runs or waits (HTTP 400 otherwise, as SGLang).
 
 For the served-path quality harness (``diffkv-eval served``): a ``/generate`` with ``text``
 and no ``stream`` answers at once, as a "copy model": its ``text`` is the prompt it kept and
@@ -304,6 +305,13 @@ def make_app(state: FakeState) -> web.Application:
             state.finish(r, "abort")
         return web.Response(status=200)
 
+    async def flush_cache(request: web.Request) -> web.Response:
+        if state.running or state.waiting:  # SGLang flushes only when idle
+            return web.Response(status=400, text="not idle")
+        state.prefixes.clear()
+        log("Cache flushed successfully!")
+        return web.Response(status=200, text="Cache flushed.")
+
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -352,6 +360,7 @@ def make_app(state: FakeState) -> web.Application:
     app.router.add_post("/abort_request", abort)
     app.router.add_get("/get_load", get_load)
     app.router.add_post("/freeze_gc", freeze_gc)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", server_info)
     if os.environ.get("FAKE_NO_TOKENIZE") != "1":

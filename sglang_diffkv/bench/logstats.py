@@ -31,7 +31,12 @@ from typing import Any
 import numpy as np
 
 from sglang_diffkv.serving_io.errors import InputError
-from sglang_diffkv.serving_io.profile_lines import HOST_LINE_RE, parse_profile_line
+from sglang_diffkv.serving_io.profile_lines import (
+    HOST_LINE_RE,
+    PART_BUCKETS,
+    parse_parts_line,
+    parse_profile_line,
+)
 from sglang_diffkv.serving_io.sglang_log import parse_server_log
 
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*")
@@ -120,10 +125,14 @@ def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
     steps: list[tuple[float, ...]] = []
     ms_vals: dict[str, list[float]] = defaultdict(list)
     profile: list[dict[str, Any]] = []
+    parts: dict[str, list[dict[str, Any]]] = defaultdict(list)
     other: list[str] = []
     for ln in lines:
         if (prof := parse_profile_line(ln)) is not None:
             profile.append(prof)
+            continue
+        if (part := parse_parts_line(ln)) is not None:
+            parts[part["mode"]].append(part)
             continue
         if h := HOST_LINE_RE.search(ln):
             host += [int(h.group(1)), int(h.group(2))]
@@ -167,6 +176,12 @@ def _diffkv_stats(lines: list[str]) -> dict[str, Any]:
     if profile:
         out["diffkv_profile"] = _profile_summary(profile)
         out["diffkv_device_allocs"], out["diffkv_gen2_collections"] = map(int, host)
+    if parts:
+        # per mode, ms per step over the slice's steps (each line weighted by its steps)
+        out["diffkv_parts"] = {
+            mode: {f"{b}_ms": sum(x[f"{b}_ms"] * x["steps"] for x in xs)
+                   / max(sum(x["steps"] for x in xs), 1) for b in (*PART_BUCKETS, "step")}
+            for mode, xs in parts.items()}
     if ms_vals:
         out["diffkv_ms"] = {k: float(np.mean(v)) for k, v in ms_vals.items()}
         out["diffkv_ms_lines"] = max(len(v) for v in ms_vals.values())

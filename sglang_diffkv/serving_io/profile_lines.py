@@ -20,7 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 MM_BUCKETS = ("alloc", "reclaim", "free")
-BUCKETS = ("step", *MM_BUCKETS, "policy")
+# where a prefill step's time goes, beside mm (their own line, ``parts_line``): attention
+# (prompt attention and extend attention over stored chunks), whole prompts' score and
+# compress, chunked prefill's stores (chunks before the last, and the last chunk's scoring of
+# the whole prompt), radix hits' suffix stores, and exporting completed prompts to the tree
+PART_BUCKETS = ("attend", "compress", "chunk", "radix", "export")
+BUCKETS = ("step", *MM_BUCKETS, "policy", *PART_BUCKETS)
 MODES = ("prefill", "decode")
 
 _F = r"\d+(?:\.\d+)?"
@@ -36,6 +41,10 @@ PROFILE_LINE_RE = re.compile(
     rf"\((?P<total_mm_pct>{_F})% of (?P<total_step_ms>{_F}) ms\), "
     rf"policy (?P<total_policy_ms>{_F}) ms \((?P<total_policy_pct>{_F})%\)"
 )
+_PARTS = " \\+ ".join(rf"{b} (?P<{b}_ms>{_F})" for b in PART_BUCKETS)
+PARTS_LINE_RE = re.compile(
+    rf"DiffKV profile (?P<mode>prefill|decode) parts: (?P<steps>\d+) steps: {_PARTS} "
+    rf"ms/step of step (?P<step_ms>{_F}) ms")
 # the host line (``host_line_text`` writes it, this reads it)
 HOST_LINE_RE = re.compile(
     r"DiffKV host: (?P<device_allocs>\d+) device allocations, "
@@ -65,6 +74,23 @@ def profile_line(mode: str, steps: int, window: Mapping[str, float], total_steps
         f"{total['step']:.3f} ms), policy {total['policy']:.3f} ms "
         f"({_pct(total['policy'], total['step']):.2f}%)"
     )
+
+
+def parts_line(mode: str, steps: int, window: Mapping[str, float]) -> str:
+    """Where the interval's steps went (``PART_BUCKETS``), ms per step."""
+    n = max(steps, 1)
+    parts = " + ".join(f"{b} {window[b] / n:.3f}" for b in PART_BUCKETS)
+    return (f"DiffKV profile {mode} parts: {steps} steps: {parts} ms/step of step "
+            f"{window['step'] / n:.3f} ms")
+
+
+def parse_parts_line(line: str) -> dict[str, Any] | None:
+    """The fields of a parts line (``mode`` a string, ``steps`` an int, the rest floats)."""
+    m = PARTS_LINE_RE.search(line)
+    if m is None:
+        return None
+    return {k: v if k == "mode" else int(v) if k == "steps" else float(v)
+            for k, v in m.groupdict().items()}
 
 
 def host_line_text(device_allocs: int, gen2_collections: int) -> str:

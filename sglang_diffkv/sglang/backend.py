@@ -88,6 +88,7 @@ class DiffKVAttnBackend(AttentionBackend):
         self.forward_metadata: DiffKVForwardMetadata | None = None
         self.ops = DiffKVOps(self.cache, want_kernels(torch.device(self.device)))
         self.prof = pool.stats.profiler
+        self.ops.prof = self.prof
         # this rank's query heads (its attention-TP share, as its KV heads in the pool):
         # sizes the CUDA-graph decode plans and the split-K choice
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(

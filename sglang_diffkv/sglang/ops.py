@@ -37,6 +37,7 @@ from sglang_diffkv.prompt_attention import (
     causal_sdpa,
     choose_prompt_attention,
 )
+from sglang_diffkv.sglang.step_profile import StepProfiler, span
 
 logger = logging.getLogger("sglang_diffkv")
 
@@ -157,6 +158,9 @@ class DiffKVOps:
         """``fused_argmin``: None reads ``SGLANG_DIFFKV_FUSED_ARGMIN`` (kernel path only)."""
         self.cache = cache
         self.use_kernels = use_kernels
+        # the step profiler (``SGLANG_DIFFKV_PROFILE``): the backend sets it; None records
+        # nothing
+        self.prof: StepProfiler | None = None
         if fused_argmin is None:
             fused_argmin = want_fused_argmin()
         self.fused_argmin = bool(fused_argmin and use_kernels)
@@ -245,14 +249,18 @@ class DiffKVOps:
         p = step.prompts
         if not self.use_kernels:
             qp, kp, vp = p.pad(q), p.pad(k), p.pad(v)
-            out = p.unpad(causal_sdpa(qp, kp, vp, scale))
-            self.cache.prefill_layer(layer, step.req, p.lengths.long(), qp, kp, vp, scale)
+            with span(self.prof, "attend"):
+                out = p.unpad(causal_sdpa(qp, kp, vp, scale))
+            with span(self.prof, "compress"):
+                self.cache.prefill_layer(layer, step.req, p.lengths.long(), qp, kp, vp, scale)
         else:
-            out, lse = self.prompt_attention.run(q, k, v, p, scale)
-            self._score_and_compress(layer, step.req, p.lengths, q, k, v, scale, step.alpha_h,
-                                     step.alpha_l, step.seed, lse=lse, starts=p.starts,
-                                     max_len=p.max_len, totals=step.totals[layer],
-                                     buffers=step.buffers)
+            with span(self.prof, "attend"):
+                out, lse = self.prompt_attention.run(q, k, v, p, scale)
+            with span(self.prof, "compress"):
+                self._score_and_compress(layer, step.req, p.lengths, q, k, v, scale,
+                                         step.alpha_h, step.alpha_l, step.seed, lse=lse,
+                                         starts=p.starts, max_len=p.max_len,
+                                         totals=step.totals[layer], buffers=step.buffers)
         return _full_rows(out, q.shape[0])
 
     def _chunked_extend_layer(self, layer: int, step: PrefillStep, q: torch.Tensor,
@@ -264,6 +272,43 @@ class DiffKVOps:
         the last at the high tier (``CompressedKVCache.store_chunk``), last chunks scored
         over the whole prompt and stored compressed (``store_last_chunk``)."""
         c, ext, ap = self.cache, step.ext, step.all_prompts
+        with span(self.prof, "attend"):
+            out, lse = self._chunked_attend(layer, ext, ap, q, k, v, scale)
+        if step.whole_rows is not None:
+            rows, p = step.whole_rows, step.prompts
+            qw, kw, vw = q[rows], k[rows], v[rows]
+            with span(self.prof, "compress"):
+                if not self.use_kernels:
+                    c.prefill_layer(layer, step.req, p.lengths.long(), p.pad(qw), p.pad(kw),
+                                    p.pad(vw), scale)
+                else:
+                    self._score_and_compress(
+                        layer, step.req, p.lengths, qw, kw, vw, scale, step.alpha_h,
+                        step.alpha_l, step.seed, lse=None if lse is None else lse[rows],
+                        starts=p.starts, max_len=p.max_len, totals=step.totals[layer],
+                        buffers=step.buffers)
+        chunks, attached = _split_attached(c, ext)
+        with span(self.prof, "chunk"):
+            c.store_chunk(layer, chunks, q, k, v)
+            c.store_last_chunk(layer, chunks, q, k, v, scale)
+        if attached:
+            with span(self.prof, "radix"):
+                for b in attached:  # radix hits: the prompt suffix over the attached prefix
+                    slot, r = ext.slots[b], c.radix
+                    a = r.attached[slot]
+                    if ext.prefix[b] + ext.fresh[b] < a.total:
+                        r.store_chunk(layer, b, slot, ext, q, k, v)
+                    else:
+                        r.store_last(layer, b, slot, ext, q, k, v, scale)
+        return out
+
+    def _chunked_attend(self, layer: int, ext: ExtendRequests, ap: PackedPrompts,
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every request causally over its fresh tokens, then requests with stored tokens
+        again over those and their fresh tokens, replacing their rows: (out [T, Hq, Dv],
+        the fresh-only pass's LSE or None)."""
+        c = self.cache
         if not self.use_kernels:
             out, lse = ap.unpad(causal_sdpa(ap.pad(q), ap.pad(k), ap.pad(v), scale)), None
         else:
@@ -281,29 +326,7 @@ class DiffKVOps:
             else:
                 c.extend_layer_attend(layer, ext.req[pre], q, k, v, starts, lens, scale,
                                       out=out)
-        if step.whole_rows is not None:
-            rows, p = step.whole_rows, step.prompts
-            qw, kw, vw = q[rows], k[rows], v[rows]
-            if not self.use_kernels:
-                c.prefill_layer(layer, step.req, p.lengths.long(), p.pad(qw), p.pad(kw),
-                                p.pad(vw), scale)
-            else:
-                self._score_and_compress(
-                    layer, step.req, p.lengths, qw, kw, vw, scale, step.alpha_h,
-                    step.alpha_l, step.seed, lse=None if lse is None else lse[rows],
-                    starts=p.starts, max_len=p.max_len, totals=step.totals[layer],
-                    buffers=step.buffers)
-        chunks, attached = _split_attached(c, ext)
-        c.store_chunk(layer, chunks, q, k, v)
-        c.store_last_chunk(layer, chunks, q, k, v, scale)
-        for b in attached:  # radix hits: the prompt suffix over the attached prefix
-            slot, r = ext.slots[b], c.radix
-            a = r.attached[slot]
-            if ext.prefix[b] + ext.fresh[b] < a.total:
-                r.store_chunk(layer, b, slot, ext, q, k, v)
-            else:
-                r.store_last(layer, b, slot, ext, q, k, v, scale)
-        return out
+        return out, lse
 
     def end_prefill_step(self, step: PrefillStep) -> None:
         """After the last layer: record what each row kept and return the pages that
@@ -320,7 +343,8 @@ class DiffKVOps:
         else:
             c.end_prefill(step.req)
         if c.radix is not None:  # (radix prefix sharing: the completed prompts)
-            c.radix.export()
+            with span(self.prof, "export"):
+                c.radix.export()
 
     def prefill_layer(self, layer: int, req: torch.Tensor, lengths: torch.Tensor,
                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:

@@ -18,6 +18,11 @@ Buckets (milliseconds):
   finished request's pages back to the free list, between steps; counted in the next step);
 - ``policy``: the decode policy step of every layer (``ops.decode_store``: evict / demote /
   store the new token): per-layer tier management, reported apart from ``mm``;
+- prefill parts (their own line, ``parts_line``; ``PART_BUCKETS``): ``attend`` (prompt and
+  extend attention), ``compress`` (whole prompts scored and stored), ``chunk`` (chunked
+  prefill's stores, the last chunk's whole-prompt scoring included), ``radix`` (radix hits'
+  suffix stores), ``export`` (completed prompts copied into the tree's handles; also inside
+  ``reclaim``, which spans the whole end of the step);
 - ``host`` (host clock, not events): the same ``step`` interval as the host saw it, i.e. the
   time to issue the step's work, any host synchronisation inside it included. ``host``
   close to ``step`` means the step is bound by its host work (the GPU waited for
@@ -40,7 +45,14 @@ from typing import Any
 
 import torch
 
-from sglang_diffkv.serving_io.profile_lines import BUCKETS, MODES, host_line_text, profile_line
+from sglang_diffkv.serving_io.profile_lines import (
+    BUCKETS,
+    MODES,
+    PART_BUCKETS,
+    host_line_text,
+    parts_line,
+    profile_line,
+)
 
 PROFILE_ENV = "SGLANG_DIFFKV_PROFILE"
 MAX_PENDING = 65536  # spans kept unread before a forced read (only when lines are off)
@@ -152,6 +164,8 @@ class StepProfiler:
                 out.append(profile_line(mode, self.window_steps[mode], self.window[mode],
                                         self.total_steps[mode], self.total[mode],
                                         self.window_host[mode]))
+                if any(self.window[mode][b] for b in PART_BUCKETS):
+                    out.append(parts_line(mode, self.window_steps[mode], self.window[mode]))
             self.window[mode] = dict.fromkeys(BUCKETS, 0.0)
             self.window_host[mode] = 0.0
             self.window_steps[mode] = 0

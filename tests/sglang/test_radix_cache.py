@@ -466,3 +466,27 @@ def test_kernel_path_shares_prefixes_as_copies(monkeypatch):
     for key in ok:
         w = orr[key].double()
         assert float(torch.linalg.norm(ok[key].double() - w) / torch.linalg.norm(w)) < 2e-2, key
+
+
+def test_the_step_profile_says_where_prefill_time_goes(monkeypatch, caplog):
+    """SGLANG_DIFFKV_PROFILE=1 on a run with chunks and radix hits: the prefill parts line
+    times attention, chunk stores, radix suffix stores and exports, within the step."""
+    from sglang_diffkv.serving_io.profile_lines import PART_BUCKETS, parse_parts_line
+
+    monkeypatch.setenv("SGLANG_DIFFKV_PROFILE", "1")
+    monkeypatch.setenv("SGLANG_DIFFKV_LOG_INTERVAL", "1")
+    sys_p = system(50, 6)
+    with caplog.at_level(logging.INFO, logger="sglang_diffkv"):
+        s = sched(COMPRESSING, chunk=24, monkeypatch=monkeypatch)
+        s.add_request("a", sys_p + [3, 4, 5], 4)
+        s.run_until_idle()
+        s.add_request("b", sys_p + [6] * 30, 4)  # a hit, its suffix in two chunks
+        s.run_until_idle()
+    parts = [p for r in caplog.records if (p := parse_parts_line(r.getMessage()))]
+    assert parts and all(p["mode"] == "prefill" for p in parts)
+    total = {b: sum(p[f"{b}_ms"] * p["steps"] for p in parts) for b in PART_BUCKETS}
+    assert all(total[b] > 0 for b in ("attend", "chunk", "radix", "export")), total
+    for p in parts:
+        # (the spans are host-clock on the CPU; each sits inside its step)
+        assert sum(p[f"{b}_ms"] for b in PART_BUCKETS) <= p["step_ms"] * 1.001 + 1e-3
+    assert_idle_and_flush(s)
