@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -298,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Each probe replays the trace's lengths at the rate (Poisson); the "
                     "answer is searched again on traces twice as long until it stays the "
                     "same (steady state). Default: the bundled Azure code trace (long "
-                    "prompts, short outputs) at 30 req/s, TTFT 250 ms and TPOT 50 ms for "
-                    "90%% of requests, a 100 Gb/s RDMA link per pair of replicas.")
+                    "prompts, short outputs) at 30 req/s, TTFT 250 ms and TPOT 15 ms for "
+                    "90%% of requests, a 100 Gb/s RDMA link per pair of replicas "
+                    "(docs/disaggregation.md's worked example).")
     g = dg.add_argument_group("disaggregation")
     g.add_argument("--link", default="rdma-100", metavar="LINK",
                    help=f"KV transfer link: {', '.join(link_names())}, or a JSON file with the "
@@ -319,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-requests", type=int, default=4000,
                    help="longest search trace: stop doubling here and say the answer is not "
                         "steady (default: %(default)s)")
+    g.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
+                   help="KV formats searched at once, each in a process of its own "
+                        "(default: %(default)s, the CPU cores up to 3)")
     g.add_argument("--colocated", default="replay", choices=("replay", "capacity", "none"),
                    help="the colocated answer: replay = the fewest colocated replicas meeting "
                         "the SLO on the same probe traces (same requests, arrivals and "
@@ -331,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_options(dg)
     _slo_options(dg, required=True)
     _output_options(dg)
-    dg.set_defaults(rate=30.0, slo_ttft_ms=250.0, slo_tpot_ms=50.0)
+    dg.set_defaults(rate=30.0, slo_ttft_ms=250.0, slo_tpot_ms=15.0)
 
     v = sub.add_parser("validate", help="simulate a run and compare with SGLang's measurements",
                        description="Replay the trace a real SGLang run served and compare the "
@@ -706,9 +711,8 @@ def _split_arg(text: str) -> tuple[int, int]:
     return p, d
 
 
-def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
-    from simulator.studies import disagg_search as ds
-
+def _disagg_inputs(a: argparse.Namespace) -> tuple[Scenario, Trace, Any, SLO, float, int]:
+    """(scenario, trace, link, SLO, rate, max replicas) from disagg's options, validated."""
     sc = _scenario(a)
     link = load_link(a.link)
     if a.link_scope not in LINK_SCOPES:
@@ -716,9 +720,8 @@ def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
                                   f"{', '.join(LINK_SCOPES)}")
     if a.rate is not None and not (a.rate > 0 and math.isfinite(a.rate)):
         raise SimulatorInputError(f"--rate {a.rate!r}: disagg needs a finite rate > 0 (req/s)")
-    a_rate, a.rate = a.rate, None   # the probes set the rate; the trace keeps its own here
-    trace = _workload(a)
-    a.rate = a_rate
+    # the probes replay the trace at the rate; the trace itself keeps its own arrivals
+    trace = _workload(argparse.Namespace(**{**vars(a), "rate": None}))
     if isinstance(trace, ClosedLoop):
         raise SimulatorInputError("disagg needs an open-loop trace, not --closed-loop")
     rate = a.rate if a.rate is not None else trace.mean_rate
@@ -728,45 +731,102 @@ def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     if a.max_gpus < 2:
         raise SimulatorInputError(f"--max-gpus {a.max_gpus} must be >= 2 (a prefill and a "
                                   "decode replica)")
+    if a.jobs < 1:
+        raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
     slo = _slo(a, True)
     assert slo is not None
-    tp = sc.settings.tp
-    max_replicas = a.max_gpus // tp
+    max_replicas = a.max_gpus // sc.settings.tp
     if max_replicas < 2:
         raise SimulatorInputError(f"--max-gpus {a.max_gpus} holds fewer than two replicas of "
-                                  f"--tp {tp}")
-    split = _split_arg(a.split) if a.split else None
-    results: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    probes = 0
-    for f in _formats(a):
-        srv = sc.server(f)
-        with _disagg_progress(a, f) as on_probe:
-            if split is not None:
-                n = a.start_requests
-                load = resample_arrivals(resized(trace, n, a.seed), rate, a.seed)
-                best = ds.probe_split(srv, load, slo, *split, link, a.link_scope, a.router,
-                                      a.seed)
-                on_probe(best)
-                found = {"best": best, "levels": [{"requests": n, "prefill": split[0],
-                                                   "decode": split[1]}],
-                         "converged": None, "note": "", "probes": [best],
-                         "gpus": sum(split) * tp,
-                         "goodput_per_gpu": best.summary["goodput"] / (sum(split) * tp)}
-                colo = ({"best": ds.probe_fleet(srv, load, slo, sum(split), a.router, a.seed),
-                         "levels": [], "converged": None, "probes": []}
-                        if a.colocated != "none" else None)
-                if colo is not None:
-                    colo["gpus"] = sum(split) * tp
-                    colo["goodput_per_gpu"] = colo["best"].summary["goodput"] / colo["gpus"]
-            else:
-                found = ds.cheapest_split(srv, trace, slo, link, rate, a.link_scope, a.router,
-                                          a.start_requests, a.max_requests, max_replicas,
-                                          a.seed, on_probe)
-                colo = _colocated(a, sc, srv, trace, f, slo, rate, max_replicas, found,
+                                  f"--tp {sc.settings.tp}")
+    return sc, trace, link, slo, rate, max_replicas
+
+
+def _disagg_format(a: argparse.Namespace, fmt: str, on_probe: Any) -> dict[str, Any]:
+    """One KV format's answers for ``cmd_disagg``: the split (searched, or --split
+    replayed) and the colocated one. Runs in a worker process under --jobs."""
+    from simulator.studies import disagg_search as ds
+
+    sc, trace, link, slo, rate, max_replicas = _disagg_inputs(a)
+    tp = sc.settings.tp
+    srv = sc.server(fmt)
+    if a.split is None:
+        found = ds.cheapest_split(srv, trace, slo, link, rate, a.link_scope, a.router,
+                                  a.start_requests, a.max_requests, max_replicas, a.seed,
                                   on_probe)
-        probes += len(found["probes"]) + (len(colo["probes"]) if colo else 0)
-        results.append({"format": f, "disagg": found, "colocated": colo})
+        colo = _colocated(a, sc, srv, trace, fmt, slo, rate, max_replicas, found, on_probe)
+        return {"format": fmt, "disagg": found, "colocated": colo}
+    split = _split_arg(a.split)
+    n = a.start_requests
+    load = resample_arrivals(resized(trace, n, a.seed), rate, a.seed)
+    best = ds.probe_split(srv, load, slo, *split, link, a.link_scope, a.router, a.seed)
+    on_probe(best)
+    gpus = sum(split) * tp
+    found = {"best": best, "levels": [{"requests": n, "prefill": split[0], "decode": split[1]}],
+             "converged": None, "note": "", "probes": [best], "gpus": gpus,
+             "goodput_per_gpu": best.summary["goodput"] / gpus}
+    colo = None
+    if a.colocated != "none":
+        fleet = ds.probe_fleet(srv, load, slo, sum(split), a.router, a.seed)
+        on_probe(fleet)
+        colo = {"best": fleet, "levels": [], "converged": None, "probes": [fleet],
+                "gpus": gpus, "goodput_per_gpu": fleet.summary["goodput"] / gpus}
+    return {"format": fmt, "disagg": found, "colocated": colo}
+
+
+def _disagg_worker(a: argparse.Namespace, fmt: str, queue: Any) -> dict[str, Any]:
+    """``_disagg_format`` in a worker process, its probes reported on ``queue``."""
+    return _disagg_format(a, fmt, lambda p: queue.put((fmt, _probe_note(p))))
+
+
+def _probe_note(p: Any) -> str:
+    where = f"{p.prefill}P+{p.decode}D" if hasattr(p, "prefill") else f"{p.replicas} coloc"
+    return f"{p.requests:,} req, {where}: {p.attainment:.0%} {'met' if p.met else 'missed'}"
+
+
+def _disagg_parallel(a: argparse.Namespace, formats: list[str]) -> list[dict[str, Any]]:
+    """Each format's search in a process of its own (--jobs), one progress bar over all."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, wait
+
+    from tqdm import tqdm
+
+    show = a.progress if a.progress is not None else sys.stderr.isatty()
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(min(a.jobs, len(formats)),
+                                                       mp_context=ctx) as pool:
+        queue = manager.Queue()
+        futures = [pool.submit(_disagg_worker, a, f, queue) for f in formats]
+        bar = tqdm(desc="disagg " + ",".join(formats), unit="replay", file=sys.stderr,
+                   disable=not show, leave=False)
+        try:
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=0.2)
+                while not queue.empty():
+                    fmt, note = queue.get()
+                    bar.set_postfix_str(f"{fmt} {note}")
+                    bar.update()
+        finally:
+            bar.close()
+        return [f.result() for f in futures]
+
+
+def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    sc, trace, link, slo, rate, _ = _disagg_inputs(a)
+    tp = sc.settings.tp
+    split = _split_arg(a.split) if a.split else None
+    formats = _formats(a)
+    t0 = time.perf_counter()
+    if a.jobs > 1 and len(formats) > 1:
+        results = _disagg_parallel(a, formats)
+    else:
+        results = []
+        for f in formats:
+            with _disagg_progress(a, f) as on_probe:
+                results.append(_disagg_format(a, f, on_probe))
+    probes = sum(len(r["disagg"]["probes"]) + (len(r["colocated"]["probes"])
+                                                if r["colocated"] else 0) for r in results)
     elapsed = time.perf_counter() - t0
     title = (f"{_header(sc, trace)}\nreplayed at {rate:.3g} req/s"
              f"{' (--rate)' if a.rate is not None else ' (the trace rate)'}; SLO: "
@@ -845,8 +905,8 @@ def _disagg_table(results: list[dict[str, Any]], tp: int, title: str) -> str:
             c["goodput_per_gpu"] if c else None,
         ])
     return table.render(["format", "P:D", "GPUs", "SLO met", "TTFT p90 ms", "TPOT p90 ms",
-                         "goodput/GPU", "KV MB/req", "wire ms/req", "busiest link",
-                         "coloc GPUs", "coloc SLO met", "coloc TTFT p90", "coloc TPOT p90",
+                         "goodput/GPU", "KV MB/req", "wire ms", "link busy", "coloc GPUs",
+                         "coloc met", "coloc TTFT p90", "coloc TPOT p90",
                          "coloc goodput/GPU"], rows, title)
 
 
@@ -868,15 +928,18 @@ def _disagg_lines(r: dict[str, Any]) -> str:
     b = d["best"]
     if b is not None:
         k = b.kv
-        line += (f"; mean TTFT (ms): waiting for the KV reservation {k['reserve_wait_ms']:.1f}"
-                 f", for the prefill {k['prefill_wait_ms']:.1f}, prefill "
-                 f"{k['prefill_ms']:.1f}, waiting for the link {k['link_wait_ms']:.1f}, on "
-                 f"the wire {k['wire_ms']:.1f}, for a decode slot {k['join_wait_ms']:.1f}")
+        line += (f"\n  mean TTFT (ms): KV reservation {k['reserve_wait_ms']:.1f}, prefill queue "
+                 f"{k['prefill_wait_ms']:.1f}, prefill {k['prefill_ms']:.1f}, link queue "
+                 f"{k['link_wait_ms']:.1f}, wire {k['wire_ms']:.1f}, decode slot "
+                 f"{k['join_wait_ms']:.1f}")
     c = r["colocated"]
     if c and c["levels"] and "replicas" in c["levels"][0]:
         steps = " -> ".join(f"{x['replicas'] or 'none'} ({x['requests']:,} req)"
                             for x in c["levels"])
-        line += f"\n  colocated replicas by trace length {steps}"
+        tail = "steady" if c["converged"] else "NOT steady by --max-requests"
+        if c["best"] is None:
+            tail = "no fleet within --max-gpus meets the SLO"
+        line += f"\n  colocated replicas by trace length {steps}: {tail}"
     elif c and "max_rate_per_replica" in c:
         line += (f"\n  colocated (capacity): {c['max_rate_per_replica']:.3g} req/s per "
                  f"replica{'' if c['converged'] else ' (NOT steady)'}")
@@ -922,10 +985,7 @@ def _disagg_progress(a: argparse.Namespace, fmt: str) -> Iterator[Any]:
                leave=False)
 
     def on_probe(p: Any) -> None:
-        where = (f"{p.prefill}P+{p.decode}D" if hasattr(p, "prefill")
-                 else f"{p.replicas} colocated")
-        bar.set_postfix_str(f"{p.requests:,} req, {where}: {p.attainment:.0%} "
-                            f"{'met' if p.met else 'missed'}")
+        bar.set_postfix_str(_probe_note(p))
         bar.update()
     try:
         yield on_probe

@@ -43,7 +43,8 @@ class LinkSpec:
 
     def describe(self) -> str:
         eff = "" if self.efficiency == 1 else f" x {self.efficiency:g} efficiency"
-        return f"{self.name}: {self.bandwidth / 1e9:g} GB/s{eff}, {self.latency_s * 1e6:g} us"
+        return (f"{self.name}: {self.bandwidth / 1e9:g} GB/s each way{eff}, "
+                f"{self.latency_s * 1e6:g} us per transfer")
 
     @classmethod
     def from_dict(cls, key: str, d: Any) -> LinkSpec:
