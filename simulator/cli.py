@@ -313,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default=None, metavar="P:D",
                    help="replay this split only (P prefill and D decode replicas), beside "
                         "as many colocated replicas, instead of searching")
+    g.add_argument("--trace-arrivals", action="store_true",
+                   help="with --split: replay the trace's own arrival times (all of its "
+                        "requests, or -n), not Poisson arrivals at --rate: to set the "
+                        "model beside a measured P/D run of the same trace")
     g.add_argument("--max-gpus", type=int, default=32,
                    help="give up above this many GPUs per deployment (default: %(default)s)")
     g.add_argument("--start-requests", type=int, default=1000,
@@ -733,6 +737,8 @@ def _disagg_inputs(a: argparse.Namespace) -> tuple[Scenario, Trace, Any, SLO, fl
                                   "decode replica)")
     if a.jobs < 1:
         raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
+    if a.trace_arrivals and a.split is None:
+        raise SimulatorInputError("--trace-arrivals replays one deployment: give --split P:D")
     slo = _slo(a, True)
     assert slo is not None
     max_replicas = a.max_gpus // sc.settings.tp
@@ -757,8 +763,11 @@ def _disagg_format(a: argparse.Namespace, fmt: str, on_probe: Any) -> dict[str, 
         colo = _colocated(a, sc, srv, trace, fmt, slo, rate, max_replicas, found, on_probe)
         return {"format": fmt, "disagg": found, "colocated": colo}
     split = _split_arg(a.split)
-    n = a.start_requests
-    load = resample_arrivals(resized(trace, n, a.seed), rate, a.seed)
+    if a.trace_arrivals:
+        load, n = trace, len(trace)
+    else:
+        n = a.start_requests
+        load = resample_arrivals(resized(trace, n, a.seed), rate, a.seed)
     best = ds.probe_split(srv, load, slo, *split, link, a.link_scope, a.router, a.seed)
     on_probe(best)
     gpus = sum(split) * tp
@@ -828,14 +837,17 @@ def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     probes = sum(len(r["disagg"]["probes"]) + (len(r["colocated"]["probes"])
                                                 if r["colocated"] else 0) for r in results)
     elapsed = time.perf_counter() - t0
-    title = (f"{_header(sc, trace)}\nreplayed at {rate:.3g} req/s"
-             f"{' (--rate)' if a.rate is not None else ' (the trace rate)'}; SLO: "
+    when = ("replayed at its own arrival times" if a.trace_arrivals else
+            f"replayed at {rate:.3g} req/s"
+            f"{' (--rate)' if a.rate is not None else ' (the trace rate)'}")
+    title = (f"{_header(sc, trace)}\n{when}; SLO: "
              f"{slo.describe()}; link {link.describe()}, one per "
              f"{'pair of replicas' if a.link_scope == 'pair' else 'GPU and direction'}")
     print(_disagg_table(results, tp, title), file=out)
     for r in results:
         print(_disagg_lines(r), file=out)
-    what = (f"the split {split[0]}:{split[1]} on {a.start_requests:,} requests" if split
+    n_split = len(trace) if a.trace_arrivals else a.start_requests
+    what = (f"the split {split[0]}:{split[1]} on {n_split:,} requests" if split
             else "the fewest GPUs")
     print(f"GPUs = (P + D) x tp{tp}; goodput = requests meeting the SLO per second; "
           f"{what}. {probes} replays in {elapsed:.1f} s.", file=out)

@@ -110,9 +110,17 @@ def test_disagg_command_prints_writes_and_plots(tmp_path):
     (["--rate", "inf"], "disagg needs a finite rate"),
     (["--closed-loop", "4"], "disagg needs an open-loop trace"),
     (["--formats", "bf17"], "unknown ['bf17']"),
+    (["--trace-arrivals"], "--trace-arrivals replays one deployment"),
 ])
 def test_bad_disagg_input_is_one_clear_error(argv, needle, capsys):
     rc, _ = _run("disagg", "-n", "20", "--start-requests", "20", *argv)
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.startswith("diffkv-sim: error:")
     assert err.count("\n") == 1
+
+
+def test_a_split_replays_the_traces_own_arrivals_for_a_measured_run():
+    rc, text = _run("disagg", "--formats", "bf16", "--split", "1:1", "--trace-arrivals",
+                    "-n", "60", "--colocated", "none")
+    assert rc == 0 and "replayed at its own arrival times" in text
+    assert "the split 1:1 on 60 requests" in text
