@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "answer is searched again on traces twice as long until it stays the "
                     "same (steady state). Default: the bundled Azure code trace (long "
                     "prompts, short outputs) at 30 req/s, TTFT 250 ms and TPOT 15 ms for "
-                    "90%% of requests, a 100 Gb/s RDMA link per pair of replicas "
+                    "90% of requests, a 100 Gb/s RDMA link per pair of replicas "
                     "(docs/disaggregation.md's worked example).")
     g = dg.add_argument_group("disaggregation")
     g.add_argument("--link", default="rdma-100", metavar="LINK",
@@ -737,6 +737,9 @@ def _disagg_inputs(a: argparse.Namespace) -> tuple[Scenario, Trace, Any, SLO, fl
                                   "decode replica)")
     if a.jobs < 1:
         raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
+    if a.replicas != 1:
+        raise SimulatorInputError(f"--replicas {a.replicas}: disagg chooses the replicas "
+                                  "(--split P:D replays given ones)")
     if a.trace_arrivals and a.split is None:
         raise SimulatorInputError("--trace-arrivals replays one deployment: give --split P:D")
     slo = _slo(a, True)

@@ -111,6 +111,7 @@ def test_disagg_command_prints_writes_and_plots(tmp_path):
     (["--closed-loop", "4"], "disagg needs an open-loop trace"),
     (["--formats", "bf17"], "unknown ['bf17']"),
     (["--trace-arrivals"], "--trace-arrivals replays one deployment"),
+    (["--replicas", "3"], "--replicas 3: disagg chooses the replicas"),
 ])
 def test_bad_disagg_input_is_one_clear_error(argv, needle, capsys):
     rc, _ = _run("disagg", "-n", "20", "--start-requests", "20", *argv)
