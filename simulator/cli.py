@@ -956,28 +956,29 @@ def _disagg_lines(r: dict[str, Any]) -> str:
             tail = "no fleet within --max-gpus meets the SLO"
         line += f"\n  colocated replicas by trace length {steps}: {tail}"
     elif c and "max_rate_per_replica" in c:
-        line += (f"\n  colocated (capacity): {c['max_rate_per_replica']:.3g} req/s per "
-                 f"replica{'' if c['converged'] else ' (NOT steady)'}")
+        if c["max_rate_per_replica"] > 0:
+            line += (f"\n  colocated (capacity): {c['max_rate_per_replica']:.3g} req/s per "
+                     f"replica{'' if c['converged'] else ' (NOT steady)'}")
+        else:
+            line += "\n  colocated (capacity): no rate meets the SLO on one replica"
     return line
 
 
 def _probe_row(p: Any) -> dict[str, Any]:
+    """A split's or a colocated fleet's probe (``disagg_search``) as a JSON row."""
     row = {"requests": p.requests, "attainment": p.attainment, "met": p.met,
            "ttft_p90_ms": p.summary["ttft_ms"]["p90"], "tpot_p90_ms": p.summary["tpot_ms"]["p90"],
            "goodput": p.summary["goodput"]}
     if hasattr(p, "prefill"):
-        row |= {"prefill": p.prefill, "decode": p.decode, "kv": p.kv, "blame": p.blame}
-    elif hasattr(p, "replicas"):
-        row["replicas"] = p.replicas
-    else:  # a capacity probe (rate search on one replica)
-        row = {"rate": p.get("rate"), **row} if isinstance(p, dict) else row
-    return row
+        return row | {"prefill": p.prefill, "decode": p.decode, "kv": p.kv, "blame": p.blame}
+    return row | {"replicas": p.replicas}
 
 
 def _disagg_json(r: dict[str, Any]) -> dict[str, Any]:
     def part(x: dict[str, Any] | None) -> dict[str, Any] | None:
         if x is None:
             return None
+        # the capacity search's probes are rows already; the others are probe objects
         probes = [p if isinstance(p, dict) else _probe_row(p) for p in x["probes"]]
         return {"gpus": x["gpus"], "goodput_per_gpu": x["goodput_per_gpu"],
                 "converged": x["converged"], "levels": x["levels"], "probes": probes,

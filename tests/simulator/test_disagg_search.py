@@ -125,3 +125,13 @@ def test_a_split_replays_the_traces_own_arrivals_for_a_measured_run():
                     "-n", "60", "--colocated", "none")
     assert rc == 0 and "replayed at its own arrival times" in text
     assert "the split 1:1 on 60 requests" in text
+
+
+def test_the_colocated_answer_can_be_the_capacity_commands(tmp_path):
+    rc, text = _run("disagg", "--formats", "fp8", "--colocated", "capacity", "--rate", "12",
+                    "--start-requests", "120", "--max-requests", "120", "--slo-ttft-ms",
+                    "1000", "--json", str(tmp_path / "c.json"))
+    assert rc == 0 and "colocated (capacity):" in text and "req/s per replica" in text
+    colo = json.loads((tmp_path / "c.json").read_text())["results"][0]["colocated"]
+    assert colo["max_rate_per_replica"] > 0 and colo["gpus"] >= 1
+    assert colo["best"]["replicas"] == colo["gpus"]
