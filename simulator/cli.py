@@ -1,7 +1,8 @@
 """diffkv-sim: capacity planning for SGLang with bf16, fp8 and DiffKV KV caches.
 
 Subcommands: compare (the default comparison), replay (one format, full metrics), sweep
-(request rates x KV formats), capacity (max QPS and GPUs needed under an SLO), validate
+(request rates x KV formats), capacity (max QPS and GPUs needed under an SLO), disagg (the
+cheapest prefill:decode split per KV format under an SLO, beside colocation), validate
 (simulate a measured SGLang run and compare), calibrate (fit eta from an SGLang log), export
 (write a trace as Mooncake JSONL for sglang.bench_serving), list (bundled traces, length
 models, models and GPUs); validate-runs (fit and validate on the harness's real runs, from a
@@ -17,6 +18,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +33,7 @@ from sglang_diffkv.serving_io.errors import InputError
 from sglang_diffkv.serving_io.loaders import FORMATS as TRACE_FORMATS
 from sglang_diffkv.serving_io.trace import Trace
 from sglang_diffkv.serving_io.writer import write_mooncake_jsonl
+from simulator.engine.link import LINK_SCOPES
 from simulator.errors import SimulatorInputError
 from simulator.kv.formats import FORMAT_NAMES
 from simulator.kv.mix import TierMix
@@ -40,12 +43,14 @@ from simulator.report import table
 from simulator.serving.settings import ServerSettings
 from simulator.specs.calibration_set import CalibrationSet, load_calibration_set, measured_gpus
 from simulator.specs.gpu import gpu_names, load_gpu
+from simulator.specs.link import link_names, load_link
 from simulator.specs.model import BUNDLED as BUNDLED_MODELS
 from simulator.specs.model import load_model
 from simulator.studies.scenario import Scenario
 from simulator.studies.search import OnProbe, Probe, replicas_for, steady_max_rate
 from simulator.workload.generate import (
     ClosedLoop,
+    resized,
     scale_lengths,
     synthetic_trace,
 )
@@ -279,6 +284,63 @@ def build_parser() -> argparse.ArgumentParser:
     _server_options(k)
     _slo_options(k, required=True)
     _output_options(k)
+
+    dg = sub.add_parser(
+        "disagg", help="prefill/decode disaggregation: the cheapest P:D split and KV format "
+                       "under an SLO, beside colocated serving",
+        description="For each KV format: the fewest GPUs, as P prefill + D decode replicas "
+                    "joined by KV transfer links, that serve the trace at its rate (or "
+                    "--rate) under the SLO, with the goodput per GPU, beside the fewest "
+                    "colocated replicas doing the same. The decode replica preallocates a "
+                    "request's KV (SGLang's --disaggregation-mode decode), the prefill "
+                    "replica prefills it and sends its KV as its pool stores it (bf16/fp8: "
+                    "each chunk's slots; diffkv: the compressed pages, metadata included), "
+                    "and the link queues transfers (FIFO, latency + bytes / bandwidth). "
+                    "Each probe replays the trace's lengths at the rate (Poisson); the "
+                    "answer is searched again on traces twice as long until it stays the "
+                    "same (steady state). Default: the bundled Azure code trace (long "
+                    "prompts, short outputs) at 30 req/s, TTFT 250 ms and TPOT 15 ms for "
+                    "90% of requests, a 100 Gb/s RDMA link per pair of replicas "
+                    "(docs/disaggregation.md's worked example).")
+    g = dg.add_argument_group("disaggregation")
+    g.add_argument("--link", default="rdma-100", metavar="LINK",
+                   help=f"KV transfer link: {', '.join(link_names())}, or a JSON file with the "
+                        "fields of simulator/specs/links.json (default: %(default)s)")
+    g.add_argument("--link-scope", default="pair", choices=LINK_SCOPES,
+                   help="pair: every (prefill, decode) pair of replicas has a link of its own; "
+                        "gpu: every replica has one port per direction (one NIC per GPU), "
+                        "shared by all its transfers (default: %(default)s)")
+    g.add_argument("--split", default=None, metavar="P:D",
+                   help="replay this split only (P prefill and D decode replicas), beside "
+                        "as many colocated replicas, instead of searching")
+    g.add_argument("--trace-arrivals", action="store_true",
+                   help="with --split: replay the trace's own arrival times (all of its "
+                        "requests, or -n), not Poisson arrivals at --rate: to set the "
+                        "model beside a measured P/D run of the same trace")
+    g.add_argument("--max-gpus", type=int, default=32,
+                   help="give up above this many GPUs per deployment (default: %(default)s)")
+    g.add_argument("--start-requests", type=int, default=1000,
+                   help="requests in the first (shortest) search trace; the trace's lengths "
+                        "are drawn again past its end (default: %(default)s)")
+    g.add_argument("--max-requests", type=int, default=4000,
+                   help="longest search trace: stop doubling here and say the answer is not "
+                        "steady (default: %(default)s)")
+    g.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
+                   help="KV formats searched at once, each in a process of its own "
+                        "(default: %(default)s, the CPU cores up to 3)")
+    g.add_argument("--colocated", default="replay", choices=("replay", "capacity", "none"),
+                   help="the colocated answer: replay = the fewest colocated replicas meeting "
+                        "the SLO on the same probe traces (same requests, arrivals and "
+                        "criterion); capacity = the 'capacity' command's answer (steady max "
+                        "rate per replica, ceil(rate / it) replicas; slower); none = skip "
+                        "(default: %(default)s)")
+    _workload_options(dg, "azure-code")
+    _format_options(dg, many=True)
+    _deployment_options(dg)
+    _server_options(dg)
+    _slo_options(dg, required=True)
+    _output_options(dg)
+    dg.set_defaults(rate=30.0, slo_ttft_ms=250.0, slo_tpot_ms=15.0)
 
     v = sub.add_parser("validate", help="simulate a run and compare with SGLang's measurements",
                        description="Replay the trace a real SGLang run served and compare the "
@@ -641,6 +703,312 @@ def _search_progress(a: argparse.Namespace, fmt: str) -> Iterator[OnProbe]:
         bar.close()
 
 
+def _split_arg(text: str) -> tuple[int, int]:
+    """'P:D' -> (P, D), both >= 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        p = d = 0
+    if p < 1 or d < 1:
+        raise SimulatorInputError(f"--split {text!r} must be P:D with P and D integers >= 1 "
+                                  "(prefill and decode replicas), e.g. 2:1")
+    return p, d
+
+
+def _disagg_inputs(a: argparse.Namespace) -> tuple[Scenario, Trace, Any, SLO, float, int]:
+    """(scenario, trace, link, SLO, rate, max replicas) from disagg's options, validated."""
+    sc = _scenario(a)
+    link = load_link(a.link)
+    if a.link_scope not in LINK_SCOPES:
+        raise SimulatorInputError(f"--link-scope {a.link_scope!r}: choose one of "
+                                  f"{', '.join(LINK_SCOPES)}")
+    if a.rate is not None and not (a.rate > 0 and math.isfinite(a.rate)):
+        raise SimulatorInputError(f"--rate {a.rate!r}: disagg needs a finite rate > 0 (req/s)")
+    # the probes replay the trace at the rate; the trace itself keeps its own arrivals
+    trace = _workload(argparse.Namespace(**{**vars(a), "rate": None}))
+    if isinstance(trace, ClosedLoop):
+        raise SimulatorInputError("disagg needs an open-loop trace, not --closed-loop")
+    rate = a.rate if a.rate is not None else trace.mean_rate
+    if not (rate > 0 and math.isfinite(rate)):
+        raise SimulatorInputError(f"the trace's rate {rate!r} req/s cannot be replayed; give "
+                                  "--rate")
+    if a.max_gpus < 2:
+        raise SimulatorInputError(f"--max-gpus {a.max_gpus} must be >= 2 (a prefill and a "
+                                  "decode replica)")
+    if a.jobs < 1:
+        raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
+    if a.replicas != 1:
+        raise SimulatorInputError(f"--replicas {a.replicas}: disagg chooses the replicas "
+                                  "(--split P:D replays given ones)")
+    if a.trace_arrivals and a.split is None:
+        raise SimulatorInputError("--trace-arrivals replays one deployment: give --split P:D")
+    slo = _slo(a, True)
+    assert slo is not None
+    max_replicas = a.max_gpus // sc.settings.tp
+    if max_replicas < 2:
+        raise SimulatorInputError(f"--max-gpus {a.max_gpus} holds fewer than two replicas of "
+                                  f"--tp {sc.settings.tp}")
+    return sc, trace, link, slo, rate, max_replicas
+
+
+def _disagg_format(a: argparse.Namespace, fmt: str, on_probe: Any) -> dict[str, Any]:
+    """One KV format's answers for ``cmd_disagg``: the split (searched, or --split
+    replayed) and the colocated one. Runs in a worker process under --jobs."""
+    from simulator.studies import disagg_search as ds
+
+    sc, trace, link, slo, rate, max_replicas = _disagg_inputs(a)
+    tp = sc.settings.tp
+    srv = sc.server(fmt)
+    if a.split is None:
+        found = ds.cheapest_split(srv, trace, slo, link, rate, a.link_scope, a.router,
+                                  a.start_requests, a.max_requests, max_replicas, a.seed,
+                                  on_probe)
+        colo = _colocated(a, sc, srv, trace, fmt, slo, rate, max_replicas, found, on_probe)
+        return {"format": fmt, "disagg": found, "colocated": colo}
+    split = _split_arg(a.split)
+    if a.trace_arrivals:
+        load, n = trace, len(trace)
+    else:
+        n = a.start_requests
+        load = resample_arrivals(resized(trace, n, a.seed), rate, a.seed)
+    best = ds.probe_split(srv, load, slo, *split, link, a.link_scope, a.router, a.seed)
+    on_probe(best)
+    gpus = sum(split) * tp
+    found = {"best": best, "levels": [{"requests": n, "prefill": split[0], "decode": split[1]}],
+             "converged": None, "note": "", "probes": [best], "gpus": gpus,
+             "goodput_per_gpu": best.summary["goodput"] / gpus}
+    colo = None
+    if a.colocated != "none":
+        fleet = ds.probe_fleet(srv, load, slo, sum(split), a.router, a.seed)
+        on_probe(fleet)
+        colo = {"best": fleet, "levels": [], "converged": None, "probes": [fleet],
+                "gpus": gpus, "goodput_per_gpu": fleet.summary["goodput"] / gpus}
+    return {"format": fmt, "disagg": found, "colocated": colo}
+
+
+def _disagg_worker(a: argparse.Namespace, fmt: str, queue: Any) -> dict[str, Any]:
+    """``_disagg_format`` in a worker process, its probes reported on ``queue``."""
+    return _disagg_format(a, fmt, lambda p: queue.put((fmt, _probe_note(p))))
+
+
+def _probe_note(p: Any) -> str:
+    where = f"{p.prefill}P+{p.decode}D" if hasattr(p, "prefill") else f"{p.replicas} coloc"
+    return f"{p.requests:,} req, {where}: {p.attainment:.0%} {'met' if p.met else 'missed'}"
+
+
+def _disagg_parallel(a: argparse.Namespace, formats: list[str]) -> list[dict[str, Any]]:
+    """Each format's search in a process of its own (--jobs), one progress bar over all."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, wait
+
+    from tqdm import tqdm
+
+    show = a.progress if a.progress is not None else sys.stderr.isatty()
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(min(a.jobs, len(formats)),
+                                                       mp_context=ctx) as pool:
+        queue = manager.Queue()
+        futures = [pool.submit(_disagg_worker, a, f, queue) for f in formats]
+        bar = tqdm(desc="disagg " + ",".join(formats), unit="replay", file=sys.stderr,
+                   disable=not show, leave=False)
+        try:
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=0.2)
+                while not queue.empty():
+                    fmt, note = queue.get()
+                    bar.set_postfix_str(f"{fmt} {note}")
+                    bar.update()
+        finally:
+            bar.close()
+        return [f.result() for f in futures]
+
+
+def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
+    sc, trace, link, slo, rate, _ = _disagg_inputs(a)
+    tp = sc.settings.tp
+    split = _split_arg(a.split) if a.split else None
+    formats = _formats(a)
+    t0 = time.perf_counter()
+    if a.jobs > 1 and len(formats) > 1:
+        results = _disagg_parallel(a, formats)
+    else:
+        results = []
+        for f in formats:
+            with _disagg_progress(a, f) as on_probe:
+                results.append(_disagg_format(a, f, on_probe))
+    probes = sum(len(r["disagg"]["probes"]) + (len(r["colocated"]["probes"])
+                                                if r["colocated"] else 0) for r in results)
+    elapsed = time.perf_counter() - t0
+    when = ("replayed at its own arrival times" if a.trace_arrivals else
+            f"replayed at {rate:.3g} req/s"
+            f"{' (--rate)' if a.rate is not None else ' (the trace rate)'}")
+    title = (f"{_header(sc, trace)}\n{when}; SLO: "
+             f"{slo.describe()}; link {link.describe()}, one per "
+             f"{'pair of replicas' if a.link_scope == 'pair' else 'GPU and direction'}")
+    print(_disagg_table(results, tp, title), file=out)
+    for r in results:
+        print(_disagg_lines(r), file=out)
+    n_split = len(trace) if a.trace_arrivals else a.start_requests
+    what = (f"the split {split[0]}:{split[1]} on {n_split:,} requests" if split
+            else "the fewest GPUs")
+    print(f"GPUs = (P + D) x tp{tp}; goodput = requests meeting the SLO per second; "
+          f"{what}. {probes} replays in {elapsed:.1f} s.", file=out)
+    print(_calibration_note(sc), file=out)
+    payload = {"command": "disagg", "scenario": sc.describe(), "slo": slo.describe(),
+               "rate": rate, "link": dataclasses.asdict(link), "link_scope": a.link_scope,
+               "results": [_disagg_json(r) for r in results], "elapsed_s": elapsed}
+    if a.plot:
+        from simulator.report.plots import plot_disagg
+
+        p = plot_disagg(payload["results"], a.plot,
+                        f"{sc.model.name} on {sc.gpu.key}, {trace.name} at {rate:.3g} req/s, "
+                        f"{link.key} ({a.link_scope}): {slo.describe()}")
+        print(f"plot: {p}", file=out)
+    return payload
+
+
+def _colocated(a: argparse.Namespace, sc: Scenario, srv: Any, trace: Trace, fmt: str,
+               slo: SLO, rate: float, max_replicas: int, found: dict[str, Any],
+               on_probe: Any) -> dict[str, Any] | None:
+    """The colocated answer for ``cmd_disagg`` (--colocated)."""
+    from simulator.studies import disagg_search as ds
+
+    if a.colocated == "none":
+        return None
+    if a.colocated == "replay":
+        return ds.cheapest_colocated(srv, trace, slo, rate, a.router, a.start_requests,
+                                     a.max_requests, max_replicas, a.seed, on_probe)
+    one = dataclasses.replace(sc.with_replicas(1), progress=False)
+    steady = steady_max_rate(one, trace, fmt, slo, start_requests=a.start_requests,
+                             max_requests=a.max_requests, seed=a.seed)
+    need = replicas_for(rate, steady["max_rate"], sc.settings.tp, max_replicas)
+    res: dict[str, Any] = {"best": None, "levels": steady["levels"],
+                           "converged": steady["converged"], "probes": steady["probes"],
+                           "gpus": need["gpus"], "goodput_per_gpu": None,
+                           "max_rate_per_replica": steady["max_rate"]}
+    if need["replicas"]:
+        # replayed on the split search's longest trace, for a like-for-like goodput
+        n = found["levels"][-1]["requests"]
+        load = resample_arrivals(resized(trace, n, a.seed), rate, a.seed)
+        res["best"] = ds.probe_fleet(srv, load, slo, need["replicas"], a.router, a.seed)
+        res["goodput_per_gpu"] = res["best"].summary["goodput"] / need["gpus"]
+    return res
+
+
+def _disagg_table(results: list[dict[str, Any]], tp: int, title: str) -> str:
+    rows = []
+    for r in results:
+        b = r["disagg"]["best"]
+        c = r["colocated"]
+        cb = c["best"] if c else None
+        rows.append([
+            r["format"],
+            f"{b.prefill}:{b.decode}" if b else "-",
+            r["disagg"]["gpus"],
+            f"{b.attainment:.0%}" if b else None,
+            b.summary["ttft_ms"]["p90"] if b else None,
+            b.summary["tpot_ms"]["p90"] if b else None,
+            r["disagg"]["goodput_per_gpu"],
+            b.kv["bytes"] / 1e6 if b else None,
+            b.kv["wire_ms"] if b else None,
+            f"{b.kv['busiest_port']:.0%}" if b else None,
+            c["gpus"] if c else None,
+            f"{cb.attainment:.0%}" if cb else None,
+            cb.summary["ttft_ms"]["p90"] if cb else None,
+            cb.summary["tpot_ms"]["p90"] if cb else None,
+            c["goodput_per_gpu"] if c else None,
+        ])
+    return table.render(["format", "P:D", "GPUs", "SLO met", "TTFT p90 ms", "TPOT p90 ms",
+                         "goodput/GPU", "KV MB/req", "wire ms", "link busy", "coloc GPUs",
+                         "coloc met", "coloc TTFT p90", "coloc TPOT p90",
+                         "coloc goodput/GPU"], rows, title)
+
+
+def _disagg_lines(r: dict[str, Any]) -> str:
+    """How a format's answer moved with the trace length, and where its TTFT goes."""
+    d = r["disagg"]
+    steps = " -> ".join(f"{x['prefill']}:{x['decode']} ({x['requests']:,} req)"
+                        if x["prefill"] else f"none ({x['requests']:,} req)"
+                        for x in d["levels"])
+    if d["converged"] is None:
+        verdict = "replayed as given"
+    elif d["best"] is None:
+        verdict = d.get("note") or "no split within --max-gpus meets the SLO"
+    elif d["converged"]:
+        verdict = "steady"
+    else:
+        verdict = "NOT steady by --max-requests: treat as a lower bound"
+    line = f"{r['format']}: P:D by trace length {steps}: {verdict}"
+    b = d["best"]
+    if b is not None:
+        k = b.kv
+        line += (f"\n  mean TTFT (ms): KV reservation {k['reserve_wait_ms']:.1f}, prefill queue "
+                 f"{k['prefill_wait_ms']:.1f}, prefill {k['prefill_ms']:.1f}, link queue "
+                 f"{k['link_wait_ms']:.1f}, wire {k['wire_ms']:.1f}, decode slot "
+                 f"{k['join_wait_ms']:.1f}")
+    c = r["colocated"]
+    if c and c["levels"] and "replicas" in c["levels"][0]:
+        steps = " -> ".join(f"{x['replicas'] or 'none'} ({x['requests']:,} req)"
+                            for x in c["levels"])
+        tail = "steady" if c["converged"] else "NOT steady by --max-requests"
+        if c["best"] is None:
+            tail = "no fleet within --max-gpus meets the SLO"
+        line += f"\n  colocated replicas by trace length {steps}: {tail}"
+    elif c and "max_rate_per_replica" in c:
+        if c["max_rate_per_replica"] > 0:
+            line += (f"\n  colocated (capacity): {c['max_rate_per_replica']:.3g} req/s per "
+                     f"replica{'' if c['converged'] else ' (NOT steady)'}")
+        else:
+            line += "\n  colocated (capacity): no rate meets the SLO on one replica"
+    return line
+
+
+def _probe_row(p: Any) -> dict[str, Any]:
+    """A split's or a colocated fleet's probe (``disagg_search``) as a JSON row."""
+    row = {"requests": p.requests, "attainment": p.attainment, "met": p.met,
+           "ttft_p90_ms": p.summary["ttft_ms"]["p90"], "tpot_p90_ms": p.summary["tpot_ms"]["p90"],
+           "goodput": p.summary["goodput"]}
+    if hasattr(p, "prefill"):
+        return row | {"prefill": p.prefill, "decode": p.decode, "kv": p.kv, "blame": p.blame}
+    return row | {"replicas": p.replicas}
+
+
+def _disagg_json(r: dict[str, Any]) -> dict[str, Any]:
+    def part(x: dict[str, Any] | None) -> dict[str, Any] | None:
+        if x is None:
+            return None
+        # the capacity search's probes are rows already; the others are probe objects
+        probes = [p if isinstance(p, dict) else _probe_row(p) for p in x["probes"]]
+        return {"gpus": x["gpus"], "goodput_per_gpu": x["goodput_per_gpu"],
+                "converged": x["converged"], "levels": x["levels"], "probes": probes,
+                "best": None if x["best"] is None else {**_probe_row(x["best"]),
+                                                         "summary": x["best"].summary},
+                **({"max_rate_per_replica": x["max_rate_per_replica"]}
+                   if "max_rate_per_replica" in x else {})}
+    return {"format": r["format"], "disagg": part(r["disagg"]),
+            "colocated": part(r["colocated"])}
+
+
+@contextlib.contextmanager
+def _disagg_progress(a: argparse.Namespace, fmt: str) -> Iterator[Any]:
+    """A progress bar on stderr over the replays of a format's searches (in a terminal
+    unless --no-progress; --progress forces it)."""
+    from tqdm import tqdm
+
+    show = a.progress if a.progress is not None else sys.stderr.isatty()
+    bar = tqdm(desc=f"disagg {fmt}", unit="replay", file=sys.stderr, disable=not show,
+               leave=False)
+
+    def on_probe(p: Any) -> None:
+        bar.set_postfix_str(_probe_note(p))
+        bar.update()
+    try:
+        yield on_probe
+    finally:
+        bar.close()
+
+
 def cmd_validate(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     from sglang_diffkv.serving_io.sglang_log import parse_server_log
     from simulator.validation.bench_result import read_bench_result
@@ -734,7 +1102,8 @@ def cmd_list(a: argparse.Namespace, out: Any) -> dict[str, Any]:
 
 
 COMMANDS = {"compare": cmd_compare, "replay": cmd_replay, "sweep": cmd_sweep,
-            "capacity": cmd_capacity, "validate": cmd_validate, "calibrate": cmd_calibrate,
+            "capacity": cmd_capacity, "disagg": cmd_disagg, "validate": cmd_validate,
+            "calibrate": cmd_calibrate,
             "export": cmd_export, "list": cmd_list}
 
 

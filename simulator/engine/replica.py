@@ -20,6 +20,7 @@ import simpy
 
 from sglang_diffkv.serving_io.trace import MOONCAKE_BLOCK_TOKENS
 from simulator.serving.request import SimRequest
+from simulator.serving.scheduler import Batch
 from simulator.serving.server import ResolvedServer
 
 KIND_CODE = {"prefill": 0, "decode": 1, "mixed": 2}
@@ -75,9 +76,21 @@ class Replica:
         if not self.scheduler.submit(r):
             return False
         self.outstanding += 1
+        self.poke()
+        return True
+
+    def poke(self) -> None:
+        """Wake the loop if it idles: there may be work it can start now."""
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
-        return True
+
+    # hooks for the disaggregated roles (``simulator.engine.disagg``): a colocated replica
+    # does nothing in them
+    def _before_batch(self) -> None:
+        """Runs each time the loop is about to form a batch (between steps)."""
+
+    def _after_step(self, batch: Batch) -> None:
+        """Runs when a step's results are applied (``Scheduler.complete``), at its end."""
 
     def _loop(self):  # simpy process generator
         env, sched, log = self.env, self.scheduler, self.log
@@ -89,6 +102,7 @@ class Replica:
         streamed: list[SimRequest] = []  # given a first or last token by the step just run
         finished: list[SimRequest] = []  # finished by it: delivered once their tokens stream
         while True:
+            self._before_batch()
             batch = sched.next_batch(last_start + last_launch if self.overlap else math.inf)
             formed_now = False   # formed by a loop that had nothing to launch
             if batch is None:
@@ -126,6 +140,7 @@ class Replica:
             if batch.chunks:
                 prefill_end = now
             finished = sched.complete(batch, now, self.itl)
+            self._after_step(batch)
             streamed = [r for r, _ in batch.chunks if r.first_token == now]
             streamed += [r for r in finished if r.first_token != now]
             shape = batch.shape

@@ -107,3 +107,60 @@ def plot_capacity(results: Sequence[dict[str, Any]], attainment: float, out_dir:
     fig.tight_layout()
     p = _save(fig, out_dir, "capacity.png")
     return p
+
+
+def plot_disagg(results: Sequence[dict[str, Any]], out_dir: str | Path,
+                title: str = "") -> Path:
+    """The disaggregation search (``diffkv-sim disagg``'s JSON results): per KV format, every
+    (P, D) split replayed, as the longest trace that replayed it found it (a circle: met
+    the SLO, a cross: missed it), the answer starred; then the GPUs of each format's answer
+    beside the colocated one, labelled with the goodput per GPU."""
+    plt = _plt()
+    n = len(results)
+    fig, axes = plt.subplots(1, n + 1, figsize=(3.3 * (n + 1), 3.6))
+    most = max((p["prefill"] + p["decode"] for r in results for p in r["disagg"]["probes"]),
+               default=2)
+    for ax, r in zip(axes[:n], results, strict=True):
+        d = r["disagg"]
+        latest: dict[tuple[int, int], dict[str, Any]] = {}
+        for p in sorted(d["probes"], key=lambda p: p["requests"]):
+            latest[(p["prefill"], p["decode"])] = p
+        pts = list(latest.values())
+        longest = max((p["requests"] for p in pts), default=0)
+        for met, marker in ((True, "o"), (False, "x")):
+            sel = [p for p in pts if p["met"] == met]
+            ax.scatter([p["prefill"] for p in sel], [p["decode"] for p in sel],
+                       marker=marker, s=28, color="tab:green" if met else "tab:red",
+                       label="meets SLO" if met else "misses")
+        b = d["best"]
+        if b is not None:
+            ax.scatter([b["prefill"]], [b["decode"]], marker="*", s=220, color="gold",
+                       edgecolor="black", zorder=3, label=f"answer {b['prefill']}:{b['decode']}")
+        for total in range(2, most + 1):       # iso-GPU lines
+            ax.plot([1, total - 1], [total - 1, 1], color="grey", lw=0.4, alpha=0.5)
+        ax.set_xlim(0.5, most - 0.5)
+        ax.set_ylim(0.5, most - 0.5)
+        ax.set_xlabel("prefill replicas P")
+        ax.set_ylabel("decode replicas D")
+        ax.set_title(f"{r['format']} (traces up to {longest:,} requests)", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+    ax = axes[n]
+    names = [r["format"] for r in results]
+    x = list(range(n))
+    dis = [r["disagg"]["gpus"] or 0 for r in results]
+    col = [(r["colocated"] or {}).get("gpus") or 0 for r in results]
+    ax.bar([i - 0.2 for i in x], dis, width=0.4, label="P/D")
+    ax.bar([i + 0.2 for i in x], col, width=0.4, label="colocated")
+    for i, r in enumerate(results):
+        for off, part in ((-0.2, r["disagg"]), (0.2, r["colocated"])):
+            g = (part or {}).get("goodput_per_gpu")
+            if g:
+                ax.text(i + off, ((part or {}).get("gpus") or 0) + 0.1, f"{g:.2f}",
+                        ha="center", fontsize=7)
+    ax.set_xticks(x, names)
+    ax.set_ylabel("GPUs (label: goodput req/s per GPU)")
+    ax.set_ylim(0, 1.25 * max(dis + col + [1]))
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.suptitle(title or "P/D split search", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out_dir, "disagg.png")

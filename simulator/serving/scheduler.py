@@ -105,6 +105,10 @@ class Scheduler:
         # the next step pays the backend's per-release cost (calibration release_overhead_s)
         self.released = 0
         self.aborted: list[SimRequest] = []
+        # a disaggregated prefill server keeps a finished prompt's KV until its transfer to
+        # the decode server ends (``release``); ``holding`` counts such requests
+        self.hold_finished = False
+        self.holding = 0
         # the running (decoding) batch, structure of arrays aligned with run_reqs
         self.run_reqs: list[SimRequest] = []
         self.kv = np.zeros(0, dtype=np.int64)      # tokens in the KV cache
@@ -123,6 +127,16 @@ class Scheduler:
     # ---- arrivals ------------------------------------------------------------------------
     def submit(self, r: SimRequest) -> bool:
         """Validate as SGLang's tokenizer manager and scheduler do; queue or reject."""
+        if not self.admissible(r):
+            return False
+        self.ensure_profile(r)
+        self.waiting.append(r)
+        return True
+
+    def admissible(self, r: SimRequest, need: float | None = None) -> bool:
+        """SGLang's length checks (clamping ``max_new`` to the room left) and liveness: the
+        request must fit an empty pool, needing ``need`` units (default: its prompt as
+        prefilled plus its reserve for future tokens). False: ``r.rejected`` says why."""
         lim = self.lim
         if r.input_len + r.max_new >= lim.context_len:
             r.rejected = (f"input {r.input_len} + max_new_tokens {r.max_new} >= context length "
@@ -137,20 +151,23 @@ class Scheduler:
             r.max_new = room
             r.output_len = min(r.output_len, room)
         # liveness: a request must be admissible into an empty server, or it would wait forever
-        if lim.ignore_eos_admission:
+        if need is None and lim.ignore_eos_admission:
             need = (self.pool.prompt_units(0, r.input_len) + self.pool.future_units(r.max_new)
                     + self.pool.decode_step_need(np.zeros(1, dtype=np.int64)))
-        else:
+        elif need is None:
             need = self.pool.prompt_units(0, r.input_len) + self.pool.future_units(
                 min(r.max_new, CLIP_MAX_NEW_TOKENS))
         if need >= self.pool.capacity:
             r.rejected = (f"prompt of {r.input_len} tokens needs {need:.0f} of "
                           f"{self.pool.capacity} {self.pool.unit} even in an empty pool")
             return False
-        if self._with_prof:
-            r.prof = self.pool.request_profile(self.rng)
-        self.waiting.append(r)
         return True
+
+    def ensure_profile(self, r: SimRequest) -> None:
+        """Draw the request's DiffKV tier fractions unless it has them (a disaggregated
+        request draws them once, on its decode replica, and keeps them on its prefill one)."""
+        if self._with_prof and r.prof is None:
+            r.prof = self.pool.request_profile(self.rng)
 
     def warm_cache(self, served: Iterable[Sequence[int]]) -> int:
         """Start as a server that has served requests before: each entry names the blocks
@@ -551,8 +568,7 @@ class Scheduler:
                     r.gen = int(self.gen[i])
                     r.finish = now
                     r.last_token = now
-                    self._retire(r, int(self.held[i]))
-                    r.held = 0
+                    self._finished(r, int(self.held[i]))
                     finished.append(r)
                 self._filter(~done)
                 self.batch_is_full = False
@@ -581,8 +597,7 @@ class Scheduler:
                 r.held = new_held
             if r.gen >= r.output_len:
                 r.finish = now
-                self._retire(r, r.held)
-                r.held = 0
+                self._finished(r, r.held)
                 finished.append(r)
                 self.batch_is_full = False    # the merged prefill batch shrank
             else:
@@ -591,6 +606,67 @@ class Scheduler:
             self._join(joined)
         self.released += len(finished)
         return finished
+
+    def _finished(self, r: SimRequest, held: int) -> None:
+        """``r`` is done: free what it holds, unless finished requests are held
+        (``hold_finished``), which keeps ``held`` units allocated until ``release(r)``."""
+        if self.hold_finished:
+            r.held = held
+            self.holding += 1
+            return
+        self._retire(r, held)
+        r.held = 0
+
+    def release(self, r: SimRequest) -> None:
+        """Free a held finished request's units (its KV has left the server); the memory may
+        admit waiting requests."""
+        if not self.hold_finished or self.holding < 1:
+            raise RuntimeError("release is for requests held by hold_finished")
+        self._retire(r, r.held)
+        r.held = 0
+        self.holding -= 1
+        self.batch_is_full = False
+
+    # ---- a disaggregated decode server: KV that another server prefilled --------------
+    def reserve(self, r: SimRequest, units: int) -> None:
+        """Allocate ``units`` for ``r`` before its KV arrives: SGLang's decode server
+        preallocates a request's KV before the prefill server writes into it. The caller
+        decides that they fit (``simulator.serving.prealloc``)."""
+        self._make_room(units)
+        self.used += units
+        r.held = units
+
+    def cancel_reservation(self, r: SimRequest) -> None:
+        """Give back a reservation whose KV will never come (the prefill side rejected it)."""
+        self.used -= r.held
+        r.held = 0
+
+    def join_prebuilt(self, reqs: Sequence[SimRequest], now: float) -> list[SimRequest]:
+        """Requests whose prompt KV has arrived in their reservation join the running batch
+        without a forward (SGLang's prebuilt extend): the prefill server sampled their first
+        token, which streams now. Returns those already finished (one output token).
+        Call between steps only: a decode step in flight would count them."""
+        finished: list[SimRequest] = []
+        joined: list[SimRequest] = []
+        for r in reqs:
+            r.gen = 1
+            r.fill_len = r.prefilled = r.input_len
+            r.first_token = r.last_token = now
+            if r.gen >= r.output_len:
+                r.finish = now
+                self._finished(r, r.held)
+                finished.append(r)
+            else:
+                joined.append(r)
+        if joined:
+            self._join(joined)
+        self.released += len(finished)
+        return finished
+
+    @property
+    def free_units(self) -> int:
+        """Units that can be allocated now, evictable cached blocks included."""
+        return self._free()
 
     def _join(self, reqs: list[SimRequest]) -> None:
         self.run_reqs.extend(reqs)
