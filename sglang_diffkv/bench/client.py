@@ -300,15 +300,21 @@ async def replay(base_url: str, specs: Sequence[RequestSpec], *, all_at_once: bo
     return ClientRun(records, wall_start, stopped, time_limited, max_inflight, mode)
 
 
-async def abort_all(base_url: str, timeout_s: float = 10.0) -> bool:
-    """``POST /abort_request {"abort_all": true}``; True when the server answered 200."""
+async def _post_ok(base_url: str, path: str, timeout_s: float,
+                   body: dict[str, Any] | None = None) -> bool:
+    """``POST path`` (with a JSON ``body``); True when the server answered 200."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as s, \
-                s.post(base_url.rstrip("/") + "/abort_request", json={"abort_all": True}) as r:
+                s.post(base_url.rstrip("/") + path, json=body) as r:
             return r.status == 200
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
         return False
+
+
+async def abort_all(base_url: str, timeout_s: float = 10.0) -> bool:
+    """``POST /abort_request {"abort_all": true}``; True when the server answered 200."""
+    return await _post_ok(base_url, "/abort_request", timeout_s, {"abort_all": True})
 
 
 async def freeze_gc(base_url: str, timeout_s: float = 30.0) -> bool:
@@ -316,25 +322,13 @@ async def freeze_gc(base_url: str, timeout_s: float = 30.0) -> bool:
     detokenizer hold into the GC's permanent generation, so a later full collection does not
     walk them (SGLang's advice after warm-up: a full collection of the tokenizer manager's
     start-up heap pauses it for hundreds of ms). True when the server answered 200."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as s, \
-                s.post(base_url.rstrip("/") + "/freeze_gc") as r:
-            return r.status == 200
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        return False
+    return await _post_ok(base_url, "/freeze_gc", timeout_s)
 
 
 async def flush_cache(base_url: str, timeout_s: float = 30.0) -> bool:
     """``POST /flush_cache``: SGLang empties its prefix cache (only when idle). True when it
     answered 200."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as s, \
-                s.post(base_url.rstrip("/") + "/flush_cache") as r:
-            return r.status == 200
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        return False
+    return await _post_ok(base_url, "/flush_cache", timeout_s)
 
 
 async def server_load(base_url: str, timeout_s: float = 5.0) -> int | None:

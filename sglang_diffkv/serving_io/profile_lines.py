@@ -86,11 +86,7 @@ def parts_line(mode: str, steps: int, window: Mapping[str, float]) -> str:
 
 def parse_parts_line(line: str) -> dict[str, Any] | None:
     """The fields of a parts line (``mode`` a string, ``steps`` an int, the rest floats)."""
-    m = PARTS_LINE_RE.search(line)
-    if m is None:
-        return None
-    return {k: v if k == "mode" else int(v) if k == "steps" else float(v)
-            for k, v in m.groupdict().items()}
+    return _fields(PARTS_LINE_RE.search(line))
 
 
 def host_line_text(device_allocs: int, gen2_collections: int) -> str:
@@ -101,15 +97,14 @@ def host_line_text(device_allocs: int, gen2_collections: int) -> str:
 
 def parse_profile_line(line: str) -> dict[str, Any] | None:
     """The fields of a profile line (floats; ``mode`` a string, step counts ints)."""
-    m = PROFILE_LINE_RE.search(line)
+    return _fields(PROFILE_LINE_RE.search(line))
+
+
+def _fields(m: re.Match[str] | None) -> dict[str, Any] | None:
+    """A matched line's groups: ``mode`` as is, step counts ints, the rest floats (an
+    optional group that did not match stays None)."""
     if m is None:
         return None
-    out: dict[str, Any] = {}
-    for key, value in m.groupdict().items():
-        if key == "mode" or value is None:
-            out[key] = value
-        elif key in ("steps", "total_steps"):
-            out[key] = int(value)
-        else:
-            out[key] = float(value)
-    return out
+    return {k: v if k == "mode" or v is None
+            else int(v) if k in ("steps", "total_steps") else float(v)
+            for k, v in m.groupdict().items()}
