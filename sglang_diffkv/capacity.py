@@ -109,14 +109,20 @@ class CapacityPlan:
 
     def request_state_bytes(self, max_reqs: int, max_context: int) -> int:
         """Per-request device state of the reference cache: page table (int32), counters
-        (int32 x4), prompt tier counts (int64 x2) and thresholds."""
+        (int32 x4), prompt tier counts (int64 x2), shared-page counts of an attached radix
+        prefix (int32 x2) and thresholds."""
         rows = max_reqs * self.rows_per_request
-        return rows * (self.geometry.row_len(max_context) * 4 + 16 + 16) + max_reqs * 9
+        return rows * (self.geometry.row_len(max_context) * 4 + 16 + 16 + 8) + max_reqs * 9
+
+    @property
+    def pool_bytes_per_page(self) -> int:
+        """Device bytes one page costs: the page, its free-list entry and its reference
+        count (int32 each; the counts let radix prefixes share pages)."""
+        return self.geometry.page_bytes + 4 + 4
 
     def num_pages(self, budget_bytes: int, max_reqs: int, max_context: int) -> int:
-        free_list_bytes_per_page = 4
         usable = budget_bytes - self.request_state_bytes(max_reqs, max_context)
-        return max(0, usable // (self.geometry.page_bytes + free_list_bytes_per_page))
+        return max(0, usable // self.pool_bytes_per_page)
 
     def size_pool(self, max_total_num_tokens: int, max_running_requests: int,
                   context_len: int) -> PoolSize:

@@ -115,7 +115,7 @@ def budget_for_pages(shape: ModelShape, pages: int, max_reqs: int) -> int:
                               shape.num_kv_heads)
     state = plan.request_state_bytes(cache_rows(max_reqs), shape.context_len + 4)
     # + one cell: the runner rounds the budget down to whole logical tokens
-    return state + pages * (plan.geometry.page_bytes + 4) + plan.cell_bytes
+    return state + pages * plan.pool_bytes_per_page + plan.cell_bytes
 
 
 class FakeModelConfig:

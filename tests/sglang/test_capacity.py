@@ -25,7 +25,7 @@ def test_cell_size_and_slots_agree_for_an_8b_shape():
     # the budget SGLang profiles comes back as pages after the per-request state
     budget = slots * plan.cell_bytes
     got = plan.num_pages(budget, 64, 8196)
-    assert got == (budget - plan.request_state_bytes(64, 8196)) // (g.page_bytes + 4)
+    assert got == (budget - plan.request_state_bytes(64, 8196)) // plan.pool_bytes_per_page
 
 
 def test_pruned_tokens_still_take_logical_slots():

@@ -122,12 +122,12 @@ def test_diffkv_pool_capacity_in_pages_and_tokens():
     plan = f.capacity_plan(m, 1)
     pool = _diffkv_pool_for(f, 10 * GIB)
     # the backend's sizing: SGLang's token budget back to bytes, minus the page tables of
-    # 2048 + 1 request rows (each row ceil(8196 / 32) + 2 int32 entries + counters), and a
-    # 4-byte free-list entry per page
+    # 2048 + 1 request rows (each row ceil(8196 / 32) + 2 int32 entries, counters and shared-
+    # page counts), and 8 bytes per page (free-list entry and reference count)
     tokens = int(10 * GIB // plan.cell_bytes)
     rows = 2049 * 32 * 8
-    state = rows * ((math.ceil(8196 / f.geometry.min_tokens_per_page) + 2) * 4 + 32) + 2049 * 9
-    assert pool.capacity == (tokens * plan.cell_bytes - state) // (f.geometry.page_bytes + 4)
+    state = rows * ((math.ceil(8196 / f.geometry.min_tokens_per_page) + 2) * 4 + 40) + 2049 * 9
+    assert pool.capacity == (tokens * plan.cell_bytes - state) // plan.pool_bytes_per_page
     # fewer request rows leave more pages
     assert _diffkv_pool_for(f, 10 * GIB, max_reqs=64).capacity > pool.capacity
     # tokens at the mean mix: fewer bytes per token than bf16 by the mix and the tiers' sizes
@@ -142,12 +142,16 @@ def test_diffkv_pool_capacity_in_pages_and_tokens():
 def test_diffkv_pool_matches_the_h100_server_log():
     # session 3-11 H100 runs (docs/data/h100-2026-11-22/*/results.json): bf16 profiled
     # 423,862 tokens of 131,072 B; the diffkv-mix server built 8,173,613 pages and logged
-    # 1,774,212 logical slots with max_running_requests 4096 and context 8192
+    # 1,774,212 logical slots with max_running_requests 4096 and context 8192. It charged a
+    # page 6,656 + 4 B (the free list); the pool now also counts each page's reference count
+    # (+4 B) and each of the 4,097 x 256 request rows' shared-page counts (+8 B), so the same
+    # budget holds those pages' bytes less the new state
     m = load_model("llama-3-8b")
     f = make_format("diffkv", 128)
     pool = f.build_pool(m, 1, f.max_total_num_tokens(m, 1, 423_862 * 131_072), 4096, 8192)
-    assert abs(pool.capacity - 8_173_613) <= 8
-    assert abs(pool.token_capacity - 1_774_212) <= 2
+    logged, rows = 8_173_613, 4097 * 256
+    assert abs(pool.capacity - (logged * 6660 - rows * 8) // 6664) <= 8
+    assert abs(pool.token_capacity - round(1_774_212 * pool.capacity / logged)) <= 2
 
 
 def test_diffkv_pool_too_small_for_its_page_tables():
