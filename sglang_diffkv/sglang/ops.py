@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,18 @@ def _split_attached(cache: CompressedKVCache, ext: ExtendRequests
                           pick(ext.prefix), pick(ext.total)), att
 
 
+def upload(columns: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """int64 device tensors of host int lists, made by one host-to-device copy: from pinned
+    memory and non-blocking on CUDA (a pageable copy synchronises the stream)."""
+    sizes = [len(c) for c in columns]
+    flat = torch.tensor([int(x) for c in columns for x in c], dtype=torch.int64)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split(sizes))
+
+
 def want_kernels(device: torch.device, environ: dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     mode = env.get(KERNELS_ENV, "auto").strip().lower()
@@ -136,6 +149,22 @@ class PrefillStep:
     ext: ExtendRequests | None = None  # chunked prefill in this step (None: whole prompts)
     all_prompts: PackedPrompts | None = None  # ext only: every request's fresh tokens
     whole_rows: torch.Tensor | None = None  # ext only: int64, the whole prompts' rows
+    # ext only, made once per step (a per-layer host-to-device copy synchronises on CUDA):
+    prefixed: PrefixedRows | None = None  # requests over stored tokens (extend attention)
+    chunks: ExtendRequests | None = None  # ext less the attached radix hits
+    attached: list[int] = field(default_factory=list)  # the attached ones' rows in ext
+    stores: Any = None  # kernel path: extend_ops.ExtendStores
+
+
+@dataclass(frozen=True)
+class PrefixedRows:
+    """The step's requests whose fresh tokens follow stored ones (extend attention): their
+    slots, first packed rows and fresh lengths on the device, the longest on the host."""
+
+    req: torch.Tensor  # int64 [P]
+    starts: torch.Tensor  # int64 [P]
+    lens: torch.Tensor  # int64 [P]
+    max_new: int
 
 
 @dataclass
@@ -209,13 +238,25 @@ class DiffKVOps:
         all_prompts = PackedPrompts.from_lengths(lengths, c.device, lengths_dev)
         if not whole:
             empty = torch.zeros(0, device=c.device)
-            return PrefillStep(req=req[:0], prompts=None, alpha_h=empty, alpha_l=empty,
+            step = PrefillStep(req=req[:0], prompts=None, alpha_h=empty, alpha_l=empty,
                                seed=None, totals=None, ext=ext, all_prompts=all_prompts)
-        rows = torch.cat([torch.arange(ext.starts[b], ext.starts[b] + ext.fresh[b])
-                          for b in whole]).to(c.device)
-        step = self._whole_prompts_step(
-            req[whole], PackedPrompts.from_lengths([lengths[b] for b in whole], c.device))
-        step.ext, step.all_prompts, step.whole_rows = ext, all_prompts, rows
+        else:
+            rows = torch.cat([torch.arange(ext.starts[b], ext.starts[b] + ext.fresh[b])
+                              for b in whole]).to(c.device)
+            step = self._whole_prompts_step(
+                req[whole], PackedPrompts.from_lengths([lengths[b] for b in whole], c.device))
+            step.ext, step.all_prompts, step.whole_rows = ext, all_prompts, rows
+        pre = ext.prefixed
+        if pre:
+            idx, starts, lens = upload([pre, [ext.starts[b] for b in pre],
+                                        [ext.fresh[b] for b in pre]], c.device)
+            step.prefixed = PrefixedRows(ext.req[idx], starts, lens,
+                                         max(ext.fresh[b] for b in pre))
+        step.chunks, step.attached = _split_attached(c, ext)
+        if self.use_kernels:
+            from sglang_diffkv.sglang.extend_ops import ExtendStores
+
+            step.stores = ExtendStores.build(c, ext)
         return step
 
     def _whole_prompts_step(self, req: torch.Tensor, prompts: PackedPrompts) -> PrefillStep:
@@ -269,17 +310,14 @@ class DiffKVOps:
         else:
             out, lse = self.prompt_attention.run(q, k, v, ap, scale)
         out = _full_rows(out, q.shape[0])
-        pre = ext.prefixed
-        if pre:
-            starts = torch.tensor([ext.starts[b] for b in pre], device=c.device)
-            lens = torch.tensor([ext.fresh[b] for b in pre], device=c.device)
+        pre = step.prefixed
+        if pre is not None:
             if self.use_kernels:
-                self.k.extend_attention(q, k, v, starts, lens, c.pages, c.geometry,
-                                        c.manager.table, c.manager.counts, ext.req[pre],
-                                        layer, scale, out=out,
-                                        max_new=max(ext.fresh[b] for b in pre))
+                self.k.extend_attention(q, k, v, pre.starts, pre.lens, c.pages, c.geometry,
+                                        c.manager.table, c.manager.counts, pre.req, layer,
+                                        scale, out=out, max_new=pre.max_new)
             else:
-                c.extend_layer_attend(layer, ext.req[pre], q, k, v, starts, lens, scale,
+                c.extend_layer_attend(layer, pre.req, q, k, v, pre.starts, pre.lens, scale,
                                       out=out)
         if step.whole_rows is not None:
             rows, p = step.whole_rows, step.prompts
@@ -293,7 +331,11 @@ class DiffKVOps:
                     step.alpha_l, step.seed, lse=None if lse is None else lse[rows],
                     starts=p.starts, max_len=p.max_len, totals=step.totals[layer],
                     buffers=step.buffers)
-        chunks, attached = _split_attached(c, ext)
+        if self.use_kernels:  # (every chunk and prompt end as one group: extend_ops)
+            step.stores.store_chunks(layer, q, k, v)
+            step.stores.store_prompt_ends(layer, q, k, v, scale)
+            return out
+        chunks, attached = step.chunks, step.attached
         c.store_chunk(layer, chunks, q, k, v)
         c.store_last_chunk(layer, chunks, q, k, v, scale)
         for b in attached:  # radix hits: the prompt suffix over the attached prefix
@@ -313,7 +355,9 @@ class DiffKVOps:
         if step.totals is not None:
             c._prompt_kept[step.req] = step.totals.transpose(0, 1).long()
         if step.ext is not None:
-            chunks, attached = _split_attached(c, step.ext)
+            if step.stores is not None:
+                step.stores.end_step()
+            chunks, attached = step.chunks, step.attached
             c.end_extend(chunks)
             if attached:
                 c.radix.end_step(step.ext, attached)

@@ -35,7 +35,7 @@ CHUNK = 48
 
 # sections that run once per layer (the rest run once per step)
 PER_LAYER = ("attend", "compress whole prompts", "chunk stores", "radix suffix",
-             "layer (rest)")
+             "last chunks + suffixes", "layer (rest)")
 
 
 def system(n: int, seed: int) -> list[int]:
@@ -92,9 +92,7 @@ def _watch(audit: HostAudit, backend) -> None:
     if extend_ops is not None:
         targets += [
             (extend_ops.ExtendStores, "store_chunks", "chunk stores"),
-            (extend_ops.ExtendStores, "store_last_chunks", "chunk stores"),
-            (extend_ops.ExtendStores, "store_suffixes", "radix suffix"),
-            (extend_ops.ExtendStores, "store_suffix_chunks", "radix suffix"),
+            (extend_ops.ExtendStores, "store_prompt_ends", "last chunks + suffixes"),
         ]
     for owner, attribute, name in targets:
         if hasattr(owner, attribute):
