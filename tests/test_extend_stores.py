@@ -92,7 +92,7 @@ class Run:
         totals = [prompts[rid].q.shape[1] for rid, _ in chunks]
         alphas = [prompts[rid].alpha or (cfg.alpha_h, cfg.alpha_l) for rid, _ in chunks]
         prefix = []
-        for (rid, n), slot, total, alpha in zip(chunks, slots, totals, alphas, strict=True):
+        for (rid, _), slot, total, alpha in zip(chunks, slots, totals, alphas, strict=True):
             p = prompts[rid]
             if rid not in self.stored and p.hit is not None:  # the tree hit, attached
                 exporter, cut = p.hit
