@@ -87,7 +87,9 @@ def _split_attached(cache: CompressedKVCache, ext: ExtendRequests
         return ext, []
     keep = [b for b in range(len(ext.slots)) if b not in att]
     pick = lambda xs: tuple(xs[b] for b in keep)  # noqa: E731
-    return ExtendRequests(ext.req[keep], pick(ext.slots), pick(ext.starts), pick(ext.fresh),
+    # (indexing with the host list would copy it to the device pageable: a sync)
+    req = ext.req.index_select(0, upload([keep], ext.req.device)[0])
+    return ExtendRequests(req, pick(ext.slots), pick(ext.starts), pick(ext.fresh),
                           pick(ext.prefix), pick(ext.total)), att
 
 
