@@ -63,7 +63,7 @@ class _Ends:
     base: torch.Tensor  # int32 [layers, B, Hkv, 2]: attached (a_h, a_l) per layer
     alpha_h: torch.Tensor  # fp32 [B]
     alpha_l: torch.Tensor  # fp32 [B]
-    seed: torch.Tensor | None  # int64 [B], benchmark mode
+    bench: tuple[torch.Tensor, torch.Tensor] | None  # benchmark mode: (seed int64 [B], mix)
     q_starts: torch.Tensor  # int64 [B]: prefill_scores' q_starts over ``queries``
     num_queries: torch.Tensor  # int32 [B]: min(score_queries, span)
     q_src: torch.Tensor  # int64 [M]: fresh scoring queries' rows in the step's q
@@ -71,6 +71,7 @@ class _Ends:
     kept: list[tuple[int, int, torch.Tensor, int, int]]  # (dst row, n, buffer, lo, hi)
     num_q: int  # rows of ``queries``
     members: list[tuple[int, Any]]  # (request slot, attached or None), group order
+    chunked: torch.Tensor | None  # int64: the members that are chunked prompts (None: all)
     packed_k: torch.Tensor
     packed_v: torch.Tensor
     raw: torch.Tensor
@@ -97,11 +98,13 @@ class ExtendStores:
         self.ends = ends
 
     @classmethod
-    def build(cls, cache: CompressedKVCache, ext: ExtendRequests) -> ExtendStores:
+    def build(cls, cache: CompressedKVCache, ext: ExtendRequests,
+              bench_mix: torch.Tensor | None = None) -> ExtendStores:
+        """``bench_mix``: benchmark mode's mix, float64 [3] on the device (None: off)."""
         radix = cache.radix
         attached = radix.attached if radix is not None else {}
         return cls(cache, ext, _build_chunks(cache, ext, attached),
-                   _build_ends(cache, ext, attached))
+                   _build_ends(cache, ext, attached, bench_mix))
 
     # ---- chunks before the last --------------------------------------------------------
 
@@ -153,12 +156,11 @@ class ExtendStores:
                        starts=g.packed_start, max_len=g.max_total, out=e.sig,
                        q_starts=e.q_starts, key_first=e.key_first,
                        num_queries=e.num_queries)
-        bench = None if e.seed is None else (e.seed, _bench_mix(c))
         extend_store.compress_span(
             c.pages, c.geometry, c.manager.table, c.manager.counts, layer, g, base,
             e.packed_k, e.packed_v, e.raw, e.sig, e.alpha_h, e.alpha_l, cfg.window,
             cfg.score_queries, tier_out=e.tier, block_counts=e.block_counts,
-            totals=e.totals[layer], bench=bench)
+            totals=e.totals[layer], bench=e.bench)
         if e.cuts is not None:
             self._record_cuts(layer, base)
 
@@ -183,24 +185,16 @@ class ExtendStores:
         e = self.ends
         if e is None:
             return
-        c = self.cache
-        chunked = [i for i, (_, a) in enumerate(e.members) if a is None]
         for i, (_, a) in enumerate(e.members):
             if a is not None:
                 a.kept = e.totals[:, i]
-        if chunked:
-            idx = e.group.req.new_tensor(chunked) if len(chunked) < len(e.members) else None
-            req = e.group.req if idx is None else e.group.req[idx]
-            tot = e.totals if idx is None else e.totals[:, idx]
-            c._prompt_kept[req] = tot.transpose(0, 1).long()
-
-
-def _bench_mix(c: CompressedKVCache) -> torch.Tensor:
-    mix = getattr(c, "_bench_mix_dev", None)
-    if mix is None:
-        mix = torch.tensor(c.config.bench_mix, dtype=torch.float64, device=c.device)
-        c._bench_mix_dev = mix
-    return mix
+        if e.chunked is None:
+            req, tot = e.group.req, e.totals
+        elif e.chunked.numel():
+            req, tot = e.group.req[e.chunked], e.totals[:, e.chunked]
+        else:
+            return
+        self.cache._prompt_kept[req] = tot.transpose(0, 1).long()
 
 
 def _build_chunks(c: CompressedKVCache, ext: ExtendRequests, attached: dict
@@ -234,7 +228,8 @@ def _build_chunks(c: CompressedKVCache, ext: ExtendRequests, attached: dict
         keep=[(a, ext.slots[b], ext.rows(b)) for b, a in zip(part, atts, strict=True)])
 
 
-def _build_ends(c: CompressedKVCache, ext: ExtendRequests, attached: dict) -> _Ends | None:
+def _build_ends(c: CompressedKVCache, ext: ExtendRequests, attached: dict,
+                bench_mix: torch.Tensor | None) -> _Ends | None:
     ends = ext.last
     if not ends:
         return None
@@ -277,10 +272,11 @@ def _build_ends(c: CompressedKVCache, ext: ExtendRequests, attached: dict) -> _E
         packed.append(at)
         at += t
     spans = [t - a for t, a in zip(totals, att_len, strict=True)]
+    chunked = [i for i, (_, a) in enumerate(members) if a is None]
     (req, total_d, att_d, stored_d, fresh_start, packed_start, q_starts_d, num_q_d, q_src_d,
-     q_dst_d) = upload([[ext.slots[b] for b in ends], totals, att_len, stored,
-                        [ext.starts[b] for b in ends], packed, q_starts, num_q, q_src, q_dst],
-                       c.device)
+     q_dst_d, chunked_d) = upload([[ext.slots[b] for b in ends], totals, att_len, stored,
+                                   [ext.starts[b] for b in ends], packed, q_starts, num_q,
+                                   q_src, q_dst, chunked], c.device)
     group = PromptGroup(req=req, total=total_d.int(), attached=att_d.int(),
                         stored=stored_d.int(), fresh_start=fresh_start,
                         packed_start=packed_start, max_total=max(totals),
@@ -294,9 +290,10 @@ def _build_ends(c: CompressedKVCache, ext: ExtendRequests, attached: dict) -> _E
     e = _Ends(
         group=group, base=base, alpha_h=alpha[:, 0].contiguous(),
         alpha_l=alpha[:, 1].contiguous(),
-        seed=None if cfg.bench_mix is None else c.bench_seed[req].contiguous(),
+        bench=None if bench_mix is None else (c.bench_seed[req].contiguous(), bench_mix),
         q_starts=q_starts_d, num_queries=num_q_d.int(), q_src=q_src_d, q_dst=q_dst_d,
         kept=kept, num_q=rows_q, members=members,
+        chunked=None if len(chunked) == len(members) else chunked_d,
         packed_k=torch.empty(at, hkv, d, device=dev),
         packed_v=torch.empty(at, hkv, d, device=dev),
         raw=torch.empty(at, hkv, extend_store.raw_bytes(c.geometry.high), dtype=torch.uint8,

@@ -258,8 +258,17 @@ class DiffKVOps:
         if self.use_kernels:
             from sglang_diffkv.sglang.extend_ops import ExtendStores
 
-            step.stores = ExtendStores.build(c, ext)
+            mix = None if c.config.bench_mix is None else self._bench_mix()
+            step.stores = ExtendStores.build(c, ext, mix)
         return step
+
+    def _bench_mix(self) -> torch.Tensor:
+        """Benchmark mode's mix as the kernels read it (float64 [3] on the device), made
+        once: a copy per layer would be an upload per layer."""
+        if self._bench_mix_t is None:
+            self._bench_mix_t = torch.tensor(self.cache.config.bench_mix, dtype=torch.float64,
+                                             device=self.cache.device)
+        return self._bench_mix_t
 
     def _whole_prompts_step(self, req: torch.Tensor, prompts: PackedPrompts) -> PrefillStep:
         c = self.cache
@@ -405,10 +414,7 @@ class DiffKVOps:
         if cfg.bench_mix is not None:
             # the scoring kernels above ran for their cost; the draw decides the tiers
             # (in the classify kernel: CompressedKVCache.bench_significance, bit for bit)
-            if self._bench_mix_t is None:
-                self._bench_mix_t = torch.tensor(cfg.bench_mix, dtype=torch.float64,
-                                                 device=c.device)
-            bench = (seed, self._bench_mix_t)
+            bench = (seed, self._bench_mix())
         cls = self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
             alpha_h, alpha_l, cfg.window, cfg.score_queries, starts=starts, totals=totals,
