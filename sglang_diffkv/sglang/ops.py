@@ -314,7 +314,9 @@ class DiffKVOps:
         those and their fresh tokens (extend attention: the Triton kernel or its torch
         reference), replacing their rows. Store: whole prompts as in stage 1, chunks before
         the last at the high tier (``CompressedKVCache.store_chunk``), last chunks scored
-        over the whole prompt and stored compressed (``store_last_chunk``)."""
+        over the whole prompt and stored compressed (``store_last_chunk``), radix suffixes
+        likewise over their attached prefix (``PromptSharing``). The kernel path stores the
+        chunks and the prompt ends as groups, with no host sync (``extend_ops``)."""
         c, ext, ap = self.cache, step.ext, step.all_prompts
         if not self.use_kernels:
             out, lse = ap.unpad(causal_sdpa(ap.pad(q), ap.pad(k), ap.pad(v), scale)), None
