@@ -53,7 +53,7 @@ class Attached:
     stored: int = 0  # suffix tokens stored at the high tier by earlier chunks
     queries: torch.Tensor | None = None  # [layers, Q, Hq, D]: the suffix's last queries
     held: int = 0  # how many of ``queries`` are held
-    kept: torch.Tensor | None = None  # int64 [layers, Hkv, 2]: counts after the last chunk
+    kept: torch.Tensor | None = None  # int [layers, Hkv, 2]: counts after the last chunk
 
 
 class PromptSharing:

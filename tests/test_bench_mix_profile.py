@@ -91,7 +91,7 @@ def test_buckets_steps_and_free_between_steps():
 
 
 def test_prefill_parts_get_their_own_line():
-    """Where a prefill step's time goes (attention, compress, chunk stores, radix, export):
+    """Where a prefill step's time goes (attention, compress, chunk stores, ends, export):
     a second line, only when a part was timed; the bench reads it back per step."""
     p = StepProfiler("cpu", clock=FakeClock())
     for _ in range(2):
@@ -99,7 +99,7 @@ def test_prefill_parts_get_their_own_line():
         _sleep_span(p, "alloc", 0.001)
         _sleep_span(p, "attend", 0.010)
         _sleep_span(p, "chunk", 0.030)
-        _sleep_span(p, "radix", 0.005)
+        _sleep_span(p, "end", 0.005)
         p._clock.sleep(0.002)
         p.end_step("prefill")
     lines = p.lines()
@@ -108,7 +108,7 @@ def test_prefill_parts_get_their_own_line():
     parts = parse_parts_line(lines[1])
     assert parts["mode"] == "prefill" and parts["steps"] == 2
     assert parts["attend_ms"] == pytest.approx(10) and parts["chunk_ms"] == pytest.approx(30)
-    assert parts["radix_ms"] == pytest.approx(5) and parts["compress_ms"] == 0
+    assert parts["end_ms"] == pytest.approx(5) and parts["compress_ms"] == 0
     assert parts["step_ms"] == pytest.approx(48)
     assert sum(parts[f"{b}_ms"] for b in PART_BUCKETS) <= parts["step_ms"]
     stats = _diffkv_stats(["[2026-01-01 00:00:00] " + ln for ln in lines])

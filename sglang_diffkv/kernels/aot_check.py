@@ -18,6 +18,7 @@ from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED
 from sglang_diffkv.kernels._tier import tier_constexprs
 from sglang_diffkv.kernels.decode_attention import TRITON_ASM
 from sglang_diffkv.kernels.decode_policy import SCAN_BLOCK, hash_constexprs
+from sglang_diffkv.kernels.extend_store import raw_segments
 from sglang_diffkv.kernels.prefill import bench_constexprs
 from sglang_diffkv.layout import PageGeometry
 
@@ -28,6 +29,7 @@ T = tier_constexprs(GEO.high, "T_")
 GEO1 = PageGeometry.build(128, K8V4, K4V2)
 HI1, LO1 = tier_constexprs(GEO1.high, "H_"), tier_constexprs(GEO1.low, "L_")
 BENCH_C = bench_constexprs()
+RAW = raw_segments(GEO.high)
 ATTN = dict(PAGE_BYTES=GEO.page_bytes, G=4, BLOCK_G=16, D=128, PPI=1, RS=64)
 POINTERS = {  # pointer arguments and their element types; everything else is an i32 scalar
     "q": "*bf16", "k": "*bf16", "key": "*bf16", "value": "*bf16", "u8": "*u8",
@@ -40,7 +42,10 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "alpha": "*fp32", "action_out": "*i8", "hmin_out": "*i64", "lmin_out": "*i64",
     "bench_seed": "*i64",
     "seed": "*i64", "mix": "*fp64", "part": "*i64", "q_start": "*i64", "k_start": "*i64",
-    "v_start": "*i64", "shared": "*i32", "hk": "*i64", "hs": "*i32",
+    "v_start": "*i64", "shared": "*i32", "hk": "*i64", "hs": "*i32", "key_first": "*i32",
+    "q_count": "*i32", "base": "*i32", "attached": "*i32", "stored": "*i32", "total": "*i32",
+    "fresh_start": "*i64", "packed_start": "*i64", "out_k": "*fp32", "out_v": "*fp32",
+    "raw": "*u8", "pk": "*fp32", "pv": "*fp32",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -59,9 +64,24 @@ KERNELS = [
       for sh, hint in ((False, False), (True, False), (True, True))),
     ("store", "_store_tokens_kernel", {"PAGE_BYTES": GEO.page_bytes, "D": 128, "BLOCK_T": 16,
                                        **T}),
-    ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False)),
+    ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False, EXT=False,
+                                    key_first=None, q_count=None)),
     *(("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False,
-                                         LSE_PACKED=packed)) for packed in (False, True)),
+                                         LSE_PACKED=packed, EXT=False, key_first=None,
+                                         q_count=None)) for packed in (False, True)),
+    # scoring a prompt over stored tokens (extend_store): fp32 keys, IEEE dots
+    ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=True, EXT=True),
+     {"k": "*fp32"}),
+    ("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=True,
+                                       LSE_PACKED=False, EXT=True), {"k": "*fp32"}),
+    ("extend_store", "_gather_kernel", dict(PAGE_BYTES=GEO.page_bytes, D=128, BL=32, **HI,
+                                            **LO, **RAW)),
+    *(("extend_store", "_classify_span_kernel",
+       dict(WINDOW=64, Q=64, BL=64, BENCH=bench, **BENCH_C,
+            **({} if bench else {"seed": None, "mix": None})))
+      for bench in (False, True)),
+    ("extend_store", "_store_span_kernel", dict(PAGE_BYTES=GEO.page_bytes, D=128, Q=64, BL=64,
+                                                COUNT_TILE=128, **HI, **LO, **RAW)),
     # the serving path's (no score / pos outputs; benchmark draw or not) and the tests'
     # (everything); absent buffers arrive as None, a constexpr
     *(("prefill", "_classify_kernel",
@@ -95,8 +115,10 @@ KERNELS = [
 ]
 
 
-def compile_one(module: str, name: str, constexprs: dict) -> str:
-    """Compile one kernel for sm_90; returns its PTX."""
+def compile_one(module: str, name: str, constexprs: dict,
+                pointers: dict[str, str] | None = None) -> str:
+    """Compile one kernel for sm_90; returns its PTX. ``pointers``: element types of
+    pointer arguments that differ from ``POINTERS``' (by name)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -107,7 +129,8 @@ def compile_one(module: str, name: str, constexprs: dict) -> str:
         if param.is_constexpr or arg in constexprs:
             signature[arg] = "constexpr"
         else:
-            signature[arg] = POINTERS.get(arg, "fp32" if arg in FLOATS else "i32")
+            signature[arg] = {**POINTERS, **(pointers or {})}.get(
+                arg, "fp32" if arg in FLOATS else "i32")
     missing = [a for a in fn.arg_names if signature[a] == "constexpr" and a not in constexprs]
     if missing:
         raise ValueError(f"{name}: constexprs without a value: {missing}")
@@ -127,9 +150,9 @@ def _label(constexprs: dict) -> str:
 
 def main() -> int:
     failed = 0
-    for module, name, constexprs in KERNELS:
+    for module, name, constexprs, *pointers in KERNELS:
         try:
-            compile_one(module, name, constexprs)
+            compile_one(module, name, constexprs, *pointers)
             print(f"ok      {module}.{name}{_label(constexprs)}")
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             failed += 1

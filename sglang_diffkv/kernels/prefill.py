@@ -109,15 +109,21 @@ def _qk(qt, kt, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _lse_kernel(
-    q, q_start, q_sh, q_sl, k, k_start, k_sh, k_sl, lengths, lse, qk_scale,
+    q, q_start, q_sh, q_sl, k, k_start, k_sh, k_sl, lengths, lse, qk_scale, key_first,
+    q_count,
     G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, EXT: tl.constexpr,
 ):
-    """lse[b, hq, r] (base 2) of query L - nq + r over its causal keys, r < nq."""
+    """lse[b, hq, r] (base 2) of query L - nq + r over its causal keys, r < nq. EXT: nq is
+    also at most q_count[b], and keys before key_first[b, hq // G] are masked."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     n = tl.load(lengths + b)
     nq = tl.minimum(n, Q)
+    first = 0
+    if EXT:
+        nq = tl.minimum(nq, tl.load(q_count + b))
+        first = tl.load(key_first + b * (tl.num_programs(1) // G) + hq // G)
     r = tl.arange(0, QB)
     qpos = n - nq + r
     rmask = r < nq
@@ -132,7 +138,7 @@ def _lse_kernel(
         kt = tl.load(kbase + kpos[:, None] * k_sl + d[None, :], mask=(kpos < n)[:, None],
                      other=0.0)
         s = _qk(qt, kt, DOT_F32) * qk_scale
-        ok = (kpos[None, :] <= qpos[:, None]) & rmask[:, None]
+        ok = (kpos[None, :] <= qpos[:, None]) & rmask[:, None] & (kpos[None, :] >= first)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -148,13 +154,15 @@ def _lse_kernel(
 @triton.jit(do_not_specialize=("Lmax", "lse_sb", "lse_sh", "lse_sr"))
 def _colsum_kernel(
     q, q_start, q_sh, q_sl, k, k_start, k_sh, k_sl, lengths, lse, lse_sb, lse_sh, lse_sr,
-    lse_mul, sig, Lmax, qk_scale,
+    lse_mul, sig, Lmax, qk_scale, key_first, q_count,
     G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-    LSE_PACKED: tl.constexpr, DOT_F32: tl.constexpr,
+    LSE_PACKED: tl.constexpr, DOT_F32: tl.constexpr, EXT: tl.constexpr,
 ):
     """sig[b, h, i] = max over the group of sum_r exp2(s[r, i] - lse[r]) for one key tile.
     lse row r of prompt b: b * lse_sb + r * lse_sr (per prompt), or, LSE_PACKED (one row per
-    packed query token, as a varlen attention returns it), (q_start[b] + L - nq + r) * lse_sr."""
+    packed query token, as a varlen attention returns it), (q_start[b] + L - nq + r) * lse_sr.
+    EXT: as ``_lse_kernel`` (at most q_count[b] queries, keys before key_first[b, h] masked:
+    their sig is 0)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.program_id(2) * BK
@@ -163,13 +171,17 @@ def _colsum_kernel(
     best = tl.zeros([BK], tl.float32)
     if start < n:
         nq = tl.minimum(n, Q)
+        first = 0
+        if EXT:
+            nq = tl.minimum(nq, tl.load(q_count + b))
+            first = tl.load(key_first + b * tl.num_programs(1) + h)
         r = tl.arange(0, QB)
         qpos = n - nq + r
         rmask = r < nq
         d = tl.arange(0, D)
         kt = tl.load(k + (tl.load(k_start + b) + kpos[:, None]) * k_sl + h * k_sh + d[None, :],
                      mask=(kpos < n)[:, None], other=0.0)
-        ok = (kpos[None, :] <= qpos[:, None]) & rmask[:, None]
+        ok = (kpos[None, :] <= qpos[:, None]) & rmask[:, None] & (kpos[None, :] >= first)
         q0 = tl.load(q_start + b)
         if LSE_PACKED:
             lrow = lse + (q0 + qpos) * lse_sr
@@ -201,10 +213,11 @@ def _token_rows(x: torch.Tensor, starts: torch.Tensor | None
 
 
 def _check_prompt(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor,
-                  starts: torch.Tensor | None, max_len: int | None) -> tuple[int, int]:
+                  starts: torch.Tensor | None, max_len: int | None,
+                  own_q_rows: bool = False) -> tuple[int, int]:
     """(B, Lmax) of padded [B, H, Lmax, D] or packed [T, H, D] prompts (then ``starts``
     [B] int64 and the host's ``max_len`` are needed: reading them off the device would
-    synchronise)."""
+    synchronise). ``own_q_rows``: packed q has rows of its own (``q_starts``)."""
     if q.dim() != k.dim() or q.dim() not in (3, 4):
         raise ValueError("q and k must be padded [B, H, Lmax, D] or packed [T, H, D] "
                          f"alike, got {tuple(q.shape)} / {tuple(k.shape)}")
@@ -216,7 +229,7 @@ def _check_prompt(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor,
             raise ValueError(f"starts must be int64 [B], got {starts.dtype} "
                              f"{tuple(starts.shape)}")
         b, lmax = starts.shape[0], int(max_len)
-        same = k.shape[0] == q.shape[0]
+        same = own_q_rows or k.shape[0] == q.shape[0]
     else:
         b, lmax = q.shape[0], q.shape[2]
         same = k.shape[0] == b and k.shape[2] == lmax
@@ -224,8 +237,11 @@ def _check_prompt(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor,
     if not same or k.shape[-1] != d or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match "
                          "(same prompts, same D; Hq a multiple of Hkv)")
-    if q.dtype != k.dtype or q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"q and k must both be fp16 or bf16, got {q.dtype} / {k.dtype}")
+    half = (torch.float16, torch.bfloat16)
+    if not ((q.dtype == k.dtype and q.dtype in half)
+            or (k.dtype == torch.float32 and q.dtype in (*half, torch.float32))):
+        raise ValueError(f"q and k must both be fp16 or bf16, or k fp32 (then q fp16, bf16 "
+                         f"or fp32), got {q.dtype} / {k.dtype}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k need a contiguous last dimension")
     if lengths.shape != (b,):
@@ -244,6 +260,9 @@ def prefill_scores(
     starts: torch.Tensor | None = None,
     max_len: int | None = None,
     out: torch.Tensor | None = None,
+    q_starts: torch.Tensor | None = None,
+    key_first: torch.Tensor | None = None,
+    num_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Significance sums [B, Hkv, Lmax] fp32 (maxed over the group; 0 past a prompt's end).
 
@@ -253,20 +272,40 @@ def prefill_scores(
     min(score_queries, L) queries, as the prefill attention returns it: [B, Hq,
     score_queries] (row r is query L - nq + r), or for packed prompts [T, Hq] (every
     query's row, any strides); computed here when absent. ``out``: fp32 [B, Hkv, Lmax] to
-    write into.
+    write into. k fp32 (keys dequantised from pages) scores with fp32 products.
+
+    Prompts over stored tokens (``sglang.extend_ops``; packed, ``lse`` computed here):
+    ``q_starts`` (int64 [B]): query token i of prompt b is q row q_starts[b] + i (default
+    ``starts``: q holds only the scoring queries when q_starts[b] + L - nq >= 0 is their
+    first row); ``key_first`` (int32 [B, Hkv]) and ``num_queries`` (int32 [B]), given
+    together: keys before key_first[b, h] are invisible (head h of prompt b has fewer
+    tokens than its row's positions) and each prompt's scoring queries are its last
+    min(score_queries, L, num_queries[b]).
     """
-    b, lmax = _check_prompt(q, k, lengths, starts, max_len)
+    b, lmax = _check_prompt(q, k, lengths, starts, max_len, own_q_rows=q_starts is not None)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    q, q_rows, q_sh, q_sl = _token_rows(q, starts)
+    if q_starts is not None:
+        _check_buffer("q_starts", q_starts, (b,), torch.int64, k.device)
+    ext = key_first is not None or num_queries is not None
+    if ext:
+        if key_first is None or num_queries is None or lse is not None or starts is None:
+            raise ValueError("key_first and num_queries go together, with packed prompts "
+                             "and no lse")
+        _check_buffer("key_first", key_first, (b, hkv), torch.int32, k.device)
+        _check_buffer("num_queries", num_queries, (b,), torch.int32, k.device)
+    q, q_rows, q_sh, q_sl = _token_rows(q, starts if q_starts is None else q_starts)
     k, k_rows, k_sh, k_sl = _token_rows(k, starts)
     qb = max(16, triton.next_power_of_2(score_queries))
     lengths = _as(lengths, torch.int32, q.device)
     packed_lse = lse is not None and lse.dim() == 2
+    dot_f32 = INTERPRET or k.dtype == torch.float32
     if lse is None:
         lse = torch.empty(b, hq, qb, dtype=torch.float32, device=q.device)
         _lse_kernel[(b, hq)](
             q, q_rows, q_sh, q_sl, k, k_rows, k_sh, k_sl, lengths, lse, sm_scale * LOG2E,
-            G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=64, DOT_F32=INTERPRET, num_warps=4,
+            key_first, num_queries,
+            G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=64, DOT_F32=dot_f32, EXT=ext,
+            num_warps=4,
         )
         lse_mul = 1.0
     else:
@@ -289,9 +328,9 @@ def prefill_scores(
     bk = 64
     _colsum_kernel[(b, hkv, triton.cdiv(lmax, bk))](
         q, q_rows, q_sh, q_sl, k, k_rows, k_sh, k_sl, lengths, lse, lse_sb, lse_sh, lse_sr,
-        lse_mul, out, lmax, sm_scale * LOG2E,
+        lse_mul, out, lmax, sm_scale * LOG2E, key_first, num_queries,
         G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=bk, LSE_PACKED=packed_lse,
-        DOT_F32=INTERPRET, num_warps=4,
+        DOT_F32=dot_f32, EXT=ext, num_warps=4,
     )
     return out
 

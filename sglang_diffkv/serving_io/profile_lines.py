@@ -21,10 +21,11 @@ from typing import Any
 
 MM_BUCKETS = ("alloc", "reclaim", "free")
 # where a prefill step's time goes, beside mm (their own line, ``parts_line``): attention
-# (prompt attention and extend attention over stored chunks), whole prompts' score and
-# compress, chunked prefill's stores (chunks before the last, and the last chunk's scoring of
-# the whole prompt), radix hits' suffix stores, and exporting completed prompts to the tree
-PART_BUCKETS = ("attend", "compress", "chunk", "radix", "export")
+# (prompt attention and extend attention over stored tokens), whole prompts' score and
+# compress, chunks before a prompt's last stored at the high tier (chunked prefill's and radix
+# suffixes'), prompt ends over stored tokens (a last chunk, a radix suffix's last chunk)
+# scored and stored compressed, and exporting completed prompts to the tree
+PART_BUCKETS = ("attend", "compress", "chunk", "end", "export")
 BUCKETS = ("step", *MM_BUCKETS, "policy", *PART_BUCKETS)
 MODES = ("prefill", "decode")
 

@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,8 +88,22 @@ def _split_attached(cache: CompressedKVCache, ext: ExtendRequests
         return ext, []
     keep = [b for b in range(len(ext.slots)) if b not in att]
     pick = lambda xs: tuple(xs[b] for b in keep)  # noqa: E731
-    return ExtendRequests(ext.req[keep], pick(ext.slots), pick(ext.starts), pick(ext.fresh),
+    # (indexing with the host list would copy it to the device pageable: a sync)
+    req = ext.req.index_select(0, upload([keep], ext.req.device)[0])
+    return ExtendRequests(req, pick(ext.slots), pick(ext.starts), pick(ext.fresh),
                           pick(ext.prefix), pick(ext.total)), att
+
+
+def upload(columns: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """int64 device tensors of host int lists, made by one host-to-device copy: from pinned
+    memory and non-blocking on CUDA (a pageable copy synchronises the stream)."""
+    sizes = [len(c) for c in columns]
+    flat = torch.tensor([int(x) for c in columns for x in c], dtype=torch.int64)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split(sizes))
 
 
 def want_kernels(device: torch.device, environ: dict[str, str] | None = None) -> bool:
@@ -137,6 +152,22 @@ class PrefillStep:
     ext: ExtendRequests | None = None  # chunked prefill in this step (None: whole prompts)
     all_prompts: PackedPrompts | None = None  # ext only: every request's fresh tokens
     whole_rows: torch.Tensor | None = None  # ext only: int64, the whole prompts' rows
+    # ext only, made once per step (a per-layer host-to-device copy synchronises on CUDA):
+    prefixed: PrefixedRows | None = None  # requests over stored tokens (extend attention)
+    chunks: ExtendRequests | None = None  # ext less the attached radix hits
+    attached: list[int] = field(default_factory=list)  # the attached ones' rows in ext
+    stores: Any = None  # kernel path: extend_ops.ExtendStores
+
+
+@dataclass(frozen=True)
+class PrefixedRows:
+    """The step's requests whose fresh tokens follow stored ones (extend attention): their
+    slots, first packed rows and fresh lengths on the device, the longest on the host."""
+
+    req: torch.Tensor  # int64 [P]
+    starts: torch.Tensor  # int64 [P]
+    lens: torch.Tensor  # int64 [P]
+    max_new: int
 
 
 @dataclass
@@ -213,14 +244,35 @@ class DiffKVOps:
         all_prompts = PackedPrompts.from_lengths(lengths, c.device, lengths_dev)
         if not whole:
             empty = torch.zeros(0, device=c.device)
-            return PrefillStep(req=req[:0], prompts=None, alpha_h=empty, alpha_l=empty,
+            step = PrefillStep(req=req[:0], prompts=None, alpha_h=empty, alpha_l=empty,
                                seed=None, totals=None, ext=ext, all_prompts=all_prompts)
-        rows = torch.cat([torch.arange(ext.starts[b], ext.starts[b] + ext.fresh[b])
-                          for b in whole]).to(c.device)
-        step = self._whole_prompts_step(
-            req[whole], PackedPrompts.from_lengths([lengths[b] for b in whole], c.device))
-        step.ext, step.all_prompts, step.whole_rows = ext, all_prompts, rows
+        else:
+            rows = torch.cat([torch.arange(ext.starts[b], ext.starts[b] + ext.fresh[b])
+                              for b in whole]).to(c.device)
+            step = self._whole_prompts_step(
+                req[whole], PackedPrompts.from_lengths([lengths[b] for b in whole], c.device))
+            step.ext, step.all_prompts, step.whole_rows = ext, all_prompts, rows
+        pre = ext.prefixed
+        if pre:
+            idx, starts, lens = upload([pre, [ext.starts[b] for b in pre],
+                                        [ext.fresh[b] for b in pre]], c.device)
+            step.prefixed = PrefixedRows(ext.req[idx], starts, lens,
+                                         max(ext.fresh[b] for b in pre))
+        step.chunks, step.attached = _split_attached(c, ext)
+        if self.use_kernels:
+            from sglang_diffkv.sglang.extend_ops import ExtendStores
+
+            mix = None if c.config.bench_mix is None else self._bench_mix()
+            step.stores = ExtendStores.build(c, ext, mix)
         return step
+
+    def _bench_mix(self) -> torch.Tensor:
+        """Benchmark mode's mix as the kernels read it (float64 [3] on the device), made
+        once: a copy per layer would be an upload per layer."""
+        if self._bench_mix_t is None:
+            self._bench_mix_t = torch.tensor(self.cache.config.bench_mix, dtype=torch.float64,
+                                             device=self.cache.device)
+        return self._bench_mix_t
 
     def _whole_prompts_step(self, req: torch.Tensor, prompts: PackedPrompts) -> PrefillStep:
         c = self.cache
@@ -270,10 +322,12 @@ class DiffKVOps:
         those and their fresh tokens (extend attention: the Triton kernel or its torch
         reference), replacing their rows. Store: whole prompts as in stage 1, chunks before
         the last at the high tier (``CompressedKVCache.store_chunk``), last chunks scored
-        over the whole prompt and stored compressed (``store_last_chunk``)."""
-        c, ext, ap = self.cache, step.ext, step.all_prompts
+        over the whole prompt and stored compressed (``store_last_chunk``), radix suffixes
+        likewise over their attached prefix (``PromptSharing``). The kernel path stores the
+        chunks and the prompt ends as groups, with no host sync (``extend_ops``)."""
+        c, ext = self.cache, step.ext
         with span(self.prof, "attend"):
-            out, lse = self._chunked_attend(layer, ext, ap, q, k, v, scale)
+            out, lse = self._chunked_attend(layer, step, q, k, v, scale)
         if step.whole_rows is not None:
             rows, p = step.whole_rows, step.prompts
             qw, kw, vw = q[rows], k[rows], v[rows]
@@ -287,44 +341,47 @@ class DiffKVOps:
                         step.alpha_l, step.seed, lse=None if lse is None else lse[rows],
                         starts=p.starts, max_len=p.max_len, totals=step.totals[layer],
                         buffers=step.buffers)
-        chunks, attached = _split_attached(c, ext)
+        if self.use_kernels:  # (every chunk and prompt end as one group: extend_ops)
+            with span(self.prof, "chunk"):
+                step.stores.store_chunks(layer, q, k, v)
+            with span(self.prof, "end"):
+                step.stores.store_prompt_ends(layer, q, k, v, scale)
+            return out
+        chunks, attached = step.chunks, step.attached
         with span(self.prof, "chunk"):
             c.store_chunk(layer, chunks, q, k, v)
+            for b in attached:  # radix hits: the suffix's chunks before its last
+                a = c.radix.attached[ext.slots[b]]
+                if ext.prefix[b] + ext.fresh[b] < a.total:
+                    c.radix.store_chunk(layer, b, ext.slots[b], ext, q, k, v)
+        with span(self.prof, "end"):
             c.store_last_chunk(layer, chunks, q, k, v, scale)
-        if attached:
-            with span(self.prof, "radix"):
-                for b in attached:  # radix hits: the prompt suffix over the attached prefix
-                    slot, r = ext.slots[b], c.radix
-                    a = r.attached[slot]
-                    if ext.prefix[b] + ext.fresh[b] < a.total:
-                        r.store_chunk(layer, b, slot, ext, q, k, v)
-                    else:
-                        r.store_last(layer, b, slot, ext, q, k, v, scale)
+            for b in attached:  # radix hits: the suffix's last chunk over the attached prefix
+                a = c.radix.attached[ext.slots[b]]
+                if ext.prefix[b] + ext.fresh[b] >= a.total:
+                    c.radix.store_last(layer, b, ext.slots[b], ext, q, k, v, scale)
         return out
 
-    def _chunked_attend(self, layer: int, ext: ExtendRequests, ap: PackedPrompts,
-                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    def _chunked_attend(self, layer: int, step: PrefillStep, q: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, scale: float
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every request causally over its fresh tokens, then requests with stored tokens
         again over those and their fresh tokens, replacing their rows: (out [T, Hq, Dv],
         the fresh-only pass's LSE or None)."""
-        c = self.cache
+        c, ap = self.cache, step.all_prompts
         if not self.use_kernels:
             out, lse = ap.unpad(causal_sdpa(ap.pad(q), ap.pad(k), ap.pad(v), scale)), None
         else:
             out, lse = self.prompt_attention.run(q, k, v, ap, scale)
         out = _full_rows(out, q.shape[0])
-        pre = ext.prefixed
-        if pre:
-            starts = torch.tensor([ext.starts[b] for b in pre], device=c.device)
-            lens = torch.tensor([ext.fresh[b] for b in pre], device=c.device)
+        pre = step.prefixed
+        if pre is not None:
             if self.use_kernels:
-                self.k.extend_attention(q, k, v, starts, lens, c.pages, c.geometry,
-                                        c.manager.table, c.manager.counts, ext.req[pre],
-                                        layer, scale, out=out,
-                                        max_new=max(ext.fresh[b] for b in pre))
+                self.k.extend_attention(q, k, v, pre.starts, pre.lens, c.pages, c.geometry,
+                                        c.manager.table, c.manager.counts, pre.req, layer,
+                                        scale, out=out, max_new=pre.max_new)
             else:
-                c.extend_layer_attend(layer, ext.req[pre], q, k, v, starts, lens, scale,
+                c.extend_layer_attend(layer, pre.req, q, k, v, pre.starts, pre.lens, scale,
                                       out=out)
         return out, lse
 
@@ -336,7 +393,9 @@ class DiffKVOps:
         if step.totals is not None:
             c._prompt_kept[step.req] = step.totals.transpose(0, 1).long()
         if step.ext is not None:
-            chunks, attached = _split_attached(c, step.ext)
+            if step.stores is not None:
+                step.stores.end_step()
+            chunks, attached = step.chunks, step.attached
             c.end_extend(chunks)
             if attached:
                 c.radix.end_step(step.ext, attached)
@@ -383,10 +442,7 @@ class DiffKVOps:
         if cfg.bench_mix is not None:
             # the scoring kernels above ran for their cost; the draw decides the tiers
             # (in the classify kernel: CompressedKVCache.bench_significance, bit for bit)
-            if self._bench_mix_t is None:
-                self._bench_mix_t = torch.tensor(cfg.bench_mix, dtype=torch.float64,
-                                                 device=c.device)
-            bench = (seed, self._bench_mix_t)
+            bench = (seed, self._bench_mix())
         cls = self.k.compress_prefill(
             c.pages, c.geometry, c.manager.table, req, layer, k, v, sig, lengths,
             alpha_h, alpha_l, cfg.window, cfg.score_queries, starts=starts, totals=totals,

@@ -19,10 +19,10 @@ Buckets (milliseconds):
 - ``policy``: the decode policy step of every layer (``ops.decode_store``: evict / demote /
   store the new token): per-layer tier management, reported apart from ``mm``;
 - prefill parts (their own line, ``parts_line``; ``PART_BUCKETS``): ``attend`` (prompt and
-  extend attention), ``compress`` (whole prompts scored and stored), ``chunk`` (chunked
-  prefill's stores, the last chunk's whole-prompt scoring included), ``radix`` (radix hits'
-  suffix stores), ``export`` (completed prompts copied into the tree's handles; also inside
-  ``reclaim``, which spans the whole end of the step);
+  extend attention), ``compress`` (whole prompts scored and stored), ``chunk`` (chunks before
+  a prompt's last, at the high tier), ``end`` (prompt ends over stored tokens: last chunks and
+  radix suffixes scored and stored compressed), ``export`` (completed prompts copied into the
+  tree's handles; also inside ``reclaim``, which spans the whole end of the step);
 - ``host`` (host clock, not events): the same ``step`` interval as the host saw it, i.e. the
   time to issue the step's work, any host synchronisation inside it included. ``host``
   close to ``step`` means the step is bound by its host work (the GPU waited for

@@ -470,7 +470,7 @@ def test_kernel_path_shares_prefixes_as_copies(monkeypatch):
 
 def test_the_step_profile_says_where_prefill_time_goes(monkeypatch, caplog):
     """SGLANG_DIFFKV_PROFILE=1 on a run with chunks and radix hits: the prefill parts line
-    times attention, chunk stores, radix suffix stores and exports, within the step."""
+    times attention, chunk stores, prompt ends and exports, within the step."""
     from sglang_diffkv.serving_io.profile_lines import PART_BUCKETS, parse_parts_line
 
     monkeypatch.setenv("SGLANG_DIFFKV_PROFILE", "1")
@@ -485,7 +485,7 @@ def test_the_step_profile_says_where_prefill_time_goes(monkeypatch, caplog):
     parts = [p for r in caplog.records if (p := parse_parts_line(r.getMessage()))]
     assert parts and all(p["mode"] == "prefill" for p in parts)
     total = {b: sum(p[f"{b}_ms"] * p["steps"] for p in parts) for b in PART_BUCKETS}
-    assert all(total[b] > 0 for b in ("attend", "chunk", "radix", "export")), total
+    assert all(total[b] > 0 for b in ("attend", "chunk", "end", "export")), total
     for p in parts:
         # (the spans are host-clock on the CPU; each sits inside its step)
         assert sum(p[f"{b}_ms"] for b in PART_BUCKETS) <= p["step_ms"] * 1.001 + 1e-3
