@@ -59,6 +59,7 @@ from sglang_diffkv.kernels.prefill import (
     _bench_draw,
     _block_prefix,
     _check_buffer,
+    _store_tiers,
     _threshold,
     bench_constexprs,
 )
@@ -239,15 +240,9 @@ def _classify_span_kernel(
         tl.store(srow, s, mask=valid)
     else:
         s = tl.load(srow, mask=valid, other=0.0)
-    count = tl.maximum(tl.minimum(n - ipos, Q), 1).to(tl.float32)
-    mean = tl.math.div_rn(s, count)
-    high = ((mean >= th) | (ipos >= n - WINDOW)) & valid
-    low = (mean >= tlow) & ~high & valid
-    tier = tl.where(high, 0, tl.where(low, 1, 2)).to(tl.int8)
-    tl.store(tier_out + (b * tl.num_programs(1) + h) * Smax + i, tier, mask=inside)
-    cbase = block_counts + ((b * tl.num_programs(1) + h) * NB + blk) * 2
-    tl.store(cbase, tl.sum(high.to(tl.int32), axis=0))
-    tl.store(cbase + 1, tl.sum(low.to(tl.int32), axis=0))
+    _store_tiers(s, ipos, n, th, tlow, valid, inside,
+                 tier_out + (b * tl.num_programs(1) + h) * Smax + i,
+                 block_counts + ((b * tl.num_programs(1) + h) * NB + blk) * 2, WINDOW, Q)
 
 
 @triton.jit(do_not_specialize=("Lsig", "Smax", "NB", "row_len"))

@@ -421,8 +421,6 @@ def _classify_kernel(
         tl.store(srow, s, mask=inside)
     else:
         s = tl.load(srow, mask=inside, other=0.0)
-    count = tl.maximum(tl.minimum(n - i, Q), 1).to(tl.float32)
-    mean = tl.math.div_rn(s, count)
     valid = i < n
     if SCORES:
         tl.store(score_out + (b * tl.num_programs(1) + h) * Lmax + i, tl.where(valid, s, 0.0),
@@ -430,13 +428,25 @@ def _classify_kernel(
         if h == 0:  # policy.virtual_positions: L - clamp(L - i, 0, Q)
             tl.store(pos_out + b * Lmax + i, n - tl.minimum(tl.maximum(n - i, 0), Q),
                      mask=inside)
-    high = ((mean >= th) | (i >= n - WINDOW)) & valid
+    _store_tiers(s, i, n, th, tlow, valid, inside,
+                 tier_out + (b * tl.num_programs(1) + h) * Lmax + i,
+                 block_counts + ((b * tl.num_programs(1) + h) * NB + blk) * 2, WINDOW, Q)
+
+
+@triton.jit
+def _store_tiers(s, pos, n, th, tlow, valid, inside, tier_ptr, count_ptr,
+                 WINDOW: tl.constexpr, Q: tl.constexpr):
+    """The prefill policy on one block: a token is high when its mean significance (over
+    the min(n - pos, Q) queries that saw it) reaches ``th`` or it is in the last WINDOW,
+    else low when it reaches ``tlow``, else pruned (tiers 0 / 1 / 2 at ``tier_ptr``); the
+    block's (high, low) member counts go to ``count_ptr``."""
+    count = tl.maximum(tl.minimum(n - pos, Q), 1).to(tl.float32)
+    mean = tl.math.div_rn(s, count)
+    high = ((mean >= th) | (pos >= n - WINDOW)) & valid
     low = (mean >= tlow) & ~high & valid
-    tier = tl.where(high, 0, tl.where(low, 1, 2)).to(tl.int8)
-    tl.store(tier_out + (b * tl.num_programs(1) + h) * Lmax + i, tier, mask=inside)
-    cbase = block_counts + ((b * tl.num_programs(1) + h) * NB + blk) * 2
-    tl.store(cbase, tl.sum(high.to(tl.int32), axis=0))
-    tl.store(cbase + 1, tl.sum(low.to(tl.int32), axis=0))
+    tl.store(tier_ptr, tl.where(high, 0, tl.where(low, 1, 2)).to(tl.int8), mask=inside)
+    tl.store(count_ptr, tl.sum(high.to(tl.int32), axis=0))
+    tl.store(count_ptr + 1, tl.sum(low.to(tl.int32), axis=0))
 
 
 @triton.jit
