@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from host_profile import PER_LAYER, run_scenario
-from test_chunked_prefill import outputs_by_position
+from test_chunked_prefill import assert_kernel_run_matches_reference
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -53,12 +52,4 @@ def test_kernel_path_scenario_matches_the_reference_path(monkeypatch):
             s, _ = run_scenario(mp, kernels=kernels)
         assert s.runner.attn_backend.ops.use_kernels == kernels
         runs.append(s)
-    sk, sr = runs
-    assert sk.chunks == sr.chunks
-    for rk, rr in zip(sk.records, sr.records, strict=True):
-        assert torch.equal(rk.counts_after, rr.counts_after)
-    ok, orr = outputs_by_position(sk), outputs_by_position(sr)
-    assert ok.keys() == orr.keys()
-    for key in ok:
-        w = orr[key].double()
-        assert float(torch.linalg.norm(ok[key].double() - w) / torch.linalg.norm(w)) < 2e-2, key
+    assert_kernel_run_matches_reference(*runs)
