@@ -87,8 +87,9 @@ class ResolvedServer:
     @property
     def prefix_cache_enabled(self) -> bool:
         """SGLang's radix cache, unless disabled. Modelled for page-size-1 token pools (bf16,
-        fp8); the DiffKV backend runs without it, and paged uniform formats are not modelled
-        with it (their requests would hold partial pages of cached prefixes)."""
+        fp8); DiffKV is replayed as its calibration runs served it, without one (the cost of a
+        suffix over a compressed prefix is not measured yet), and paged uniform formats are
+        not modelled with it (their requests would hold partial pages of cached prefixes)."""
         return (not self.deployment.settings.disable_radix_cache and self.pool.unit == "tokens"
                 and getattr(self.pool, "page_size", 1) == 1)
 
