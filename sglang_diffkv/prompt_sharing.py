@@ -152,17 +152,19 @@ class PromptSharing:
         res = c.attach_prefix([slot], [handle], [alpha[0]], [alpha[1]], n_tokens=n[None],
                               copy=self.copy_attach)
         if self.copy_attach:
-            self._shift_positions(slot, n, cut + suffix - handle.num_tokens)
+            self._shift_positions(slot, n, cut, cut + suffix - handle.num_tokens)
         room = c.manager.reserve_extend(c._index([slot]), [suffix])
         self.attached[slot] = Attached(cut, cut + suffix, n.long(),
                                        handle.cuts[:, :, :cut // self.cut_len])
         return res, room
 
-    def _shift_positions(self, slot: int, n: torch.Tensor, delta: int) -> None:
+    def _shift_positions(self, slot: int, n: torch.Tensor, cut: int, delta: int) -> None:
         """A copied prefix's virtual positions, moved by ``delta`` (this prompt's length less
         the exporter's): a token's score holds the exporter's scoring queries, and the decode
         policy's age ``p - pos`` must count exactly those plus this request's decode steps
-        (a shared prefix needs none of this: the policy never reads it)."""
+        (a shared prefix needs none of this: the policy never reads it). ``n`` [layers, Hkv,
+        2]: each tier's attached tokens, at most ``cut``, which bounds the pages on the host
+        (no sync); columns past a row's pages add 0 to page 0."""
         if delta == 0:
             return
         c = self.cache
@@ -170,15 +172,17 @@ class PromptSharing:
         row_len = rows.shape[-1]
         for t, layout in enumerate(c.geometry.tiers):
             per = layout.tokens_per_page
-            k = (n[..., t].long() + per - 1) // per  # [layers, Hkv]: pages holding tokens
-            width = int(k.max()) if k.numel() else 0
+            width = min(-(-cut // per), row_len)
             if width == 0:
                 continue
+            k = (n[..., t].long() + per - 1) // per  # [layers, Hkv]: pages holding tokens
             j = torch.arange(width, device=c.device)
             col = j if t == 0 else row_len - 1 - j
-            ids = rows[..., col.clamp(0, row_len - 1)][k[..., None] > j].long()
+            held = k[..., None] > j  # [layers, Hkv, width]
+            ids = torch.where(held, rows[..., col].long(), 0).reshape(-1)
+            add = (held.to(torch.int32) * delta).reshape(-1, 1).expand(-1, per)
             pos = c.pages[:, layout.pos_offset:layout.pos_offset + 4 * per].view(torch.int32)
-            pos[ids] += delta
+            pos.index_add_(0, ids, add)
 
     def attach_pages(self, cut: int, suffix: int) -> int:
         """Upper bound on the pages ``attach`` takes (admission)."""

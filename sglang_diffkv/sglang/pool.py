@@ -274,6 +274,8 @@ class DiffKVTokenToKVPool(KVCache):
         """Slots whose first extend continues a tree hit: attach it (and reserve the
         suffix); returns them."""
         done = set()
+        # each attach's success flags, read once for the step (a read is a device sync)
+        checks: list[tuple[int, int, int, torch.Tensor]] = []
         for r, p, total in zip(req_idx, prefix, totals, strict=True):
             hit = self.hits.pop(r, None)
             if hit is None or p == 0:
@@ -287,14 +289,16 @@ class DiffKVTokenToKVPool(KVCache):
             alpha = self.req_alpha.get(r, (c.alpha_h, c.alpha_l))
             res, room = self.radix.attach(r, handle, cut, total - cut, alpha)
             self.free_bound.taken(self.radix.attach_pages(cut, total - cut))
-            if not (bool(res.ok) and bool(room.ok)):
-                raise DiffKVPoolError(
-                    f"DiffKV: attaching {cut} cached tokens and a {total - cut}-token suffix "
-                    f"to request slot {r} did not fit (admission counted them)")
+            checks.append((r, cut, total, res.ok.all() & room.ok.all()))
             self.active.add(r)
             self.radix_counts["attached"] += 1
             self.radix_counts["attached_tokens"] += cut
             done.add(r)
+        if checks and not bool(torch.stack([ok for *_, ok in checks]).all()):
+            r, cut, total, _ = next(x for x in checks if not bool(x[3]))
+            raise DiffKVPoolError(
+                f"DiffKV: attaching {cut} cached tokens and a {total - cut}-token suffix "
+                f"to request slot {r} did not fit (admission counted them)")
         return done
 
     def _begin_exports(self, req_idx: list[int], prefix: list[int], lengths: list[int],
