@@ -40,7 +40,7 @@ shared), which dedups the pages whose count reaches zero without a host sync.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -250,28 +250,15 @@ class PageManager:
         to the free list, and reverse row segment [hp, row_len) so low page j lands at
         row_len - 1 - j. Counts become (n_high, n_low, hp, lp)."""
         op = "reclaim_prefill"
-        req = self._req(req_idx, op, (Phase.PREFILLED,))
+        req, nh, nl, counts = self._final_counts(op, req_idx, Phase.PREFILLED, n_high, n_low)
         b = req.shape[0]
-        nh = torch.as_tensor(n_high, device=self.device).to(torch.int64)
-        nl = torch.as_tensor(n_low, device=self.device).to(torch.int64)
-        counts = self.counts[req].to(torch.int64)
         if self.validate:
-            check_shape("n_high", nh, self._heads(b))
-            check_shape("n_low", nl, self._heads(b))
             prompt = counts[..., N_HIGH]
-            for name, bad in (
+            self._refuse_counts(op, req, nh, nl, (
                 ("n_high < 0", nh < 0),
                 ("n_low < 0", nl < 0),
                 ("n_high + n_low > prompt length", nh + nl > prompt),
-            ):
-                hit = first_violation(bad)
-                if hit is not None:
-                    i, l, h = hit
-                    raise ValueError(
-                        f"{op}: {name} at request slot {int(req[i])}, layer {l}, head {h}: "
-                        f"n_high={int(nh[hit])}, n_low={int(nl[hit])}, "
-                        f"prompt length={int(prompt[hit])}"
-                    )
+            ), lambda hit: f"prompt length={int(prompt[hit])}")
         active = self._in_phase(req, Phase.PREFILLED)
         allocated = counts[..., P_HIGH]
         hp = _ceil_div(nh, self.spec.high_tokens_per_page)
@@ -622,34 +609,22 @@ class PageManager:
         lp - low_pages of its high run become its new low pages (low page low_pages + i is
         high position hp + i, where the store wrote it), the rest of the run goes back."""
         op = "reclaim_extend"
-        req = self._req(req_idx, op, (Phase.DECODING,))
+        req, nh, nl, counts = self._final_counts(op, req_idx, Phase.DECODING, n_high, n_low)
         b = req.shape[0]
-        nh = torch.as_tensor(n_high, device=self.device).to(torch.int64)
-        nl = torch.as_tensor(n_low, device=self.device).to(torch.int64)
-        counts = self.counts[req].to(torch.int64)
         hp_run, lp_old = counts[..., P_HIGH], counts[..., P_LOW]
         hp = _ceil_div(nh, self.spec.high_tokens_per_page)
         lp = _ceil_div(nl, self.spec.low_tokens_per_page)
         grow = lp - lp_old
         if self.validate:
-            check_shape("n_high", nh, self._heads(b))
-            check_shape("n_low", nl, self._heads(b))
             shared = self.shared[req].to(torch.int64) * self._tokens_per_page
-            for name, bad in (
+            self._refuse_counts(op, req, nh, nl, (
                 ("fewer tokens than its shared pages hold",
                  (nh < shared[..., 0]) | (nl < shared[..., 1])),
                 ("fewer low pages than it holds", grow < 0),
                 ("more pages than its run holds", hp + grow > hp_run),
                 (f"more than max_context={self.spec.max_context} tokens",
                  nh + nl > self.spec.max_context),
-            ):
-                hit = first_violation(bad)
-                if hit is not None:
-                    i, l, h = hit
-                    raise ValueError(
-                        f"{op}: {name} at request slot {int(req[i])}, layer {l}, head {h}: "
-                        f"n_high={int(nh[hit])}, n_low={int(nl[hit])}, "
-                        f"counts={counts[hit].tolist()}")
+            ), lambda hit: f"counts={counts[hit].tolist()}")
         active = self._in_phase(req, Phase.DECODING)
         grow = grow.clamp(min=0)
         back = (hp_run - hp - grow).clamp(min=0) * active
@@ -738,6 +713,33 @@ class PageManager:
         elif self.validate:
             check_shape(name, x, (*self._heads(b), 2))
         return x.expand(*self._heads(b), 2)
+
+    def _final_counts(self, op: str, req_idx: IndexLike, phase: Phase, n_high: torch.Tensor,
+                      n_low: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A reclaim's inputs: the slots (in ``phase``), each row's final token counts
+        int64 [B, layers, heads] (shapes checked when validating) and the slots' counters."""
+        req = self._req(req_idx, op, (phase,))
+        nh = torch.as_tensor(n_high, device=self.device).to(torch.int64)
+        nl = torch.as_tensor(n_low, device=self.device).to(torch.int64)
+        if self.validate:
+            check_shape("n_high", nh, self._heads(req.shape[0]))
+            check_shape("n_low", nl, self._heads(req.shape[0]))
+        return req, nh, nl, self.counts[req].to(torch.int64)
+
+    @staticmethod
+    def _refuse_counts(op: str, req: torch.Tensor, nh: torch.Tensor, nl: torch.Tensor,
+                       checks: Sequence[tuple[str, torch.Tensor]],
+                       detail: Callable[[tuple[int, ...]], str]) -> None:
+        """The first row that breaks a check, in one line naming the check, the row and its
+        final counts (then ``detail(hit)``)."""
+        for name, bad in checks:
+            hit = first_violation(bad)
+            if hit is not None:
+                i, l, h = hit
+                raise ValueError(
+                    f"{op}: {name} at request slot {int(req[i])}, layer {l}, head {h}: "
+                    f"n_high={int(nh[hit])}, n_low={int(nl[hit])}, {detail(hit)}")
 
     def _store_tokens(
         self, req: torch.Tensor, counts: torch.Tensor, n_tok: torch.Tensor, op: str
