@@ -299,16 +299,23 @@ def policy_check(lengths, hkv, d, steps, bench=None):
     return run
 
 
+def _serving_decode_case(batch, ctx_lo, ctx_hi, hkv, seed):
+    """(geometry, the seeded CPU generator, the contexts drawn in [ctx_lo, ctx_hi], a random
+    decoded K8V4 / K4V2 state of ``batch`` requests at them, 30/50/20 jittered, on DEV)."""
+    geo = PageGeometry.build(128, K8V4, K4V2)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ctx = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
+    case = random_decode_case(geo, ctx, hkv, high_frac=0.3, low_frac=0.5, jitter=True,
+                              spare_reqs=5, device=DEV, seed=seed)
+    return geo, g, ctx, case
+
+
 def policy_large_check(batch, ctx_lo, ctx_hi, hkv, seed):
     """A random decoded state at serving size (30/50/20 jittered, contexts in
     [ctx_lo, ctx_hi]): the parallel argmin's keys against the reference argmin (CPU), and
     one whole step, normal and benchmark mode, parallel vs scan vs the reference."""
     def run():
-        geo = PageGeometry.build(128, K8V4, K4V2)
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        ctx = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
-        case = random_decode_case(geo, ctx, hkv, high_frac=0.3, low_frac=0.5, jitter=True,
-                                  spare_reqs=5, device=DEV, seed=seed)
+        geo, g, ctx, case = _serving_decode_case(batch, ctx_lo, ctx_hi, hkv, seed)
         c = case.counts
         for t, n in ((0, geo.high.tokens_per_page), (1, geo.low.tokens_per_page)):
             c[..., t] -= ((c[..., t] % n == 0) & (c[..., t] > 0)).int()  # room for the step
@@ -366,11 +373,7 @@ def fused_argmin_check(batch, ctx_lo, ctx_hi, hkv, group, steps, seed):
     equal the reference argmin for the next position on the pages the merge wrote, and
     from the second step on every row must take its record."""
     def run():
-        geo = PageGeometry.build(128, K8V4, K4V2)
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        ctx = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
-        case = random_decode_case(geo, ctx, hkv, high_frac=0.3, low_frac=0.5, jitter=True,
-                                  spare_reqs=5, device=DEV, seed=seed)
+        geo, g, ctx, case = _serving_decode_case(batch, ctx_lo, ctx_hi, hkv, seed)
         c = case.counts
         per = torch.tensor([geo.high.tokens_per_page, geo.low.tokens_per_page], device=DEV)
         c[..., :2] = torch.minimum(c[..., :2], (c[..., 2:] * per - steps).clamp(min=0))
