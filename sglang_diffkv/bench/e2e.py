@@ -378,6 +378,13 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def saturation_rate(client: dict[str, Any]) -> float:
+    """A run with every request at t = 0: its request throughput over the window's second
+    half (after the start-up prefill burst) when the window cut it, else over the run."""
+    steady = client["steady_request_throughput"]
+    return steady if client["time_limited"] and steady > 0 else client["request_throughput"]
+
+
 class Harness:
     """Runs the plan; every result and note lands in ``self.results``."""
 
@@ -588,10 +595,7 @@ class Harness:
                 if wl == "longgen" and rec is not None:
                     self._check_longgen_bound(cfg, rec, len(trace))
                 if wl == "sharegpt" and rec is not None:
-                    c = rec["client"]
-                    saturation = (c["steady_request_throughput"] if c["time_limited"]
-                                  and c["steady_request_throughput"] > 0
-                                  else c["request_throughput"])
+                    saturation = saturation_rate(rec["client"])
                     rec["saturation_req_s"] = saturation
                 continue
             if wl == "prefix":
@@ -635,9 +639,7 @@ class Harness:
                                 {"hit_ceiling": ceiling, "cache_flushed": self._flush(cfg)})
         if rec is None:
             return
-        c = rec["client"]
-        saturation = (c["steady_request_throughput"] if c["time_limited"]
-                      and c["steady_request_throughput"] > 0 else c["request_throughput"])
+        saturation = saturation_rate(rec["client"])
         rec["saturation_req_s"] = saturation
         if not saturation:
             self.say(f"SKIP {cfg.name}/prefix paced runs: the saturation run completed nothing")
