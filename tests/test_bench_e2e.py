@@ -298,6 +298,12 @@ def test_harness_end_to_end_on_the_fake_server(fake_python, tmp_path, monkeypatc
     sg, lad = res["runs"][1], res["runs"][2]
     assert lad["rate_req_s"] == pytest.approx(0.5 * sg["saturation_req_s"])
     assert lad["trace_file"] == "logs/traces/bf16__ladder@0.5x.jsonl"
+    # --paced-basis first (default): diffkv's ladder runs at bf16's rates, its own recorded
+    dsg, dlad = res["runs"][5], res["runs"][6]
+    assert dlad["rate_req_s"] == pytest.approx(0.5 * sg["saturation_req_s"])
+    assert dlad["paced_basis_req_s"] == pytest.approx(sg["saturation_req_s"])
+    assert dlad["saturation_req_s"] == pytest.approx(dsg["saturation_req_s"])
+    assert "diffkv-mix/ladder: paced at fractions of bf16's saturation" in printed
     dk = res["runs"][4]["server_log"]
     # the fake writes profile_lines.profile_line: mm = alloc 1.0 + reclaim 0.25 + free 0.25
     assert dk["diffkv_profile"]["decode"]["mm_ms"] == pytest.approx(1.5)

@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "lengths); e.g. 1500 with --sharegpt-n 500 replays the bundled "
                         "ShareGPT requests that the default runs never use")
     p.add_argument("--ladder-rates", default="0.25,0.5,0.75",
-                   help="fractions of the saturation req/s measured by sharegpt on the same "
-                        "server")
+                   help="fractions of the saturation req/s measured by sharegpt (see "
+                        "--paced-basis)")
     p.add_argument("--ladder-abs-rates", default=None,
                    help="absolute req/s instead of fractions (sharegpt not needed)")
     p.add_argument("--prefix-trace", default=PrefixReuse.source,
@@ -147,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-rates", default="0.25,0.5",
                    help="prefix workload: fractions of its saturation req/s (measured first, "
                         "all requests at t=0) at which the trace is replayed paced")
+    p.add_argument("--paced-basis", choices=("first", "own"), default="first",
+                   help="whose saturation req/s the ladder and prefix fractions multiply: "
+                        "'first' (default), the first configuration that measured one, so "
+                        "every configuration is paced at the same absolute rates and their "
+                        "latencies compare at equal load; 'own', each server's own")
     p.add_argument("--diffkv-config", action="append", default=[], metavar="NAME=JSON",
                    help="SGLANG_DIFFKV_CONFIG of a diffkv variant (default: "
                         "the llama-3-8b preset with bench_mix [0.3, 0.5, 0.2])")
@@ -419,6 +424,9 @@ class Harness:
         }
         self._traces: dict[str, Trace] = {}
         self.longgen_n_max = 0  # the largest auto N so far (later configurations never run fewer)
+        # workload -> (configuration, req/s): the first saturation measured per workload,
+        # the pacing basis of every later configuration under --paced-basis first
+        self.paced_basis: dict[str, tuple[str, float]] = {}
 
     def say(self, text: str) -> None:
         line = self.budget.note(text)
@@ -602,14 +610,16 @@ class Harness:
                 self._prefix(server, cfg)
                 continue
             # ladder
-            if not plan.ladder_absolute and not saturation:
+            basis = None if plan.ladder_absolute else self._pacing_rate(cfg, "ladder",
+                                                                          saturation)
+            if not plan.ladder_absolute and not basis:
                 self.say(f"SKIP {cfg.name}/ladder: no saturation rate measured on this server "
                          "(sharegpt skipped or completed nothing)")
                 continue
             base = self.trace("sharegpt") if plan.sharegpt_n else None
             assert base is not None
             for x in plan.ladder_rates:
-                rate = x if plan.ladder_absolute else x * float(saturation or 0)
+                rate = x if plan.ladder_absolute else x * float(basis or 0)
                 label = f"ladder@{x:g}" + ("rps" if plan.ladder_absolute else "x")
                 w = self.windowed(f"{cfg.name}/{label}", plan.windows["ladder"])
                 if w is None:
@@ -619,13 +629,15 @@ class Harness:
                 self.run_workload(server, cfg, label, trace, False, w, tf,
                                   {"rate_req_s": rate,
                                    "rate_fraction": None if plan.ladder_absolute else x,
-                                   "saturation_req_s": saturation})
+                                   "saturation_req_s": saturation,
+                                   "paced_basis_req_s": basis})
                 if not server.alive():
                     break
 
     def _prefix(self, server: ServerProcess, cfg: ServerConfig) -> None:
         """The prefix-reuse trace all at t = 0, then paced at fractions of the request rate
-        that run completed (steady rate when the window cut it). Each run starts from an
+        that run completed (steady rate when the window cut it; under ``--paced-basis
+        first`` the first configuration's). Each run starts from an
         empty prefix cache (``/flush_cache``): the paced runs replay the same first requests,
         which the run before would otherwise have cached."""
         plan = self.plan
@@ -639,9 +651,9 @@ class Harness:
                                 {"hit_ceiling": ceiling, "cache_flushed": self._flush(cfg)})
         if rec is None:
             return
-        saturation = saturation_rate(rec["client"])
-        rec["saturation_req_s"] = saturation
-        if not saturation:
+        rec["saturation_req_s"] = saturation_rate(rec["client"])
+        basis = self._pacing_rate(cfg, "prefix", rec["saturation_req_s"])
+        if not basis:
             self.say(f"SKIP {cfg.name}/prefix paced runs: the saturation run completed nothing")
             return
         for x in plan.prefix_rates:
@@ -649,13 +661,31 @@ class Harness:
             w = self.windowed(f"{cfg.name}/{label}", plan.windows["ladder"])
             if w is None or not server.alive():
                 break
-            paced = paced_trace(trace, x * saturation, w)
+            paced = paced_trace(trace, x * basis, w)
             tf = self.write_trace(paced, f"{cfg.name}__{label}")
             self.run_workload(server, cfg, label, paced, False, w, tf,
-                              {"rate_req_s": x * saturation, "rate_fraction": x,
-                               "saturation_req_s": saturation,
+                              {"rate_req_s": x * basis, "rate_fraction": x,
+                               "saturation_req_s": rec["saturation_req_s"],
+                               "paced_basis_req_s": basis,
                                "hit_ceiling": hit_ceiling(paced),
                                "cache_flushed": self._flush(cfg)})
+
+    def _pacing_rate(self, cfg: ServerConfig, workload: str, own: float | None) -> float | None:
+        """The req/s that ``workload``'s paced fractions multiply on ``cfg``'s server: its own
+        saturation, or under ``--paced-basis first`` the first one measured for the workload
+        (said when it differs, so a run's rates are never a surprise)."""
+        if self.a.paced_basis == "own":
+            return own
+        if workload not in self.paced_basis:
+            if not own:
+                return own
+            self.paced_basis[workload] = (cfg.name, own)
+        first, rate = self.paced_basis[workload]
+        if first != cfg.name:
+            self.say(f"{cfg.name}/{workload}: paced at fractions of {first}'s saturation "
+                     f"{rate:.3g} req/s (this server's own: "
+                     f"{'none' if not own else f'{own:.3g}'}; --paced-basis own to use it)")
+        return rate
 
     def _flush(self, cfg: ServerConfig) -> bool:
         ok = bool(cl.run_async(cl.flush_cache(self.plan.launch.base_url)))
@@ -741,8 +771,9 @@ def dry_run(plan: Plan, a: argparse.Namespace) -> int:
         print(f"{cfg.name}: {shell_line(launch_command(cfg, plan.launch), cfg.env_dict)}")
     for wl in plan.workloads:
         if wl == "ladder":
+            basis = "each server's" if a.paced_basis == "own" else "the first server's"
             print(f"ladder: rates {plan.ladder_rates} "
-                  f"{'req/s' if plan.ladder_absolute else 'x saturation'}, window "
+                  f"{'req/s' if plan.ladder_absolute else f'x saturation ({basis})'}, window "
                   f"{plan.windows['ladder']:g} s each")
             continue
         if wl == "longgen" and plan.longgen_auto:
@@ -754,7 +785,8 @@ def dry_run(plan: Plan, a: argparse.Namespace) -> int:
             trace = plan.prefix.trace()
             p = write_mooncake_jsonl(trace, out / "logs" / "traces" / f"{trace.name}.jsonl")
             print(f"prefix: {len(trace)} requests all at t=0, window {plan.windows[wl]:g} s, "
-                  f"then paced at {plan.prefix_rates} x its saturation, "
+                  f"then paced at {plan.prefix_rates} x saturation "
+                  f"({'each server' if a.paced_basis == 'own' else 'the first server'}'s), "
                   f"{plan.windows['ladder']:g} s each; an unbounded prefix cache could serve "
                   f"{100 * hit_ceiling(trace):.1f}% of its prompt tokens; trace {p}")
             continue
