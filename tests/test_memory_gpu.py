@@ -1,10 +1,12 @@
-"""The same manager on CUDA tensors: no host sync on the hot path, identical state to CPU."""
+"""The same manager on CUDA tensors: no host sync on the hot path, identical state to CPU.
+The prefix-sharing sequences are ``test_memory_no_sync``'s (audited there on the CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from hypothesis import settings
+from test_memory_no_sync import cuda_sync_errors, radix_sequence, sharing_sequence
 from test_memory_properties import PageManagerMachine
 from test_memory_sharing import SharingMachine
 
@@ -98,26 +100,7 @@ TestCudaPageManagerMachine = requires_cuda(CudaPageManagerMachine.TestCase)
 def test_sharing_ops_never_sync() -> None:
     """export / attach / release / free with shared pages: all on the device (the handles'
     host work is list bookkeeping, never a read of device values)."""
-    m = PageManager(SPEC, "cuda", validate=False)
-    on = {"device": "cuda"}
-    m.allocate_prefill(torch.tensor([1], **on), torch.tensor([9], **on))
-    m.reclaim_prefill(torch.tensor([1], **on), torch.full((1, 2, 2), 5, **on),
-                      torch.full((1, 2, 2), 4, **on))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        (h,), res, copies = m.export_prefix(torch.tensor([1], **on), [9])
-        res2, copies2 = m.attach_prefix(torch.tensor([2, 3], **on), [h, h])
-        m.ensure_decode_room(torch.tensor([1, 2, 3], **on), torch.ones(3, 2, dtype=torch.bool,
-                                                                       **on))
-        m.free_requests(torch.tensor([1, 2], **on))
-        m.release_prefix([h])
-        m.free_requests(torch.tensor([3], **on))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert bool(res.ok) and bool(res2.ok) and int(copies.mask.sum()) == 8  # 4 rows x 2
-    m.check_invariants()
-    assert int(m.num_free_pages()) == SPEC.num_pages
+    sharing_sequence("cuda", cuda_sync_errors)
 
 
 class CudaSharingMachine(SharingMachine):
@@ -135,36 +118,4 @@ def test_radix_ops_never_sync() -> None:
     """What radix prefix sharing runs per prompt: a copy export with its cut counts and a
     decode reserve, the sync-free page copy, attaches at a cut (shared and copied), a suffix
     reserved and reclaimed, releases: all on the device."""
-    from sglang_diffkv.memory import copy_pages
-
-    spec = MemorySpec(num_pages=96, max_reqs=6, num_layers=2, num_kv_heads=2,
-                      high_tokens_per_page=2, low_tokens_per_page=3, max_context=12)
-    m = PageManager(spec, "cuda", validate=False)
-    on = {"device": "cuda"}
-    pages = torch.zeros(spec.num_pages, 16, dtype=torch.uint8, **on)
-    m.allocate_prefill(torch.tensor([1], **on), torch.tensor([9], **on))
-    m.reclaim_prefill(torch.tensor([1], **on), torch.full((1, 2, 2), 5, **on),
-                      torch.full((1, 2, 2), 4, **on))
-    cuts = torch.zeros(1, 2, 2, 3, 2, dtype=torch.int32, **on)
-    cuts[..., 0], cuts[..., 1] = 2, 1  # (2 high and 1 low token before position 3, ...)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        (h,), res, copies = m.export_prefix(torch.tensor([1], **on), [9], copy=True,
-                                            keep_free=4, cuts=cuts, cut_len=3)
-        copy_pages(pages, copies)
-        res2, copies2 = m.attach_prefix(torch.tensor([2], **on), [h], h.cut_counts(3)[None])
-        copy_pages(pages, copies2)
-        res3, _ = m.attach_prefix(torch.tensor([3], **on), [h], h.cut_counts(6)[None],
-                                  copy=True)
-        room = m.reserve_extend(torch.tensor([2, 3], **on), [4, 2])
-        m.reclaim_extend(torch.tensor([2, 3], **on), torch.full((2, 2, 2), 4, **on),
-                         torch.full((2, 2, 2), 2, **on))
-        m.free_requests(torch.tensor([1, 2], **on))
-        m.release_prefix([h])
-        m.free_requests(torch.tensor([3], **on))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert bool(res.ok) and bool(res2.ok) and bool(res3.ok) and bool(room.ok)
-    m.check_invariants()
-    assert int(m.num_free_pages()) == spec.num_pages
+    radix_sequence("cuda", cuda_sync_errors)

@@ -1,8 +1,11 @@
-"""Boundary checks on op arguments. They copy to the host (a sync), so the manager runs them
-only when built with ``validate=True``; the hot path trusts its caller."""
+"""Op arguments: made into device tensors (``as_index``, ``as_int64``) and checked at the
+boundary. The checks copy to the host (a sync), so the manager runs them only when built with
+``validate=True``; the hot path trusts its caller."""
 
 from __future__ import annotations
 
+import operator
+from array import array
 from collections.abc import Sequence
 from enum import IntEnum
 
@@ -25,6 +28,28 @@ def as_index(req_idx: torch.Tensor | Sequence[int], device: torch.device) -> tor
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
         raise ValueError(f"req_idx must be an integer tensor, got {t.dtype}")
     return t.to(torch.int64)
+
+
+def as_int64(values: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 [len(values)] on ``device``. A tensor is converted as it is; host ints reach a
+    CUDA device through pinned memory and a non-blocking copy, which the stream queues like
+    a kernel: ``torch.tensor(list, device=...)``, or ``.to(device)`` of a pageable tensor,
+    is a synchronous copy (the host waits for the stream, and SGLang's overlap scheduler
+    has a forward in flight on it).
+
+    The host tensor is made from a buffer, not by ``torch.tensor(list)``: that is
+    ``aten.lift_fresh``, which ``host_audit.HostAudit`` counts as an upload because on CUDA
+    it usually is a pageable one, so a CPU audit of a caller tells this staged copy from
+    one that synchronises."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device, torch.int64)
+    ints = [operator.index(v) for v in values]  # (a float is refused, not truncated)
+    if not ints:  # (frombuffer refuses an empty buffer)
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    host = torch.frombuffer(array("q", ints), dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def check_req_idx(req: torch.Tensor, max_reqs: int) -> list[int]:

@@ -49,6 +49,7 @@ from sglang_diffkv.memory.free_list import CircularFreeList, exclusive_cumsum
 from sglang_diffkv.memory.inputs import (
     Phase,
     as_index,
+    as_int64,
     check_phase,
     check_req_idx,
     check_shape,
@@ -578,7 +579,8 @@ class PageManager:
         op = "reserve_extend"
         req = self._req(req_idx, op, (Phase.DECODING,))
         b = req.shape[0]
-        lens = torch.as_tensor(lengths, device=self.device).to(torch.int64)
+        # (host lengths, the radix path's, are staged without a synchronising copy)
+        lens = as_int64(lengths, self.device)
         if self.validate:
             check_shape("lengths", lens, (b,))
             for n in lens.tolist():

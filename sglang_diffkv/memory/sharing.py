@@ -82,9 +82,11 @@ def copy_pages(pages: torch.Tensor, copies: PageCopies) -> None:
     if copies.mask.numel() == 0:
         return
     m = copies.mask
-    first = torch.argmax(m.to(torch.int8))
-    src = torch.where(m, copies.src, copies.src[first])
-    dst = torch.where(m, copies.dst, copies.dst[first])
+    # a one-element index, not a 0-dim one: indexing with a 0-dim integer tensor is a
+    # ``select`` at ``.item()`` of it, which reads the device (a sync)
+    first = torch.argmax(m.to(torch.int8)).view(1)
+    src = torch.where(m, copies.src, copies.src.index_select(0, first))
+    dst = torch.where(m, copies.dst, copies.dst.index_select(0, first))
     dst = torch.where(m.any(), dst, src)
     pages.index_copy_(0, dst, pages.index_select(0, src))
 
