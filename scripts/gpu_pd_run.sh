@@ -160,13 +160,26 @@ pd_install() {
   elif [ -n "$missing" ]; then
     say "pd-install: Mooncake's engine.so needs system libraries this machine lacks:$missing (Debian/Ubuntu packages libibverbs1, ibverbs-providers, libnuma1, libcurl4): carry them as .deb files (PD_DEBS=1 bash scripts/fetch_pd_wheels.sh puts them in .pdwhl/debs)"
   fi
-  # libcudart.so.13 for engine.so: torch loads it first in SGLang; a plain import may need
-  # the toolkit's (a library loaded by soname is found once torch has loaded it)
-  for d in ${CUDA_HOME:-/usr/local/cuda}/lib64 ${CUDA_HOME:-/usr/local/cuda}/lib; do
-    if [ -e "$d/libcudart.so.13" ]; then
-      LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"; export LD_LIBRARY_PATH; break; fi
-  done
-  if python3 - <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+  # libcudart.so.13 for engine.so: torch loads it before mooncake (in SGLang too), and a
+  # library loaded by soname is found; the toolkit's is linked in only if that fails, and
+  # alone (a whole toolkit dir on LD_LIBRARY_PATH would come before torch's own libraries)
+  if ! pd_import > "$LOGS/pd_import.txt" 2>&1 && grep -q "libcudart" "$LOGS/pd_import.txt"; then
+    for d in ${CUDA_HOME:-/usr/local/cuda}/lib64 ${CUDA_HOME:-/usr/local/cuda}/lib; do
+      if [ -e "$d/libcudart.so.13" ]; then
+        mkdir -p /tmp/pdlibs-cudart && ln -sf "$d/libcudart.so.13" /tmp/pdlibs-cudart/
+        export LD_LIBRARY_PATH="/tmp/pdlibs-cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        say "pd-install: libcudart.so.13 from $d"; break; fi
+    done
+  fi
+  if pd_import 2>&1 | tee -a "$SUMMARY"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
+    PD_OK=1
+  else
+    local nf; nf=$(ldd "$site/mooncake/engine.so" 2>&1 | grep 'not found' | awk '{print $1}' | tr '\n' ' ')
+    say "pd-install: the import failed (above)${nf:+; libraries engine.so cannot find: $nf}"
+  fi
+}
+pd_import() {
+  python3 - <<'PYEOF'
 import importlib.metadata as md
 
 import torch  # noqa: F401  (loads libcudart first, as SGLang does)
@@ -177,11 +190,6 @@ import sglang_router.launch_router  # noqa: F401
 print(f"pd-install: import mooncake.engine OK ({me.__file__}, SUPPORT_CUDA "
       f"{getattr(me, 'SUPPORT_CUDA', '?')}); sglang-router {md.version('sglang-router')}")
 PYEOF
-  [ "${PIPESTATUS[0]}" -eq 0 ]; then
-    PD_OK=1
-  else
-    say "pd-install: the import failed; engine.so's unresolved libraries: $(ldd "$site/mooncake/engine.so" 2>&1 | grep 'not found' | awk '{print $1}' | tr '\n' ' ')"
-  fi
 }
 pd_install
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader \
