@@ -7,9 +7,9 @@ cheapest prefill:decode split per KV format under an SLO, beside colocation), va
 (write a trace as Mooncake JSONL for sglang.bench_serving), list (bundled traces, length
 models, models and GPUs); validate-runs (fit and validate on the harness's real runs, from a
 recipe), ablate-host-terms (score a shipped calibration without each host-side term),
-profile-run (a run's server log beside its replay, step by step and window by window) and
-prefill-probes (the model beside a lone-prefill probe run) hand their arguments to their
-modules (TOOLS).
+profile-run (a run's server log beside its replay, step by step and window by window),
+prefill-probes (the model beside a lone-prefill probe run) and validate-disagg (disagg and the
+colocated model beside a real P/D run) hand their arguments to their modules (TOOLS).
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ TOOLS: dict[str, tuple[str, str]] = {
     "prefill-probes": ("simulator.validation.prefill_probes",
                        "the simulator beside a lone-prefill probe run (python -m "
                        "sglang_diffkv.bench.prefill_ttft), and the eager launch it implies"),
+    "validate-disagg": ("simulator.validation.disagg_real",
+                        "disagg --split 1:1 and the colocated model beside a real bf16 P/D "
+                        "run and its colocated control (scripts/gpu_pd_run.sh's results)"),
 }
 
 

@@ -33,6 +33,11 @@ Measurement tools, each ``python -m sglang_diffkv.bench.<name>`` (docs/benchmark
   prefill_ttft         lone-prefill TTFT on live servers (``diffkv-sim prefill-probes`` puts
                        the simulator beside it and fits its eager prefill launch)
   host_probe           the host's and GPU's speed right now, beside a run
+  pd_replay            a trace at several rates against a real P/D deployment (or its
+                       colocated control), every request recorded (``diffkv-sim
+                       validate-disagg`` replays the same requests; scripts/gpu_pd_run.sh)
+  link_probe           the bandwidth between the machine's two GPUs without RDMA: loopback
+                       socket, GPU<->host copies, Mooncake's TCP transport
 """
 
 from sglang_diffkv.bench.errors import BenchInputError

@@ -13,4 +13,7 @@ is validated against them. Imports the core package root only.
   profile_lines  the DiffKV step profile's log lines (``SGLANG_DIFFKV_PROFILE``): format,
                  writer and parser (``sglang_diffkv.sglang.step_profile`` writes them)
   prefill_probe  the lone-prefill probe's plan, record and summary
+  pd_run         a real prefill/decode validation run's files (replays, link probes) and the
+                 TTFT/TPOT/throughput statistics both the bench and ``diffkv-sim
+                 validate-disagg`` compute from them
 """

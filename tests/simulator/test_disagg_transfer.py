@@ -68,7 +68,15 @@ def test_wire_time_is_latency_plus_bytes_over_rate_and_scales_with_the_bytes():
     assert rdma.transfer_s(25e9) == pytest.approx(rdma.latency_s + 2.0)
     derated = LinkSpec("x", "x", 10e9, 0.8, 0.0, "test")
     assert derated.transfer_s(8e9) == pytest.approx(1.0)
-    assert set(link_names()) == {"nvlink4", "pcie5", "rdma-100", "rdma-200", "rdma-400"}
+    assert set(link_names()) == {"nvlink4", "pcie5", "rdma-100", "rdma-200", "rdma-400",
+                                 "tcp-loopback"}
+
+
+def test_the_tcp_loopback_link_says_it_is_a_placeholder_wherever_it_is_printed():
+    # nothing measured it yet: its numbers must not pass for a measurement in any output
+    tcp = load_link("tcp-loopback")
+    assert "PLACEHOLDER" in tcp.describe() and "NOT MEASURED" in tcp.name
+    assert tcp.provenance.startswith("PLACEHOLDER, TO BE MEASURED")
 
 
 @pytest.mark.parametrize("bad, needle", [
