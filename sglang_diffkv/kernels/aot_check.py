@@ -45,7 +45,8 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "v_start": "*i64", "shared": "*i32", "hk": "*i64", "hs": "*i32", "key_first": "*i32",
     "q_count": "*i32", "base": "*i32", "attached": "*i32", "stored": "*i32", "total": "*i32",
     "fresh_start": "*i64", "packed_start": "*i64", "out_k": "*fp32", "out_v": "*fp32",
-    "raw": "*u8", "pk": "*fp32", "pv": "*fp32",
+    "raw": "*u8", "pk": "*fp32", "pv": "*fp32", "v": "*bf16", "starts": "*i64",
+    "lens": "*i32",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -62,6 +63,13 @@ KERNELS = [
         **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF", "H_POFF")},
         **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF", "L_POFF")}})
       for sh, hint in ((False, False), (True, False), (True, True))),
+    # extend attention over a compressed prefix: one program per (tile, head) writing the
+    # output, or split with the merge pass (the split count is a runtime argument)
+    *(("extend_attention", "_extend_kernel",
+       dict(PAGE_BYTES=GEO.page_bytes, G=4, QT=16, BLOCK_M=64, D=128, BK=64, SPLIT=split,
+            DOT_F32=False, **HI, **LO))
+      for split in (False, True)),
+    ("extend_attention", "_merge_kernel", dict(G=4, QT=16, BLOCK_M=64, D=128)),
     ("store", "_store_tokens_kernel", {"PAGE_BYTES": GEO.page_bytes, "D": 128, "BLOCK_T": 16,
                                        **T}),
     ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False, EXT=False,
@@ -143,7 +151,8 @@ def compile_one(module: str, name: str, constexprs: dict,
 
 
 def _label(constexprs: dict) -> str:
-    keys = [k for k in ("ASM", "H_VG", "SCORES", "BENCH", "PARALLEL", "SHARED", "HINT")
+    keys = [k for k in ("ASM", "H_VG", "SCORES", "BENCH", "PARALLEL", "SHARED", "HINT",
+                        "SPLIT")
             if k in constexprs]
     return f" ({', '.join(f'{k}={constexprs[k]}' for k in keys)})" if keys else ""
 

@@ -21,6 +21,11 @@ tiles; they write (m, l, unnormalised acc) and ``_merge_kernel`` combines them b
 (the decode pass's merge). With ``splits == 1`` the program writes the output and LSE itself.
 Shares are computed in the kernel from each row's counters, so no host bound on the prefix
 length is needed. Nothing here writes pages (no score accumulation).
+
+Compiled variants: ``splits`` follows the step's batch (any of 1 .. 32), so it is a runtime
+argument, and only whether there are splits (SPLIT) is a constexpr; the tile shape is one of
+a few powers of two (``variants.tile_shape``). Every launch parameter that follows the batch
+is picked by ``variants.extend_launch``: a compile mid-serving stalls a prefill step.
 """
 
 from __future__ import annotations
@@ -30,14 +35,19 @@ import triton
 import triton.language as tl
 
 from sglang_diffkv.extend_attention import ExtendAttention, paged_extend_attention
+from sglang_diffkv.kernels import variants
 from sglang_diffkv.kernels._tier import INTERPRET, page_views, row_pointers, tier_constexprs
+from sglang_diffkv.kernels.variants import EXTEND_BLOCK_M, MAX_SPLITS, tile_shape
 from sglang_diffkv.layout import PageGeometry
+
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_M", "MAX_SPLITS", "default_splits",
+           "extend_attention", "extend_attention_reference", "scratch_elements",
+           "tile_shape"]
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # (a constexpr: read inside the kernels)
-DEFAULT_BLOCK_M = 64  # query rows per tile (fresh tokens x GQA group)
+DEFAULT_BLOCK_M = EXTEND_BLOCK_M  # query rows per tile (fresh tokens x GQA group)
 DEFAULT_BLOCK_K = 64  # fresh keys per iteration
-MAX_SPLITS = 32
 
 
 @triton.jit
@@ -59,14 +69,14 @@ def _softmax_step(m, l_sum, acc, logits, v, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _tier_pages(
-    m, l_sum, acc, qd, u8, f16, row, n_tok, split, qk_scale,
-    PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
+    m, l_sum, acc, qd, u8, f16, row, n_tok, split, splits, qk_scale,
+    PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, DOT_F32: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, KOFF: tl.constexpr, KMOFF: tl.constexpr,
     VOFF: tl.constexpr, VMOFF: tl.constexpr,
 ):
-    """The split's share of one tier's pages: cdiv(pages, SPLITS) pages per split."""
+    """The split's share of one tier's pages: cdiv(pages, splits) pages per split."""
     KPER: tl.constexpr = 8 // KB
     VPER: tl.constexpr = 8 // VB
     KDB: tl.constexpr = D // KPER
@@ -74,7 +84,7 @@ def _tier_pages(
     KGS: tl.constexpr = D // KG
     VGS: tl.constexpr = D // VG
     n_pages = tl.cdiv(n_tok, N)
-    per = tl.cdiv(n_pages, SPLITS)
+    per = tl.cdiv(n_pages, splits)
     first = split * per
     last = tl.minimum(first + per, n_pages)
     d = tl.arange(0, D)
@@ -143,13 +153,15 @@ def _tier_pages(
     return m, l_sum, acc
 
 
-@triton.jit(do_not_specialize=("TILES", "ROW_LEN"))
+# TILES, ROW_LEN and splits follow the batch or the server's size: runtime ints, not
+# specialised (each value class would be a compile of its own mid-serving)
+@triton.jit(do_not_specialize=("TILES", "ROW_LEN", "splits"))
 def _extend_kernel(
     q, q_st, q_sh, k, k_st, k_sh, v, v_st, v_sh, starts, lens,
     u8, f16, table, t_sr, t_sh, counts, c_sr, c_sh, req,
-    out, o_st, o_sh, lse, l_st, l_sh, acc_ptr, ml_ptr, qk_scale, TILES, ROW_LEN,
+    out, o_st, o_sh, lse, l_st, l_sh, acc_ptr, ml_ptr, qk_scale, TILES, ROW_LEN, splits,
     PAGE_BYTES: tl.constexpr, G: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr,
-    D: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    D: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
     H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
@@ -184,18 +196,18 @@ def _extend_kernel(
         # ---- the compressed prefix: high pages, then low pages ----
         row, cnt = row_pointers(table, t_sr, t_sh, counts, c_sr, c_sh, req, b, h)
         m, l_sum, acc = _tier_pages(
-            m, l_sum, acc, qd, u8, f16, row, tl.load(cnt), s, qk_scale, PAGE_BYTES, ROW_LEN,
-            False, SPLITS, BLOCK_M, D, DOT_F32, H_KB, H_VB, H_KG, H_VG, H_N, H_BN, H_KOFF, H_KMOFF,
+            m, l_sum, acc, qd, u8, f16, row, tl.load(cnt), s, splits, qk_scale, PAGE_BYTES,
+            ROW_LEN, False, BLOCK_M, D, DOT_F32, H_KB, H_VB, H_KG, H_VG, H_N, H_BN, H_KOFF, H_KMOFF,
             H_VOFF, H_VMOFF)
         m, l_sum, acc = _tier_pages(
-            m, l_sum, acc, qd, u8, f16, row, tl.load(cnt + 1), s, qk_scale, PAGE_BYTES,
-            ROW_LEN, True, SPLITS, BLOCK_M, D, DOT_F32, L_KB, L_VB, L_KG, L_VG, L_N, L_BN, L_KOFF,
-            L_KMOFF, L_VOFF, L_VMOFF)
+            m, l_sum, acc, qd, u8, f16, row, tl.load(cnt + 1), s, splits, qk_scale,
+            PAGE_BYTES, ROW_LEN, True, BLOCK_M, D, DOT_F32, L_KB, L_VB, L_KG, L_VG, L_N, L_BN,
+            L_KOFF, L_KMOFF, L_VOFF, L_VMOFF)
 
         # ---- the fresh tokens, causally: keys [0, min(n, t0 + QT)) ----
         kend = tl.minimum(n, t0 + QT)
         n_blk = tl.cdiv(kend, BK)
-        per = tl.cdiv(n_blk, SPLITS)
+        per = tl.cdiv(n_blk, splits)
         first = s * per
         last = tl.minimum(first + per, n_blk)
         kk = tl.arange(0, BK)
@@ -215,23 +227,22 @@ def _extend_kernel(
                          mask=kvalid[:, None], other=0.0)
             m, l_sum, acc = _softmax_step(m, l_sum, acc, logits, vt, DOT_F32)
 
-        if SPLITS == 1:
+        if not SPLIT:
             o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
             tl.store(out + (qrow * o_st + hq * o_sh)[:, None] + d[None, :],
                      o.to(out.dtype.element_ty), mask=rvalid[:, None])
             tl.store(lse + qrow * l_st + hq * l_sh, (m + tl.log2(l_sum)) * LN2, mask=rvalid)
         else:
-            buf = ((pid * tl.num_programs(1) + h) * SPLITS + s).to(tl.int64)
+            buf = ((pid * tl.num_programs(1) + h) * splits + s).to(tl.int64)
             tl.store(acc_ptr + (buf * BLOCK_M + r)[:, None] * D + d[None, :], acc)
             tl.store(ml_ptr + buf * 2 * BLOCK_M + r, m)
             tl.store(ml_ptr + (buf * 2 + 1) * BLOCK_M + r, l_sum)
 
 
-@triton.jit(do_not_specialize=("TILES",))
+@triton.jit(do_not_specialize=("TILES", "splits"))
 def _merge_kernel(
-    lens, starts, out, o_st, o_sh, lse, l_st, l_sh, acc_ptr, ml_ptr, TILES,
+    lens, starts, out, o_st, o_sh, lse, l_st, l_sh, acc_ptr, ml_ptr, TILES, splits,
     G: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):
     """Combine a (tile, head)'s splits by their (m, l): the output and natural-log LSE."""
     pid = tl.program_id(0)
@@ -246,14 +257,14 @@ def _merge_kernel(
         rvalid = (t < QT) & (tok < n)
         hq = h * G + r % G
         d = tl.arange(0, D)
-        head = ((pid * tl.num_programs(1) + h) * SPLITS).to(tl.int64)
+        head = ((pid * tl.num_programs(1) + h) * splits).to(tl.int64)
         m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in tl.static_range(SPLITS):
+        for s in range(0, splits):
             m_max = tl.maximum(m_max, tl.load(ml_ptr + (head + s) * 2 * BLOCK_M + r))
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         l_tot = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, D], tl.float32)
-        for s in tl.static_range(SPLITS):
+        for s in range(0, splits):
             w = tl.exp2(tl.load(ml_ptr + (head + s) * 2 * BLOCK_M + r) - m_safe)
             l_tot += w * tl.load(ml_ptr + ((head + s) * 2 + 1) * BLOCK_M + r)
             a = tl.load(acc_ptr + ((head + s) * BLOCK_M + r)[:, None] * D + d[None, :])
@@ -265,21 +276,9 @@ def _merge_kernel(
         tl.store(lse + qrow * l_st + hq * l_sh, (m_safe + tl.log2(l_tot)) * LN2, mask=rvalid)
 
 
-def tile_shape(group: int, max_new: int, block_m: int = DEFAULT_BLOCK_M) -> tuple[int, int]:
-    """(BLOCK_M, QT): query rows per tile (a power of two >= 16) and the fresh tokens they
-    hold (QT * group <= BLOCK_M; a group wider than ``block_m`` gets one token per tile).
-    Short extends (max_new * group < block_m rows) take the smallest tile that holds them."""
-    rows = min(block_m, max(1, max_new) * group)
-    bm = max(16, triton.next_power_of_2(max(rows, group)))
-    return bm, bm // group
-
-
 def default_splits(programs: int, device: torch.device) -> int:
-    """Splits per (tile, head) so that about 4 programs per SM run (1 when the tiles alone
-    fill the GPU: no scratch, no merge launch)."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 2)
-    return max(1, min(MAX_SPLITS, (4 * sms) // max(1, programs)))
+    """``variants.default_splits`` on ``device``'s SMs."""
+    return variants.default_splits(programs, variants.sm_count(device))
 
 
 def extend_attention(
@@ -344,16 +343,15 @@ def extend_attention(
     if max_new is None:
         max_new = int(extend_seq_lens.max()) if b else 0
     group = hq // hkv
-    bm, qt = tile_shape(group, max_new, block_m)
-    tiles = triton.cdiv(max_new, qt)
-    if b == 0 or tiles == 0:
+    if b == 0 or max_new <= 0:
         return ExtendAttention(out, lse)
-    if splits is None:
-        splits = default_splits(b * tiles * hkv, q.device)
+    launch = variants.extend_launch(group, b, hkv, max_new, variants.sm_count(q.device),
+                                    block_m=block_m, splits=splits)
+    bm, tiles, splits = launch.block_m, launch.tiles, launch.splits
     dev = q.device
     starts = extend_start_loc.to(device=dev, dtype=torch.int64)
     lens = extend_seq_lens.to(device=dev, dtype=torch.int32)
-    if splits > 1:
+    if launch.split:
         need = scratch_elements(b * tiles, hkv, splits, bm, d)
         if scratch is None:
             scratch = (torch.empty(need[0], dtype=torch.float32, device=dev),
@@ -372,14 +370,14 @@ def extend_attention(
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         starts, lens, u8, f16, tab, tab.stride(0), tab.stride(1), cnt, cnt.stride(0),
         cnt.stride(1), req_idx, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        lse.stride(1), acc, ml, sm_scale * LOG2E, tiles, table.shape[-1],
-        PAGE_BYTES=geometry.page_bytes, G=group, QT=qt, BLOCK_M=bm, D=d, BK=block_k,
-        SPLITS=splits, DOT_F32=dot_f32, **tiers, num_warps=num_warps,
+        lse.stride(1), acc, ml, sm_scale * LOG2E, tiles, table.shape[-1], splits,
+        PAGE_BYTES=geometry.page_bytes, G=group, D=d, BK=block_k, DOT_F32=dot_f32,
+        **launch.constexprs(), **tiers, num_warps=num_warps,
     )
-    if splits > 1:
+    if launch.split:
         _merge_kernel[(b * tiles, hkv)](
             lens, starts, out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
-            acc, ml, tiles, G=group, QT=qt, BLOCK_M=bm, D=d, SPLITS=splits,
+            acc, ml, tiles, splits, G=group, QT=launch.qt, BLOCK_M=bm, D=d,
             num_warps=num_warps,
         )
     return ExtendAttention(out, lse)

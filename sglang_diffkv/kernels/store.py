@@ -15,7 +15,9 @@ from sglang_diffkv.pages import write_tokens
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
+# T (tokens to store) follows the step's chunk sizes or the decode batch: a runtime int that
+# Triton must not specialise (1 or a multiple of 16 would each be a compile of its own)
+@triton.jit(do_not_specialize=("T",))
 def _store_tokens_kernel(
     u8, f16, f32, i32,
     key, k_s, value, v_s, score, pos, page_ids, slots, T,

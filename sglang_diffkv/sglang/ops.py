@@ -94,16 +94,26 @@ def _split_attached(cache: CompressedKVCache, ext: ExtendRequests
                           pick(ext.prefix), pick(ext.total)), att
 
 
+# int64 elements per 16 bytes: every uploaded column starts on a multiple of it
+UPLOAD_ALIGN = 2
+
+
 def upload(columns: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
     """int64 device tensors of host int lists, made by one host-to-device copy: from pinned
-    memory and non-blocking on CUDA (a pageable copy synchronises the stream)."""
+    memory and non-blocking on CUDA (a pageable copy synchronises the stream). Each column
+    starts 16-byte aligned (padded after the one before): Triton specialises a kernel on
+    whether each pointer is, so a column placed after an odd number of int64s would compile
+    another variant of every kernel reading it, following the step's request count."""
     sizes = [len(c) for c in columns]
-    flat = torch.tensor([int(x) for c in columns for x in c], dtype=torch.int64)
+    padded = [-(-n // UPLOAD_ALIGN) * UPLOAD_ALIGN for n in sizes]
+    flat = torch.tensor([int(x) for c, n, p in zip(columns, sizes, padded, strict=True)
+                         for x in (*c, *(0,) * (p - n))], dtype=torch.int64)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
-    return list(flat.split(sizes))
+    return [x if n == p else x[:n]
+            for x, n, p in zip(flat.split(padded), sizes, padded, strict=True)]
 
 
 def want_kernels(device: torch.device, environ: dict[str, str] | None = None) -> bool:
@@ -283,9 +293,12 @@ class DiffKVOps:
                                  dtype=torch.int32, device=c.device)
             buffers = self.k.PrefillBuffers.allocate(prompts.batch, c.spec.num_kv_heads,
                                                      prompts.max_len, c.device)
+        # (copies, never views: at one request alpha[:, 1] is already contiguous, 4 bytes
+        # into alpha, and a misaligned pointer is another compiled variant of the kernels)
         return PrefillStep(
-            req=req, prompts=prompts, alpha_h=alpha[:, 0].contiguous(),
-            alpha_l=alpha[:, 1].contiguous(),
+            req=req, prompts=prompts,
+            alpha_h=alpha[:, 0].clone(memory_format=torch.contiguous_format),
+            alpha_l=alpha[:, 1].clone(memory_format=torch.contiguous_format),
             seed=None if c.config.bench_mix is None else c.bench_seed[req], totals=totals,
             buffers=buffers,
         )
