@@ -119,7 +119,7 @@ def _kernel_modules() -> Iterator[Any]:
 
 def record_launches(monkeypatch: pytest.MonkeyPatch
                     ) -> tuple[dict[str, set], dict[str, dict[str, set]]]:
-    """Every Triton function of ``sglang_diffkv.kernels``, wherever a module holds it,
+    """Every Triton kernel of ``sglang_diffkv.kernels``, wherever a module holds it,
     replaced by its recorder; returns (kernel name -> the set of keys launched, kernel
     name -> runtime int argument -> its values)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -130,7 +130,10 @@ def record_launches(monkeypatch: pytest.MonkeyPatch
     recorders: dict[int, Recorder] = {}
     for mod in _kernel_modules():
         for name, obj in list(vars(mod).items()):
-            if isinstance(obj, (JITFunction, InterpretedFunction)):
+            # kernels only (every launched one is named ``*_kernel``): a device function
+            # replaced here would stay replaced in the interpreter's rewritten kernels,
+            # which keep the module globals they first saw, and break later tests
+            if isinstance(obj, (JITFunction, InterpretedFunction)) and name.endswith("_kernel"):
                 rec = recorders.setdefault(id(obj), Recorder(obj, keys, ints))
                 monkeypatch.setattr(mod, name, rec)
     return keys, ints
