@@ -97,7 +97,6 @@ def test_gather_puts_every_token_where_the_scoring_reads_it():
             want_k[b, h] = (att[b] - a_h - a_l, torch.cat([hi[:a_h], lo, hi[a_h:]]))
             codes[b, h] = [x[a_h:] for x in read_token_codes(pages, high, ids, sl)]
     kf = torch.randn(sum(fresh), HKV, D, generator=g).bfloat16()
-    vf = torch.randn(sum(fresh), HKV, D, generator=g).bfloat16()
     totals = [att[b] + stored[b] + fresh[b] for b in range(2)]
     grp = PromptGroup(req=req, total=torch.tensor(totals, dtype=torch.int32),
                       attached=torch.tensor(att, dtype=torch.int32),
@@ -107,11 +106,11 @@ def test_gather_puts_every_token_where_the_scoring_reads_it():
                       max_span=max(t - c for t, c in zip(totals, att, strict=True)),
                       num_rows=sum(totals))
     rows = (sum(totals), HKV, D)
-    pk, pv = torch.full(rows, float("nan")), torch.full(rows, float("nan"))
+    pk = torch.full(rows, float("nan"))
     raw = torch.full((*rows[:2], extend_store.raw_bytes(high)), 0x7F, dtype=torch.uint8)
     key_first = torch.full((2, HKV), -7, dtype=torch.int32)
-    extend_store.gather_prompts(pages, geo, table, 0, grp, a, kf, vf, out_k=pk, out_v=pv,
-                                raw=raw, key_first=key_first)
+    extend_store.gather_prompts(pages, geo, table, 0, grp, a, kf, out_k=pk, raw=raw,
+                                key_first=key_first)
     for b in range(2):
         p0, fr = int(grp.packed_start[b]), slice(sum(fresh[:b]), sum(fresh[:b + 1]))
         for h in range(HKV):
@@ -121,6 +120,5 @@ def test_gather_puts_every_token_where_the_scoring_reads_it():
             assert torch.equal(got[:first], torch.zeros(first, D))
             assert torch.equal(got[first:att[b] + stored[b]], stored_k)
             assert torch.equal(got[att[b] + stored[b]:], kf[fr, h].float())
-            assert torch.equal(pv[p0 + att[b] + stored[b]:p0 + totals[b], h], vf[fr, h].float())
             kept = raw[p0 + att[b]:p0 + att[b] + stored[b], h]
             assert torch.equal(kept, torch.cat(codes[b, h], -1))
