@@ -45,7 +45,7 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "v_start": "*i64", "shared": "*i32", "hk": "*i64", "hs": "*i32", "key_first": "*i32",
     "q_count": "*i32", "base": "*i32", "attached": "*i32", "stored": "*i32", "total": "*i32",
     "fresh_start": "*i64", "packed_start": "*i64", "out_k": "*fp32", "raw": "*u8",
-    "raw_f16": "*fp16", "pk": "*fp32",
+    "raw_f16": "*fp16", "pk": "*fp32", "k_from": "*i32",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -68,7 +68,8 @@ KERNELS = [
                                     key_first=None, q_count=None)),
     *(("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False,
                                          LSE_PACKED=packed, EXT=False, key_first=None,
-                                         q_count=None)) for packed in (False, True)),
+                                         q_count=None, k_from=None))
+      for packed in (False, True)),
     # scoring a prompt over stored tokens (extend_store): fp32 keys, IEEE dots
     ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=True, EXT=True),
      {"k": "*fp32"}),

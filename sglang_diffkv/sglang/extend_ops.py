@@ -17,7 +17,9 @@ every layer only issues work:
   prompt's last chunk, a radix suffix's last or only chunk), as one group
   (``kernels.extend_store``): gather the packed scoring prompt (one launch), assemble the
   scoring queries (two ops, and one copy per prompt that needs earlier chunks' queries),
-  score (``prefill_scores``: two launches), classify and store (two launches), and, when the
+  score (``prefill_scores``: two launches; the LSE pass over the whole prompt, the column
+  sums over the span only: an attached prefix is frozen, nothing reads its significance),
+  classify and store (two launches), and, when the
   step's prompts are exported to the radix tree, their cut counts (a dozen ops);
 - ``end_step``: hands each row's final counts to the reference's end-of-step bookkeeping
   (``end_extend`` / ``PromptSharing.end_step``), which is per step.
@@ -153,7 +155,8 @@ class ExtendStores:
         prefill_scores(e.queries, e.packed_k, g.total, sm_scale, cfg.score_queries,
                        starts=g.packed_start, max_len=g.max_total, out=e.sig,
                        q_starts=e.q_starts, key_first=e.key_first,
-                       num_queries=e.num_queries)
+                       num_queries=e.num_queries, score_from=g.attached,
+                       score_len=g.max_span)
         extend_store.compress_span(
             c.pages, c.geometry, c.manager.table, c.manager.counts, layer, g, base,
             e.packed_k, v, e.raw, e.sig, e.alpha_h, e.alpha_l, cfg.window,

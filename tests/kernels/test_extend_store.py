@@ -4,6 +4,7 @@ composition against the cache reference: tests/test_extend_stores.py).
 - ``prefill_scores``' mode for prompts over stored tokens (``key_first``, ``num_queries``,
   ``q_starts``, fp32 keys) against a dense oracle: per head, keys before ``key_first``
   invisible; the last min(score_queries, L, num_queries) queries, read from their own rows;
+  ``score_from``: the same sums from that key on, nothing written before it;
 - ``gather_prompts`` against the reference reads: attached tokens right-aligned per head
   (high ones, then low ones: ``gather_cache``'s order), stored ones, fresh ones, zeros before
   ``key_first``; the stored tokens' bytes (``read_token_codes``); outputs poisoned first.
@@ -56,6 +57,28 @@ def test_scores_with_key_first_and_own_query_rows():
         p = torch.softmax(s.masked_fill(hide[:, None], float("-inf")), -1)
         want = p.sum(2).amax(1)  # [Hkv, n]
         torch.testing.assert_close(out[b, :, :n], want, rtol=1e-5, atol=1e-6)
+
+
+def test_scores_from_a_position_leave_earlier_keys_alone():
+    """``score_from``: keys before it stay in the softmax (the sums after it are those of a
+    full scoring) but get no significance (their entries are not written)."""
+    g = torch.Generator().manual_seed(2)
+    lengths, start = [150, 90], [70, 0]  # (70: a prefix whose tiles are skipped)
+    k = torch.randn(sum(lengths), HKV, D, generator=g) * 1.5
+    q = (torch.randn(sum(lengths), HKV * G, D, generator=g) * 1.5).bfloat16()
+    starts = torch.tensor([0, lengths[0]])
+    first = torch.tensor([[0, 9], [0, 0]], dtype=torch.int32)
+    nq = torch.tensor([Q, Q], dtype=torch.int32)
+    args = (q, k, torch.tensor(lengths, dtype=torch.int32), 0.125, Q)
+    kw = dict(starts=starts, max_len=max(lengths), key_first=first, num_queries=nq)
+    full = torch.full((2, HKV, max(lengths)), float("nan"))
+    prefill_scores(*args, out=full, **kw)
+    part = torch.full_like(full, float("nan"))
+    prefill_scores(*args, out=part, score_from=torch.tensor(start, dtype=torch.int32),
+                   score_len=max(n - s for n, s in zip(lengths, start, strict=True)), **kw)
+    for b, (n, s) in enumerate(zip(lengths, start, strict=True)):
+        assert torch.equal(part[b, :, s:n], full[b, :, s:n])
+        assert part[b, :, :s].isnan().all()
 
 
 def test_gather_puts_every_token_where_the_scoring_reads_it():
