@@ -10,7 +10,12 @@ unset (the decorators must build real JIT functions):
 from __future__ import annotations
 
 import importlib
+import re
+import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import triton
 
@@ -141,6 +146,44 @@ def compile_one(module: str, name: str, constexprs: dict,
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "num_stages": 2})
     return kernel.asm["ptx"]
+
+
+@dataclass(frozen=True)
+class Registers:
+    """What ptxas reports for one kernel: registers a thread, spilled bytes a thread."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+
+def registers(module: str, name: str, constexprs: dict,
+              pointers: dict[str, str] | None = None) -> Registers | None:
+    """ptxas -v's register and spill counts of one kernel for sm_90a (None when no ptxas
+    here assembles Triton's PTX). A spilling kernel runs from local memory: the prompt-end
+    scoring did, 16 ms a layer on an H200, before its fp32 dots moved to tensor cores."""
+    import triton.backends.nvidia as nvidia
+
+    ptx = compile_one(module, name, constexprs, pointers)
+    bin_dir = Path(nvidia.__file__).parent / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for ptxas in ("ptxas-blackwell", "ptxas"):  # (the newer one reads newer PTX)
+            exe = bin_dir / ptxas
+            if not exe.exists():
+                continue
+            proc = subprocess.run([str(exe), "-arch=sm_90a", "-v", str(src), "-o",
+                                   str(Path(tmp) / "k.cubin")], capture_output=True,
+                                  text=True, timeout=300)
+            if proc.returncode:
+                continue
+            out = proc.stdout + proc.stderr
+            regs = re.search(r"Used (\d+) registers", out)
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+            if regs and spill:
+                return Registers(int(regs[1]), int(spill[1]), int(spill[2]))
+    return None
 
 
 def _label(constexprs: dict) -> str:

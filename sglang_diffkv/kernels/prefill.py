@@ -97,14 +97,54 @@ def _check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: tor
                          + ("" if x.is_contiguous() else " (not contiguous)"))
 
 
+# (a constexpr global: jit code reads it at compile time, and it is part of the cache key)
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
 @triton.jit
 def _qk(qt, kt, DOT_F32: tl.constexpr):
-    # bf16 products are exact in fp32 either way; the interpreter's bf16 dot is broken
-    # (triton 3.9), so it computes in fp32 with IEEE precision.
+    """q . k for a [QB, D] query tile and a [BK, D] key tile, fp32 [QB, BK].
+
+    bf16 products are exact in fp32 either way; the interpreter's bf16 dot is broken
+    (triton 3.9), so it computes in fp32 with IEEE precision. DOT_F32 on a GPU means fp32
+    keys (dequantised from pages): an IEEE fp32 dot there runs on the CUDA cores and, at
+    these tiles, does not fit the registers (ptxas for sm_90: 255 registers and ~1 KB of
+    spills a thread in ``_lse_kernel``, a 7.8 KB stack frame in ``_colsum_kernel``), which
+    made the scoring of prompts over stored tokens the prefill step's largest cost. With
+    bf16 queries the keys are split instead into three bf16 pieces whose sum is each key
+    exactly (``_split3``), and three tensor-core dots accumulate their exact products in
+    fp32: the same products as the IEEE dot, summed in another order."""
     if DOT_F32:
+        if not _INTERPRETED and qt.dtype == tl.bfloat16:
+            k1, k2, k3 = _split3(kt.to(tl.float32))
+            acc = tl.dot(qt, tl.trans(k3))  # (smallest first)
+            acc = tl.dot(qt, tl.trans(k2), acc)
+            return tl.dot(qt, tl.trans(k1), acc)
         return tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
     else:
         return tl.dot(qt, tl.trans(kt))
+
+
+@triton.jit
+def _split3(x):
+    """fp32 x as bf16 (k1, k2, k3) with k1 + k2 + k3 == x exactly: k1 rounds x to 8
+    significant bits, the residual x - k1 is exact in fp32 (Sterbenz) and has at most 16,
+    k2 rounds it, and the last residual (at most 8 bits) is exact in bf16, which has fp32's
+    exponent range (for 2**-110 <= |x| < 3.38e38: page keys, whose fp16 scales and zeros
+    keep them far from both ends; ``split3_reference`` is the same in torch)."""
+    k1 = x.to(tl.bfloat16)
+    r = x - k1.to(tl.float32)
+    k2 = r.to(tl.bfloat16)
+    k3 = (r - k2.to(tl.float32)).to(tl.bfloat16)
+    return k1, k2, k3
+
+
+def split3_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_split3`` in torch (round to nearest even, as Triton's fp32 -> bf16 cast)."""
+    k1 = x.bfloat16()
+    r = x - k1.float()
+    k2 = r.bfloat16()
+    return k1, k2, (r - k2.float()).bfloat16()
 
 
 @triton.jit

@@ -59,6 +59,33 @@ def test_scores_with_key_first_and_own_query_rows():
         torch.testing.assert_close(out[b, :, :n], want, rtol=1e-5, atol=1e-6)
 
 
+def test_fp32_keys_split_exactly_into_three_bf16_pieces():
+    """``prefill._split3`` (the GPU scoring's fp32 keys as three bf16 pieces for tensor-core
+    dots; the interpreter keeps its IEEE dot, its bf16 dot being broken): the pieces sum to
+    each key exactly, so with bf16 queries every product is the IEEE dot's own, for keys
+    dequantised from pages (K8 and K4 codes, fp16 scale and zero) and for keys of any
+    magnitude fp32 holds."""
+    from sglang_diffkv.kernels.prefill import split3_reference
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (512, D), generator=g).float()
+    scale = (torch.rand(512, 1, generator=g) * 0.1).half().float()
+    zero = (torch.randn(512, 1, generator=g) * 4).half().float()
+    dequant = codes * scale + zero  # (fp32, as the gather computes it)
+    # (|x| >= 2**-110: smaller, the last piece may fall below fp32's normal range and lose
+    # bits worth less than 2**-149, which no score sees; fp16 scales and zeros keep page
+    # keys far from both ends)
+    wide = torch.randn(512, D, generator=g) * torch.logspace(-25, 30, D)
+    for x in (dequant, wide, torch.tensor([0.0, -0.0, 1e-33, 3.3e38, -1.0 / 3])):
+        k1, k2, k3 = split3_reference(x)
+        assert torch.equal(k1.double() + k2.double() + k3.double(), x.double())
+    q = torch.randn(8, D, generator=g).bfloat16().double()
+    k1, k2, k3 = (p.double() for p in split3_reference(dequant))
+    assert torch.equal(q[:, None, :] * dequant.double()[None],
+                       q[:, None, :] * k1[None] + q[:, None, :] * k2[None]
+                       + q[:, None, :] * k3[None])
+
+
 def test_scores_from_a_position_leave_earlier_keys_alone():
     """``score_from``: keys before it stay in the softmax (the sums after it are those of a
     full scoring) but get no significance (their entries are not written)."""
