@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_extend_stores import Run, Shape, hit, prompt  # noqa: E402
 
+from sglang_diffkv.cache import CompressedKVCache  # noqa: E402
 from sglang_diffkv.config import preset  # noqa: E402
 from sglang_diffkv.kernels import extend_store  # noqa: E402
 from sglang_diffkv.sglang import extend_ops  # noqa: E402
@@ -56,6 +57,7 @@ class Result:
     audit: TrafficAudit
     case: Case
     seconds: float
+    cache: CompressedKVCache
 
 
 def served_case(case: Case, shape: Shape = LLAMA_LAYER, config=None) -> Result:
@@ -107,7 +109,7 @@ def served_case(case: Case, shape: Shape = LLAMA_LAYER, config=None) -> Result:
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
-    return Result(audit, case, time.perf_counter() - t0)
+    return Result(audit, case, time.perf_counter() - t0, run.c)
 
 
 def _last_lse(q: torch.Tensor, k: torch.Tensor, lengths: list[int], scale: float,
@@ -136,7 +138,7 @@ def report(res: Result) -> str:
              f"{c.fresh} over {c.stored} stored; whole prompt {c.whole} "
              f"(Llama-3-8B layer: 8 KV heads, GQA 4, D 128); audited in {res.seconds:.0f} s"]
     for name in sorted(a.launches.keys() | a.ops.keys()):
-        if name.startswith("end:"):
+        if name.startswith("end"):  # (the prompt end's own ops: its scoring queries)
             lines += ["", f"[{name}]", a.table(name)]
     for name, tokens in (("end", ends), ("whole", c.whole)):
         ops, tri = a.section_bytes(name)
@@ -154,6 +156,9 @@ def report(res: Result) -> str:
             for prec, v in lc.dot_fma.items():
                 fma[(kname, prec)] = fma.get((kname, prec), 0) + v
     lines.append("")
+    lines.append("(the interpreter runs every dot in fp32; on a GPU the whole prompts' bf16 "
+                 "keys take tensor cores, and so, with bf16 queries, do the prompt ends' fp32 "
+                 "keys: prefill._qk)")
     lines.append("dot multiply-adds per layer: " + ", ".join(
         f"{k} {p}: {v / 1e9:.2f} G" for (k, p), v in sorted(fma.items())))
     return "\n".join(lines)
