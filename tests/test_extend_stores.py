@@ -119,9 +119,13 @@ class Run:
         self.stored: dict[str, int] = {}
         self.handles: dict[str, object] = {}
 
-    def step(self, prompts: dict[str, Prompt], chunks: list[tuple[str, int]]
-             ) -> list[torch.Tensor]:
-        """One extend step of ``chunks`` (rid, fresh tokens); returns each layer's output."""
+    def begin(self, prompts: dict[str, Prompt], chunks: list[tuple[str, int]]
+              ) -> tuple[torch.Tensor, list[int], ExtendRequests, list[int],
+                         tuple[list[torch.Tensor], ...]]:
+        """The start of ``step`` before the ops seam: radix hits attached, new prompts'
+        pages allocated, the completed prompts announced to the exporter. Returns (req,
+        fresh lengths, the step's ExtendRequests, the completed prompts' indices in
+        ``chunks``, the step's packed (q, k, v) per layer)."""
         c, r = self.c, self.c.radix
         cfg = c.config
         for rid, _ in chunks:
@@ -152,9 +156,19 @@ class Run:
         fresh = [n for _, n in chunks]
         ext = ExtendRequests.build(req, slots, fresh, prefix, totals)
         layers = range(self.shape.layers)
-        q, k, v = ([torch.cat([getattr(prompts[rid], x)[layer, p:p + n]
-                               for (rid, n), p in zip(chunks, prefix, strict=True)]
-                              ).to(self.device) for layer in layers] for x in "qkv")
+        qkv = tuple([torch.cat([getattr(prompts[rid], x)[layer, p:p + n]
+                                for (rid, n), p in zip(chunks, prefix, strict=True)]
+                               ).to(self.device) for layer in layers] for x in "qkv")
+        return req, fresh, ext, done, qkv
+
+    def step(self, prompts: dict[str, Prompt], chunks: list[tuple[str, int]]
+             ) -> list[torch.Tensor]:
+        """One extend step of ``chunks`` (rid, fresh tokens); returns each layer's output."""
+        r = self.c.radix
+        req, fresh, ext, done, (q, k, v) = self.begin(prompts, chunks)
+        slots = [self.slots[rid] for rid, _ in chunks]
+        prefix = list(ext.prefix)
+        layers = range(self.shape.layers)
         on_gpu = self.kernels and self.device.type == "cuda"
         with sync_debug("warn" if on_gpu else None) as seen:
             step = self.ops.begin_prefill_step(req, fresh, ext=ext)

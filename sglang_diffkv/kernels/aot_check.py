@@ -10,7 +10,12 @@ unset (the decorators must build real JIT functions):
 from __future__ import annotations
 
 import importlib
+import re
+import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import triton
 
@@ -45,8 +50,8 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "v_start": "*i64", "shared": "*i32", "hk": "*i64", "hs": "*i32", "key_first": "*i32",
     "q_count": "*i32", "base": "*i32", "attached": "*i32", "stored": "*i32", "total": "*i32",
     "fresh_start": "*i64", "packed_start": "*i64", "out_k": "*fp32", "out_v": "*fp32",
-    "raw": "*u8", "pk": "*fp32", "pv": "*fp32", "v": "*bf16", "starts": "*i64",
-    "lens": "*i32",
+    "raw": "*u8", "raw_f16": "*fp16", "pk": "*fp32", "pv": "*fp32", "k_from": "*i32",
+    "v": "*bf16", "starts": "*i64", "lens": "*i32",
 }
 FLOATS = {"qk_scale", "lse_mul"}
 KERNELS = [
@@ -76,7 +81,8 @@ KERNELS = [
                                     key_first=None, q_count=None)),
     *(("prefill", "_colsum_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=False,
                                          LSE_PACKED=packed, EXT=False, key_first=None,
-                                         q_count=None)) for packed in (False, True)),
+                                         q_count=None, k_from=None))
+      for packed in (False, True)),
     # scoring a prompt over stored tokens (extend_store): fp32 keys, IEEE dots
     ("prefill", "_lse_kernel", dict(G=4, Q=64, QB=64, D=128, BK=64, DOT_F32=True, EXT=True),
      {"k": "*fp32"}),
@@ -148,6 +154,44 @@ def compile_one(module: str, name: str, constexprs: dict,
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "num_stages": 2})
     return kernel.asm["ptx"]
+
+
+@dataclass(frozen=True)
+class Registers:
+    """What ptxas reports for one kernel: registers a thread, spilled bytes a thread."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+
+def registers(module: str, name: str, constexprs: dict,
+              pointers: dict[str, str] | None = None) -> Registers | None:
+    """ptxas -v's register and spill counts of one kernel for sm_90a (None when no ptxas
+    here assembles Triton's PTX). A spilling kernel runs from local memory: the prompt-end
+    scoring did, 16 ms a layer on an H200, before its fp32 dots moved to tensor cores."""
+    import triton.backends.nvidia as nvidia
+
+    ptx = compile_one(module, name, constexprs, pointers)
+    bin_dir = Path(nvidia.__file__).parent / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for ptxas in ("ptxas-blackwell", "ptxas"):  # (the newer one reads newer PTX)
+            exe = bin_dir / ptxas
+            if not exe.exists():
+                continue
+            proc = subprocess.run([str(exe), "-arch=sm_90a", "-v", str(src), "-o",
+                                   str(Path(tmp) / "k.cubin")], capture_output=True,
+                                  text=True, timeout=300)
+            if proc.returncode:
+                continue
+            out = proc.stdout + proc.stderr
+            regs = re.search(r"Used (\d+) registers", out)
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+            if regs and spill:
+                return Registers(int(regs[1]), int(spill[1]), int(spill[2]))
+    return None
 
 
 def _label(constexprs: dict) -> str:

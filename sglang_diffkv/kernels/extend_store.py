@@ -19,13 +19,15 @@ The span is [A_b, total_b): its tokens are classified with the prefill policy at
 positions in the whole prompt and appended to the row's tiers after (a_h, a_l). Three
 steps, each one launch for the whole group:
 
-1. ``gather_prompts``: the packed scoring prompt, fp32 K (and V of the span) [rows, Hkv, D]
+1. ``gather_prompts``: the packed scoring prompt, fp32 K [rows, Hkv, D]
    (prompt b at rows ``packed_start[b]`` + position): attached tokens dequantised from both
    tiers, right-aligned per head (head h's c_h tokens at positions [A_b - c_h, A_b), so
    ``key_first[b, h] = A_b - c_h`` hides the empty ones from the scoring), stored tokens
    dequantised, fresh ones converted; and the stored tokens' K8V4 bytes (``raw``), for the
-   tokens that stay high to keep them bit for bit. Everything is read here, before step 3
-   writes: stored tokens may move to slots other stored tokens occupied.
+   tokens that stay high to keep them bit for bit and for the values of those that go low.
+   Everything is read here, before step 3 writes: stored tokens may move to slots other
+   stored tokens occupied. No value is gathered: the scoring reads keys only, and step 3
+   reads the values it quantises where they already are (``raw``, the step's packed v).
 2. ``kernels.prefill_scores`` on the packed prompt (its ``key_first`` / ``num_queries`` /
    ``q_starts`` mode): the causal mask gives each scoring query exactly the keys the
    oracles' probabilities use (fresh queries: every stored token and the fresh ones up to
@@ -38,8 +40,10 @@ steps, each one launch for the whole group:
    layout ``reclaim_prefill`` (a chunked prompt: a_h = a_l = lp_old = 0, so low pages
    follow the high ones) and ``reclaim_extend`` (a radix suffix) expect. Stored tokens
    that stay high get their ``raw`` bytes back instead of a re-quantisation (not the
-   identity for a group far from zero); every other member is quantised from the fp32
-   rows. Block 0 writes the row's final counts (a_h + n_high, a_l + n_low) into ``totals``.
+   identity for a group far from zero); every other member is quantised from its fp32 key
+   row and its value (a stored one's dequantised from ``raw``, a fresh one's converted
+   from the step's). Block 0 writes the row's final counts (a_h + n_high, a_l + n_low)
+   into ``totals``.
 """
 
 from __future__ import annotations
@@ -150,7 +154,7 @@ def _copy_segment(u8, raw, pbase, slot, rrow, mask, TO_PAGE: tl.constexpr, SEG: 
 @triton.jit(do_not_specialize=("row_len",))
 def _gather_kernel(
     u8, f16, table, t_sr, t_sh, req, base, attached, stored, total, fresh_start,
-    packed_start, key, k_sl, k_sh, value, v_sl, v_sh, out_k, out_v, raw, key_first, row_len,
+    packed_start, key, k_sl, k_sh, out_k, raw, key_first, row_len,
     PAGE_BYTES: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
     H_N: tl.constexpr, H_BN: tl.constexpr, H_KOFF: tl.constexpr, H_KMOFF: tl.constexpr,
@@ -198,16 +202,12 @@ def _gather_kernel(
         kf = tl.load(key + frow[:, None] * k_sl + h * k_sh + d[None, :], mask=fresh[:, None],
                      other=0.0).to(tl.float32)
         kx = tl.where(hmask[:, None], kh, tl.where(att_lo[:, None], kl, kf))
-        # values: only the span's are stored again (attached tokens are frozen)
-        vh = load_dequant(u8, f16, hpage, hslot, sto, BL, D, H_VB, H_VG, H_VOFF, H_VMOFF)
-        vf = tl.load(value + frow[:, None] * v_sl + h * v_sh + d[None, :], mask=fresh[:, None],
-                     other=0.0).to(tl.float32)
-        vx = tl.where(sto[:, None], vh, vf)
         prow = tl.load(packed_start + b) + j  # int64
         out = (prow * hkv + h)[:, None] * D + d[None, :]
         tl.store(out_k + out, kx, mask=inside[:, None])
-        tl.store(out_v + out, vx, mask=inside[:, None])
-        # the stored tokens' bytes, for those that stay high (read before any store)
+        # the stored tokens' bytes (read before any store): those that stay high get them
+        # back, those that go low are re-quantised from their values dequantised from
+        # them; no value is written here (the store kernel reads fresh ones from the step)
         _copy_raw(u8, raw, hpage, hslot, prow * hkv + h, sto, False, H_KOFF, H_KMOFF, H_VOFF,
                   H_VMOFF, R_KB, R_KM, R_VB, R_VM)
 
@@ -247,9 +247,9 @@ def _classify_span_kernel(
 
 @triton.jit(do_not_specialize=("Lsig", "Smax", "NB", "row_len"))
 def _store_span_kernel(
-    u8, f16, f32, i32, pk, pv, raw, packed_start, sig, tier_in, block_counts, totals, total,
-    attached, stored, base, table, t_sr, t_sh, counts, c_sr, c_sh, req, Lsig, Smax, NB,
-    row_len,
+    u8, f16, f32, i32, pk, value, v_sl, v_sh, fresh_start, raw, raw_f16, packed_start, sig,
+    tier_in, block_counts, totals, total, attached, stored, base, table, t_sr, t_sh, counts,
+    c_sr, c_sh, req, Lsig, Smax, NB, row_len,
     PAGE_BYTES: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
     COUNT_TILE: tl.constexpr,
     H_KB: tl.constexpr, H_VB: tl.constexpr, H_KG: tl.constexpr, H_VG: tl.constexpr,
@@ -262,7 +262,10 @@ def _store_span_kernel(
 ):
     """Ranks and stores one block's span members of both tiers (module docstring, step 3);
     block 0's program writes the row's final (n_high, n_low) into totals (so it runs even
-    when nothing is stored)."""
+    when nothing is stored). Only the members that are quantised here read K / V: a fresh
+    one from the packed K and the step's ``value``, a stored one that goes low from the
+    packed K and its kept V bytes (``raw``, dequantised as the gather read the page); a
+    stored one that stays high copies its kept bytes, a pruned one reads nothing."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     blk = tl.program_id(2)
@@ -288,9 +291,21 @@ def _store_span_kernel(
         lp_old = tl.load(counts + r * c_sr + h * c_sh + 3)  # the row's low pages (P_LOW)
         d = tl.arange(0, D)
         prow = tl.load(packed_start + b) + ipos
-        rows = (prow * hkv + h)[:, None] * D + d[None, :]
-        kx = tl.load(pk + rows, mask=inside[:, None], other=0.0)
-        vx = tl.load(pv + rows, mask=inside[:, None], other=0.0)
+        rrow = prow * hkv + h  # the token's packed K row and its raw row
+        n_sto = tl.load(stored + b)
+        was_stored = i < n_sto
+        quant = inside & ((tier == 1) | ((tier == 0) & ~was_stored))
+        kx = tl.load(pk + rrow[:, None] * D + d[None, :], mask=quant[:, None], other=0.0)
+        # V: a stored token's from its kept bytes (the gather's page read), a fresh one's
+        # from the step's packed values, converted as the gather converts fresh keys
+        RAWB: tl.constexpr = R_KB + R_KM + R_VB + R_VM
+        v_sto = quant & was_stored
+        vs = load_dequant(raw, raw_f16, rrow * RAWB, tl.zeros_like(rrow), v_sto, BL, D, H_VB,
+                          H_VG, R_KB + R_KM, R_KB + R_KM + R_VB)
+        frow = (tl.load(fresh_start + b) + i - n_sto).to(tl.int64)
+        vf = tl.load(value + frow[:, None] * v_sl + h * v_sh + d[None, :],
+                     mask=(quant & ~was_stored)[:, None], other=0.0).to(tl.float32)
+        vx = tl.where(was_stored[:, None], vs, vf)
         score = tl.load(sig + head * Lsig + ipos, mask=inside, other=0.0)
         pos = n - tl.minimum(Q, n - ipos)  # virtual position (policy.virtual_positions)
         # high tier: slot a_h + rank, page (a_h + rank) // N_hi of the row
@@ -299,12 +314,12 @@ def _store_span_kernel(
         page = tl.load(row + rank // H_N, mask=member, other=0)
         pbase = page.to(tl.int64) * PAGE_BYTES
         slot = rank % H_N
-        kept = member & (i < tl.load(stored + b))  # stored earlier: its bytes come back
+        kept = member & was_stored  # stored earlier: its bytes come back
         fresh = member & ~kept
         quantize_store(u8, f16, kx, pbase, slot, fresh, BL, D, H_KB, H_KG, H_KOFF, H_KMOFF)
         quantize_store(u8, f16, vx, pbase, slot, fresh, BL, D, H_VB, H_VG, H_VOFF, H_VMOFF)
-        _copy_raw(u8, raw, pbase, slot, prow * hkv + h, kept, True, H_KOFF, H_KMOFF, H_VOFF,
-                  H_VMOFF, R_KB, R_KM, R_VB, R_VM)
+        _copy_raw(u8, raw, pbase, slot, rrow, kept, True, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF,
+                  R_KB, R_KM, R_VB, R_VM)
         store_score_pos(f32, i32, pbase, slot, member, score, pos, H_SOFF, H_POFF)
         # low tier: slot a_l + rank; low page m is the row's own (from the right end) below
         # lp_old, else the high run's column hp_new + m - lp_old (reclaim_* move it there)
@@ -332,6 +347,12 @@ def _check_group(g: PromptGroup, base: torch.Tensor, hkv: int, dev: torch.device
     _check_buffer("base", base, (b, hkv, 2), torch.int32, dev)
 
 
+def _check_fresh(name: str, x: torch.Tensor, hkv: int, d: int) -> None:
+    if x.dim() != 3 or x.shape[1:] != (hkv, d) or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be the step's packed [T, {hkv}, {d}] with a "
+                         f"contiguous last dimension, got {tuple(x.shape)}")
+
+
 def gather_prompts(
     pages: torch.Tensor,
     geometry: PageGeometry,
@@ -340,30 +361,25 @@ def gather_prompts(
     group: PromptGroup,
     base: torch.Tensor,
     key: torch.Tensor,
-    value: torch.Tensor,
     *,
     out_k: torch.Tensor,
-    out_v: torch.Tensor,
     raw: torch.Tensor,
     key_first: torch.Tensor,
 ) -> None:
-    """Step 1 (module docstring), one launch: fills ``out_k`` / ``out_v`` (fp32 [rows, Hkv,
-    D], rows ``group.num_rows``), ``raw`` (uint8 [rows, Hkv, raw_bytes(high)]: the stored
-    tokens' K8V4 bytes; other rows untouched) and ``key_first`` (int32 [B, Hkv]). ``base``:
-    int32 [B, Hkv, 2], each row's attached (a_h, a_l) in ``layer`` (zeros without one);
-    key / value: the step's packed fresh tokens [T, Hkv, D]."""
+    """Step 1 (module docstring), one launch: fills ``out_k`` (fp32 [rows, Hkv, D], rows
+    ``group.num_rows``), ``raw`` (uint8 [rows, Hkv, raw_bytes(high)]: the stored tokens'
+    K8V4 bytes; other rows untouched) and ``key_first`` (int32 [B, Hkv]). ``base``: int32
+    [B, Hkv, 2], each row's attached (a_h, a_l) in ``layer`` (zeros without one); key: the
+    step's packed fresh keys [T, Hkv, D]. No value is gathered: the scoring reads keys only,
+    and ``compress_span`` takes the span's values from ``raw`` and the step's own."""
     hkv, d = table.shape[2], geometry.head_dim
     dev = key.device
     _check_group(group, base, hkv, dev)
     rows = (group.num_rows, hkv, d)
     _check_buffer("out_k", out_k, rows, torch.float32, dev)
-    _check_buffer("out_v", out_v, rows, torch.float32, dev)
     _check_buffer("raw", raw, (*rows[:2], raw_bytes(geometry.high)), torch.uint8, dev)
     _check_buffer("key_first", key_first, (group.batch, hkv), torch.int32, dev)
-    if key.dim() != 3 or key.shape[1:] != (hkv, d) or value.shape != key.shape or (
-            key.stride(-1) != 1 or value.stride(-1) != 1):
-        raise ValueError(f"key / value must be [T, {hkv}, {d}] with a contiguous last "
-                         f"dimension, got {tuple(key.shape)} / {tuple(value.shape)}")
+    _check_fresh("key", key, hkv, d)
     if group.batch == 0:
         return
     u8, f16, _, _ = page_views(pages)
@@ -371,8 +387,7 @@ def gather_prompts(
     _gather_kernel[(group.batch, hkv, triton.cdiv(group.max_total, GATHER_BLOCK))](
         u8, f16, tab, tab.stride(0), tab.stride(1), group.req, base, group.attached,
         group.stored, group.total, group.fresh_start, group.packed_start, key, key.stride(0),
-        key.stride(1), value, value.stride(0), value.stride(1), out_k, out_v, raw, key_first,
-        table.shape[-1],
+        key.stride(1), out_k, raw, key_first, table.shape[-1],
         PAGE_BYTES=geometry.page_bytes, D=d, BL=GATHER_BLOCK, **_constexprs(geometry),
         num_warps=4, enable_fp_fusion=False,
     )
@@ -387,7 +402,7 @@ def compress_span(
     group: PromptGroup,
     base: torch.Tensor,
     packed_k: torch.Tensor,
-    packed_v: torch.Tensor,
+    value: torch.Tensor,
     raw: torch.Tensor,
     significance: torch.Tensor,
     alpha_h: torch.Tensor,
@@ -402,7 +417,9 @@ def compress_span(
 ) -> None:
     """Step 3 (module docstring), two launches: classify every span token (significance
     fp32 [B, Hkv, max_total] by position, from ``prefill_scores`` on the packed prompt)
-    and store the spans into their rows (``table`` / ``counts``: the manager's). Writes
+    and store the spans into their rows (``table`` / ``counts``: the manager's; keys from
+    ``packed_k``, values from ``raw`` for stored tokens and from ``value``, the step's
+    packed fresh values [T, Hkv, D], for fresh ones). Writes
     ``tier_out`` (int8 [B, Hkv, max_span], by span index; PRUNED past a span),
     ``block_counts`` (int32 [B, Hkv, span_blocks, 2], scratch) and ``totals`` (int32
     [B, Hkv, 2]: the rows' final (n_high, n_low)). ``bench=(seed int64 [B], mix float64
@@ -415,6 +432,7 @@ def compress_span(
     _check_buffer("tier_out", tier_out, (b, hkv, smax), torch.int8, dev)
     _check_buffer("block_counts", block_counts, (b, hkv, nb, 2), torch.int32, dev)
     _check_buffer("totals", totals, (b, hkv, 2), torch.int32, dev)
+    _check_fresh("value", value, hkv, geometry.head_dim)
     for name, a in (("alpha_h", alpha_h), ("alpha_l", alpha_l)):
         _check_buffer(name, a, (b,), torch.float32, dev)
     if b == 0:
@@ -433,7 +451,8 @@ def compress_span(
     u8, f16, f32, i32 = page_views(pages)
     tab, cnt = table[:, layer], counts[:, layer]
     _store_span_kernel[(b, hkv, nb)](
-        u8, f16, f32, i32, packed_k, packed_v, raw, group.packed_start, significance,
+        u8, f16, f32, i32, packed_k, value, value.stride(0), value.stride(1),
+        group.fresh_start, raw, raw.view(torch.float16), group.packed_start, significance,
         tier_out, block_counts, totals, group.total, group.attached, group.stored, base, tab,
         tab.stride(0), tab.stride(1), cnt, cnt.stride(0), cnt.stride(1), group.req, lsig,
         smax, nb, table.shape[-1],

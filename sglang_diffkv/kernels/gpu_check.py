@@ -195,6 +195,54 @@ def prefill_packed_check(lengths, hq, hkv, d):
     return run
 
 
+def prefill_stored_check(lengths, attached, hq, hkv, d):
+    """The prompt-end scoring (``sglang.extend_ops``): fp32 keys as the gather dequantises
+    them (K8 codes, fp16 scale and zero), the last 64 queries in rows of their own, per-head
+    ``key_first``, column sums from ``score_from`` on; against a float64 oracle. bf16
+    queries take the tensor-core split of the keys (``prefill._qk``), fp32 queries the IEEE
+    dot: both within fp32 rounding of the oracle."""
+    def run():
+        g = torch.Generator().manual_seed(7)
+        b, t, nq = len(lengths), sum(lengths), 64
+        codes = torch.randint(0, 256, (t, hkv, d), generator=g).float()
+        scale = (torch.rand(t, hkv, 1, generator=g) * 0.05).half().float()
+        zero = (torch.randn(t, hkv, 1, generator=g) * 3).half().float()
+        k = codes * scale + zero
+        q = (torch.randn(b * nq, hq, d, generator=g) * 1.5).bfloat16()
+        first = torch.randint(0, 9, (b, hkv), generator=g, dtype=torch.int32)
+        starts = torch.tensor([sum(lengths[:i]) for i in range(b)])
+        q_starts = torch.tensor([i * nq - (n - nq) for i, n in enumerate(lengths)])
+        frm = torch.tensor(attached, dtype=torch.int32)
+        ref = torch.zeros(b, hkv, max(lengths), dtype=torch.float64)
+        for i, n in enumerate(lengths):
+            kb = k[starts[i]:starts[i] + n].double()
+            qb = q[i * nq:(i + 1) * nq].double().view(nq, hkv, hq // hkv, d)
+            s = torch.einsum("qhgd,khd->hgqk", qb, kb) * d**-0.5
+            kpos, qpos = torch.arange(n), torch.arange(n - nq, n)
+            hide = (kpos[None, None, :] > qpos[None, :, None]) | (
+                kpos[None, None, :] < first[i][:, None, None].long())
+            p = torch.softmax(s.masked_fill(hide[:, None], float("-inf")), -1)
+            ref[i, :, :n] = p.sum(2).amax(1)
+        errs = []
+        for qd in (torch.bfloat16, torch.float32):
+            out = torch.zeros(b, hkv, max(lengths), device=DEV)
+            prefill_scores(q.to(DEV, qd), k.to(DEV), torch.tensor(lengths, dtype=torch.int32,
+                                                                  device=DEV),
+                           d**-0.5, nq, starts=starts.to(DEV), max_len=max(lengths), out=out,
+                           q_starts=q_starts.to(DEV), key_first=first.to(DEV),
+                           num_queries=torch.full((b,), nq, dtype=torch.int32, device=DEV),
+                           score_from=frm.to(DEV),
+                           score_len=max(n - a for n, a in zip(lengths, attached,
+                                                               strict=True)))
+            got = out.double().cpu()
+            for i, a in enumerate(attached):
+                got[i, :, :a] = ref[i, :, :a]  # (not written: score_from)
+            errs.append(rel_err(got, ref))
+        return (f"significance rel err bf16 q (split keys) {errs[0]:.1e}, fp32 q (IEEE) "
+                f"{errs[1]:.1e}", max(errs) < 1e-5)
+    return run
+
+
 def compress_check(lengths, hkv, d):
     def run():
         config = DiffKVConfig.from_dict({"preset": "llama-3-8b", "alpha_h": 1.0,
@@ -530,6 +578,8 @@ def main() -> int:
                                                                             32, 8, 128))
     check("prefill_scores(packed)", "L=(1000, 17, 1, 4096, 300) Hq32 Hkv8 D128 Q64",
           prefill_packed_check([1000, 17, 1, 4096, 300], 32, 8, 128))
+    check("prefill_scores(stored keys)", "L=(6144, 2600) from (4096, 0) Hq32 Hkv8 D128 Q64",
+          prefill_stored_check([6144, 2600], [4096, 0], 32, 8, 128))
     check("compress_prefill", "L=(1000, 4096) Hkv8 D128", compress_check([1000, 4096], 8, 128))
     check("decode_policy", "B3 Hkv8 D128, 24 steps", policy_check([300, 150, 513], 8, 128, 24))
     check("decode_policy", "B3 Hkv8 D128, 12 steps, bench (.3,.5,.2)",

@@ -97,14 +97,54 @@ def _check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: tor
                          + ("" if x.is_contiguous() else " (not contiguous)"))
 
 
+# (a constexpr global: jit code reads it at compile time, and it is part of the cache key)
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
 @triton.jit
 def _qk(qt, kt, DOT_F32: tl.constexpr):
-    # bf16 products are exact in fp32 either way; the interpreter's bf16 dot is broken
-    # (triton 3.9), so it computes in fp32 with IEEE precision.
+    """q . k for a [QB, D] query tile and a [BK, D] key tile, fp32 [QB, BK].
+
+    bf16 products are exact in fp32 either way; the interpreter's bf16 dot is broken
+    (triton 3.9), so it computes in fp32 with IEEE precision. DOT_F32 on a GPU means fp32
+    keys (dequantised from pages): an IEEE fp32 dot there runs on the CUDA cores and, at
+    these tiles, does not fit the registers (ptxas for sm_90: 255 registers and ~1 KB of
+    spills a thread in ``_lse_kernel``, a 7.8 KB stack frame in ``_colsum_kernel``), which
+    made the scoring of prompts over stored tokens the prefill step's largest cost. With
+    bf16 queries the keys are split instead into three bf16 pieces whose sum is each key
+    exactly (``_split3``), and three tensor-core dots accumulate their exact products in
+    fp32: the same products as the IEEE dot, summed in another order."""
     if DOT_F32:
+        if not _INTERPRETED and qt.dtype == tl.bfloat16:
+            k1, k2, k3 = _split3(kt.to(tl.float32))
+            acc = tl.dot(qt, tl.trans(k3))  # (smallest first)
+            acc = tl.dot(qt, tl.trans(k2), acc)
+            return tl.dot(qt, tl.trans(k1), acc)
         return tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
     else:
         return tl.dot(qt, tl.trans(kt))
+
+
+@triton.jit
+def _split3(x):
+    """fp32 x as bf16 (k1, k2, k3) with k1 + k2 + k3 == x exactly: k1 rounds x to 8
+    significant bits, the residual x - k1 is exact in fp32 (Sterbenz) and has at most 16,
+    k2 rounds it, and the last residual (at most 8 bits) is exact in bf16, which has fp32's
+    exponent range (for 2**-110 <= |x| < 3.38e38: page keys, whose fp16 scales and zeros
+    keep them far from both ends; ``split3_reference`` is the same in torch)."""
+    k1 = x.to(tl.bfloat16)
+    r = x - k1.to(tl.float32)
+    k2 = r.to(tl.bfloat16)
+    k3 = (r - k2.to(tl.float32)).to(tl.bfloat16)
+    return k1, k2, k3
+
+
+def split3_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_split3`` in torch (round to nearest even, as Triton's fp32 -> bf16 cast)."""
+    k1 = x.bfloat16()
+    r = x - k1.float()
+    k2 = r.bfloat16()
+    return k1, k2, (r - k2.float()).bfloat16()
 
 
 @triton.jit
@@ -154,7 +194,7 @@ def _lse_kernel(
 @triton.jit(do_not_specialize=("Lmax", "lse_sb", "lse_sh", "lse_sr"))
 def _colsum_kernel(
     q, q_start, q_sh, q_sl, k, k_start, k_sh, k_sl, lengths, lse, lse_sb, lse_sh, lse_sr,
-    lse_mul, sig, Lmax, qk_scale, key_first, q_count,
+    lse_mul, sig, Lmax, qk_scale, key_first, q_count, k_from,
     G: tl.constexpr, Q: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
     LSE_PACKED: tl.constexpr, DOT_F32: tl.constexpr, EXT: tl.constexpr,
 ):
@@ -162,10 +202,12 @@ def _colsum_kernel(
     lse row r of prompt b: b * lse_sb + r * lse_sr (per prompt), or, LSE_PACKED (one row per
     packed query token, as a varlen attention returns it), (q_start[b] + L - nq + r) * lse_sr.
     EXT: as ``_lse_kernel`` (at most q_count[b] queries, keys before key_first[b, h] masked:
-    their sig is 0)."""
+    their sig is 0), and tiles start at key k_from[b] (earlier keys get no sig)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.program_id(2) * BK
+    if EXT:
+        start += tl.load(k_from + b)
     n = tl.load(lengths + b)
     kpos = start + tl.arange(0, BK)
     best = tl.zeros([BK], tl.float32)
@@ -263,6 +305,8 @@ def prefill_scores(
     q_starts: torch.Tensor | None = None,
     key_first: torch.Tensor | None = None,
     num_queries: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
+    score_len: int | None = None,
 ) -> torch.Tensor:
     """Significance sums [B, Hkv, Lmax] fp32 (maxed over the group; 0 past a prompt's end).
 
@@ -280,7 +324,11 @@ def prefill_scores(
     first row); ``key_first`` (int32 [B, Hkv]) and ``num_queries`` (int32 [B]), given
     together: keys before key_first[b, h] are invisible (head h of prompt b has fewer
     tokens than its row's positions) and each prompt's scoring queries are its last
-    min(score_queries, L, num_queries[b]).
+    min(score_queries, L, num_queries[b]). ``score_from`` (int32 [B]) with ``score_len``
+    (the host's longest L - score_from[b]), in that mode: only keys from position
+    score_from[b] on get a significance (earlier ones are still in every query's softmax;
+    their sig entries are left as they were): a radix suffix's attached tokens are frozen,
+    so nothing reads theirs, and the column sums skip their tiles.
     """
     b, lmax = _check_prompt(q, k, lengths, starts, max_len, own_q_rows=q_starts is not None)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
@@ -293,6 +341,13 @@ def prefill_scores(
                              "and no lse")
         _check_buffer("key_first", key_first, (b, hkv), torch.int32, k.device)
         _check_buffer("num_queries", num_queries, (b,), torch.int32, k.device)
+        if score_from is None:
+            score_from, score_len = torch.zeros(b, dtype=torch.int32, device=k.device), lmax
+        _check_buffer("score_from", score_from, (b,), torch.int32, k.device)
+        if score_len is None or not 0 <= score_len <= lmax:
+            raise ValueError(f"score_from needs score_len in [0, {lmax}], got {score_len}")
+    elif score_from is not None:
+        raise ValueError("score_from goes with key_first and num_queries")
     q, q_rows, q_sh, q_sl = _token_rows(q, starts if q_starts is None else q_starts)
     k, k_rows, k_sh, k_sl = _token_rows(k, starts)
     qb = max(16, triton.next_power_of_2(score_queries))
@@ -326,9 +381,9 @@ def prefill_scores(
     else:
         _check_buffer("out", out, shape, torch.float32, q.device)
     bk = 64
-    _colsum_kernel[(b, hkv, triton.cdiv(lmax, bk))](
+    _colsum_kernel[(b, hkv, triton.cdiv(score_len if ext else lmax, bk))](
         q, q_rows, q_sh, q_sl, k, k_rows, k_sh, k_sl, lengths, lse, lse_sb, lse_sh, lse_sr,
-        lse_mul, out, lmax, sm_scale * LOG2E, key_first, num_queries,
+        lse_mul, out, lmax, sm_scale * LOG2E, key_first, num_queries, score_from,
         G=hq // hkv, Q=score_queries, QB=qb, D=d, BK=bk, LSE_PACKED=packed_lse,
         DOT_F32=dot_f32, EXT=ext, num_warps=4,
     )

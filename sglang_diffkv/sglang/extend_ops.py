@@ -17,7 +17,9 @@ every layer only issues work:
   prompt's last chunk, a radix suffix's last or only chunk), as one group
   (``kernels.extend_store``): gather the packed scoring prompt (one launch), assemble the
   scoring queries (two ops, and one copy per prompt that needs earlier chunks' queries),
-  score (``prefill_scores``: two launches), classify and store (two launches), and, when the
+  score (``prefill_scores``: two launches; the LSE pass over the whole prompt, the column
+  sums over the span only: an attached prefix is frozen, nothing reads its significance),
+  classify and store (two launches), and, when the
   step's prompts are exported to the radix tree, their cut counts (a dozen ops);
 - ``end_step``: hands each row's final counts to the reference's end-of-step bookkeeping
   (``end_extend`` / ``PromptSharing.end_step``), which is per step.
@@ -73,7 +75,6 @@ class _Ends:
     members: list[tuple[int, Any]]  # (request slot, attached or None), group order
     chunked: torch.Tensor | None  # int64: the members that are chunked prompts (None: all)
     packed_k: torch.Tensor
-    packed_v: torch.Tensor
     raw: torch.Tensor
     key_first: torch.Tensor
     sig: torch.Tensor
@@ -145,8 +146,7 @@ class ExtendStores:
         g = e.group
         base = e.base[layer]
         extend_store.gather_prompts(c.pages, c.geometry, c.manager.table, layer, g, base, k,
-                                    v, out_k=e.packed_k, out_v=e.packed_v, raw=e.raw,
-                                    key_first=e.key_first)
+                                    out_k=e.packed_k, raw=e.raw, key_first=e.key_first)
         if e.queries is None:
             e.queries = q.new_empty(e.num_q, *q.shape[1:])
         e.queries.index_copy_(0, e.q_dst, q.index_select(0, e.q_src))
@@ -155,10 +155,11 @@ class ExtendStores:
         prefill_scores(e.queries, e.packed_k, g.total, sm_scale, cfg.score_queries,
                        starts=g.packed_start, max_len=g.max_total, out=e.sig,
                        q_starts=e.q_starts, key_first=e.key_first,
-                       num_queries=e.num_queries)
+                       num_queries=e.num_queries, score_from=g.attached,
+                       score_len=g.max_span)
         extend_store.compress_span(
             c.pages, c.geometry, c.manager.table, c.manager.counts, layer, g, base,
-            e.packed_k, e.packed_v, e.raw, e.sig, e.alpha_h, e.alpha_l, cfg.window,
+            e.packed_k, v, e.raw, e.sig, e.alpha_h, e.alpha_l, cfg.window,
             cfg.score_queries, tier_out=e.tier, block_counts=e.block_counts,
             totals=e.totals[layer], bench=e.bench)
         if e.cuts is not None:
@@ -295,7 +296,6 @@ def _build_ends(c: CompressedKVCache, ext: ExtendRequests, attached: dict,
         kept=kept, num_q=rows_q, members=members,
         chunked=None if len(chunked) == len(members) else chunked_d,
         packed_k=torch.empty(at, hkv, d, device=dev),
-        packed_v=torch.empty(at, hkv, d, device=dev),
         raw=torch.empty(at, hkv, extend_store.raw_bytes(c.geometry.high), dtype=torch.uint8,
                         device=dev),
         key_first=torch.empty(b, hkv, dtype=torch.int32, device=dev),

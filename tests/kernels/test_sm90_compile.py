@@ -23,3 +23,29 @@ def test_kernels_compile_for_sm90():
     if proc.returncode != 0 and "ptxas" in out.lower() and "FAILED" not in out:
         pytest.skip(f"no ptxas for ahead-of-time compilation:\n{out[-500:]}")
     assert proc.returncode == 0, out
+
+
+def test_prompt_end_scoring_does_not_spill():
+    """The scoring of prompts over stored tokens (fp32 keys, bf16 queries: ``prefill._qk``'s
+    three-piece split on tensor cores) fits the registers on sm_90; its IEEE fp32 dot did
+    not (255 registers and spills in ``_lse_kernel``, a 7.8 KB stack frame in
+    ``_colsum_kernel``)."""
+    pytest.importorskip("triton.backends.compiler")
+    code = (
+        "from sglang_diffkv.kernels import aot_check as A\n"
+        "for m, n, cx, *p in A.KERNELS:\n"
+        "    if n in ('_lse_kernel', '_colsum_kernel') and cx.get('EXT'):\n"
+        "        r = A.registers(m, n, cx, *p)\n"
+        "        print(n, 'none' if r is None else f'{r.registers} {r.spill_stores} '\n"
+        "              f'{r.spill_loads}')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert [r[0] for r in rows] == ["_lse_kernel", "_colsum_kernel"], proc.stdout
+    if any(r[1] == "none" for r in rows):
+        pytest.skip(f"no ptxas here assembles Triton's PTX:\n{proc.stdout}")
+    for name, regs, stores, loads in rows:
+        assert (int(stores), int(loads)) == (0, 0), (name, regs, stores, loads)
