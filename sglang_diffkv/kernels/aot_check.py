@@ -49,8 +49,8 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "seed": "*i64", "mix": "*fp64", "part": "*i64", "q_start": "*i64", "k_start": "*i64",
     "v_start": "*i64", "shared": "*i32", "hk": "*i64", "hs": "*i32", "key_first": "*i32",
     "q_count": "*i32", "base": "*i32", "attached": "*i32", "stored": "*i32", "total": "*i32",
-    "fresh_start": "*i64", "packed_start": "*i64", "out_k": "*fp32", "out_v": "*fp32",
-    "raw": "*u8", "raw_f16": "*fp16", "pk": "*fp32", "pv": "*fp32", "k_from": "*i32",
+    "fresh_start": "*i64", "packed_start": "*i64", "out_k": "*fp32",
+    "raw": "*u8", "raw_f16": "*fp16", "pk": "*fp32", "k_from": "*i32",
     "v": "*bf16", "starts": "*i64", "lens": "*i32",
 }
 FLOATS = {"qk_scale", "lse_mul"}

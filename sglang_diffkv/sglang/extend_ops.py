@@ -290,7 +290,7 @@ def _build_ends(c: CompressedKVCache, ext: ExtendRequests, attached: dict,
     dev = c.device
     e = _Ends(
         group=group, base=base, alpha_h=alpha[:, 0].contiguous(),
-        alpha_l=alpha[:, 1].contiguous(),
+        alpha_l=alpha[:, 1].clone(memory_format=torch.contiguous_format),  # (never a view: aligned)
         bench=None if bench_mix is None else (c.bench_seed[req].contiguous(), bench_mix),
         q_starts=q_starts_d, num_queries=num_q_d.int(), q_src=q_src_d, q_dst=q_dst_d,
         kept=kept, num_q=rows_q, members=members,
