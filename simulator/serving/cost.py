@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from simulator.kv.pool import KVPool
@@ -146,6 +147,10 @@ class CostModel:
         self.graphs_enabled = graphs_enabled and bool(graph_sizes)
         self.graph_max = graph_sizes[-1] if graph_sizes else 0
         self._dense_cache: dict[int, float] = {}
+        self._lm_cache: dict[int, float] = {}
+        # per batch size: decode_step_timer's and decode_attention_timer's functions
+        self._decode_timers: dict[int, Callable[[int, float, int], float]] = {}
+        self._attention_timers: dict[int, Callable[[int, float], float]] = {}
 
     def padded_batch(self, bs: int) -> int:
         """CUDA-graph batch padding: the smallest captured size >= bs."""
@@ -192,14 +197,40 @@ class CostModel:
 
     def decode_attention_time(self, reqs: int, kv_tokens: int, read_bytes: float) -> float:
         """One layer's decode attention for ``reqs`` requests holding ``kv_tokens`` in all,
-        times the calibration's in-server factor for this KV format (``attention_scale``)."""
+        times the calibration's in-server factor for this KV format (``attention_scale``):
+        ``decode_attention_sol`` over the grid's eta at (reqs, mean context), or, without a
+        grid, the work (``decode_attention_work``) at the flat efficiencies."""
+        return self.decode_attention_timer(reqs)(kv_tokens, read_bytes)
+
+    def decode_attention_timer(self, reqs: int) -> Callable[[int, float], float]:
+        """``decode_attention_time`` for ``reqs`` requests as a function of (kv_tokens,
+        read_bytes), memoised: the batch's terms of the work and its place on the grid's
+        batch axis are found once. The arithmetic is ``decode_attention_work``'s, term for
+        term."""
+        f = self._attention_timers.get(reqs)
+        if f is not None:
+            return f
+        scale = self.attention_scale
+        per_req = max(reqs, 1)
+        q_bytes = reqs * self.q_heads * self.head_dim * ACT_BYTES * 2
+        written = reqs * self.write_bpt
+        flops_per_token = 4.0 * self.q_heads * self.head_dim
         if self._decode_grid is not None:
-            t = (self.decode_attention_sol(reqs, kv_tokens, read_bytes)
-                 / self._decode_grid(reqs, kv_tokens / max(reqs, 1)))
+            bw, peak = self.bw, self.flops
+            eta = self._decode_grid.at_x(reqs)
+
+            def f(kv_tokens: int, read_bytes: float) -> float:
+                sol = max((read_bytes + written + q_bytes) / bw,
+                          flops_per_token * kv_tokens / peak)
+                return sol / eta(kv_tokens / per_req) * scale
         else:
-            nbytes, fl = self.decode_attention_work(reqs, kv_tokens, read_bytes)
-            t = max(nbytes / self.attn_mem_rate, fl / self.attn_comp_rate)
-        return t * self.attention_scale
+            mem, comp = self.attn_mem_rate, self.attn_comp_rate
+
+            def f(kv_tokens: int, read_bytes: float) -> float:
+                return max((read_bytes + written + q_bytes) / mem,
+                           flops_per_token * kv_tokens / comp) * scale
+        self._attention_timers[reqs] = f
+        return f
 
     def prefill_attention_time(self, tokens: int, past_tokens: int, pairs: float,
                                seqs: int, chunks: tuple[tuple[int, int], ...] = ()) -> float:
@@ -221,7 +252,11 @@ class CostModel:
         return t
 
     def lm_head_time(self, sampled: int) -> float:
-        return self._gemm(sampled, self.lm_head, self._lm_grid)
+        """The LM head over ``sampled`` positions (memoised, as ``_dense_layer``)."""
+        t = self._lm_cache.get(sampled)
+        if t is None:
+            t = self._lm_cache[sampled] = self._gemm(sampled, self.lm_head, self._lm_grid)
+        return t
 
     def _dense_layer(self, tokens: int) -> float:
         """GEMMs and all-reduces of one layer for ``tokens`` tokens (memoised: decode steps
@@ -286,10 +321,57 @@ class CostModel:
             return c.eager_layer_overhead_s
         return 0.0 if self.decode_host_timed else c.eager_decode_layer_s
 
+    def decode_step_time(self, reqs: int, kv_tokens: int, read_bytes: float,
+                         released: int = 0) -> float:
+        """``step_time`` of a decode-only step (``StepShape(decode_reqs=reqs,
+        decode_kv_tokens=kv_tokens, decode_read_bytes=read_bytes, released_reqs=released)``),
+        without building the shape."""
+        return self.decode_step_timer(reqs)(kv_tokens, read_bytes, released)
+
+    def decode_step_timer(self, reqs: int) -> Callable[[int, float, int], float]:
+        """``decode_step_time`` for batches of ``reqs`` requests, as a function of
+        (kv_tokens, read_bytes, released): what depends on the batch size alone is worked
+        out once (memoised), since the engine times runs of decode steps of one batch. The
+        same operations in the same order as the prefill path of ``step_time``, so every
+        step time is the same to the last bit."""
+        f = self._decode_timers.get(reqs)
+        if f is None:
+            f = self._decode_timers[reqs] = self._make_decode_timer(reqs)
+        return f
+
+    def _make_decode_timer(self, reqs: int) -> Callable[[int, float, int], float]:
+        c = self.calib
+        graphed = self.graphs_enabled and reqs <= self.graph_max
+        lin_tokens = self.padded_batch(reqs) if graphed else reqs
+        dense = self._dense_layer(lin_tokens)
+        lm_head = self.lm_head_time(lin_tokens)
+        layers = self.layers
+        # a graph's launches; above the largest graph the eager ones, or none where the
+        # host's iteration bounds the step instead (host_bound_floor)
+        overhead = layers * (c.layer_overhead_s if graphed else
+                             0.0 if self.decode_host_timed else c.eager_decode_layer_s)
+        fixed = c.step_overhead_s + c.seq_overhead_s * reqs
+        per_release = c.release_overhead_s
+        floor = 0.0 if graphed else self.decode_host_s + self.decode_host_per_req_s * reqs
+        attention = self.decode_attention_timer(reqs) if reqs else None
+
+        def step(kv_tokens: int, read_bytes: float, released: int = 0) -> float:
+            per_layer = dense
+            if attention is not None:
+                per_layer += attention(kv_tokens, read_bytes)
+            t = layers * per_layer + lm_head
+            t += overhead
+            t += fixed + per_release * released
+            return max(t, floor)
+        return step
+
     def step_time(self, s: StepShape, launch_floor: bool = True) -> float:
         """Seconds one step of shape ``s`` lasts. ``launch_floor=False``: an eager prefill
         step's kernels as if its launches never held them back (the interval fit's
         kernel-bound side, ``step_fit``)."""
+        if not s.prefill_tokens and not s.prefill_seqs:
+            return self.decode_step_time(s.decode_reqs, s.decode_kv_tokens,
+                                         s.decode_read_bytes, s.released_reqs)
         c = self.calib
         graphed = self.graphed(s)
         tokens = s.decode_reqs + s.prefill_tokens

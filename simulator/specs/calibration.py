@@ -213,6 +213,21 @@ class LogBilinear:
         bot = t[i1, j0] * (1 - wy) + t[i1, j1] * wy
         return float(top * (1 - wx) + bot * wx)
 
+    def at_x(self, x: float) -> Callable[[float], float]:
+        """The table along y at a fixed ``x``: ``f(y) == self(x, y)`` to the last bit, with
+        x's neighbours found once (the engine looks one batch size up along a run of
+        decode steps)."""
+        i0, i1, wx = _interp_index(self._log_x, x)
+        r0, r1 = self.table[i0].tolist(), self.table[i1].tolist()
+        log_y = self._log_y
+
+        def f(y: float) -> float:
+            j0, j1, wy = _interp_index(log_y, y)
+            top = r0[j0] * (1 - wy) + r0[j1] * wy
+            bot = r1[j0] * (1 - wy) + r1[j1] * wy
+            return top * (1 - wx) + bot * wx
+        return f
+
 
 @dataclass(frozen=True)
 class EtaGrid1D:
@@ -275,6 +290,10 @@ class EtaGrid2D:
 
     def __call__(self, x: float, y: float) -> float:
         return self._lookup(x, y)
+
+    def at_x(self, x: float) -> Callable[[float], float]:
+        """``LogBilinear.at_x``: eta along the second coordinate at a fixed first one."""
+        return self._lookup.at_x(x)
 
     def to_dict(self) -> dict[str, Any]:
         return {self.names[0]: self.x.tolist(), self.names[1]: self.y.tolist(),
