@@ -118,6 +118,12 @@ class DecodeReplica(Replica):
         self.in_flight -= 1
         self.outstanding -= 1
 
+    def _may_fast_forward(self) -> bool:
+        # a run of decode steps is fast-forwarded only while no formation would reserve or
+        # join anything: nothing queued for preallocation, nothing arrived that has room
+        room = self.scheduler.lim.max_running_requests - self.scheduler.running
+        return not self.prealloc.queue and (not self.arrived or room <= 0)
+
     def _before_batch(self) -> None:
         sched = self.scheduler
         room = sched.lim.max_running_requests - sched.running

@@ -7,23 +7,52 @@ Where the calibration says an eager prefill's launches hold the loop
 (``eager_launch_holds_loop``), the batch is formed once the host has launched step n (the
 end of a prefill's timed launches, ``CostModel.launch_s``) and step n's tokens stream only
 after the host has launched step n+1, so a prefill launched next holds them.
+
+Runs of decode steps are fast-forwarded: once a decode-only step is formed and nothing but
+a request finishing could change the batch (``Scheduler.decode_run_steps``), the steps up to
+the one before that finish are planned at once (``Scheduler.plan_decode_steps``) and timed
+with the same cost model, and the loop only lets their step times pass, without forming,
+completing or logging each step. Anything that reaches the replica meanwhile (an arrival, a
+prompt's KV, freed memory: ``poke``) cuts the run at the end of the step it fell in, where
+the step-by-step loop would first have seen it; the run's steps are then committed as the
+loop would have left them, and the loop goes on. Each step still ends with a timeout of its
+own, so the results are the same to the last bit, event order included.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import simpy
 
 from sglang_diffkv.serving_io.trace import MOONCAKE_BLOCK_TOKENS
 from simulator.serving.request import SimRequest
-from simulator.serving.scheduler import Batch
+from simulator.serving.scheduler import Batch, DecodePlan
 from simulator.serving.server import ResolvedServer
 
 KIND_CODE = {"prefill": 0, "decode": 1, "mixed": 2}
+# the most decode steps one fast-forwarded run plans: a run cut early wastes the rest of its
+# plan, and a long generation is planned again from where the last run ended
+MAX_RUN_STEPS = 256
+
+
+@dataclass
+class _DecodeRun:
+    """A run of decode steps the loop sleeps through, from ``start``: step i lasts
+    ``dts[i]`` and ended at ``ends[i]``; ``cut``: something reached the replica during the
+    step in flight, the run's last (``Replica.poke``)."""
+
+    start: float
+    ends: list[float]
+    dts: list[float]
+    plan: DecodePlan
+    cached: int            # evictable cached units when it began (they stay put through it)
+    waiting: int           # requests waiting then
+    timer: Callable[[int, float, int], float]     # a step's time (CostModel.decode_step_timer)
+    cut: bool = False
 
 
 class StepLog:
@@ -45,6 +74,10 @@ class StepLog:
 
 
 class Replica:
+    # fast-forward runs of decode steps (module docstring); False: form, complete and log
+    # every step in turn (the reference the fast path is tested against)
+    fast_forward = True
+
     def __init__(self, env: simpy.Environment, index: int, server: ResolvedServer, seed: int,
                  on_finish: Callable[[SimRequest], None],
                  prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
@@ -65,6 +98,7 @@ class Replica:
         self.launch_holds_loop = (self.overlap
                                   and server.deployment.calibration.eager_launch_holds_loop)
         self._wake: simpy.Event | None = None
+        self._run: _DecodeRun | None = None
         env.process(self._loop())
 
     def submit(self, r: SimRequest) -> bool:
@@ -80,9 +114,19 @@ class Replica:
         return True
 
     def poke(self) -> None:
-        """Wake the loop if it idles: there may be work it can start now."""
+        """Wake the loop if it idles: there may be work it can start now. A fast-forwarded
+        run of decode steps ends with the step in flight, where the step-by-step loop would
+        first see what changed."""
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+        if self._run is not None:
+            self._run.cut = True
+
+    def _may_fast_forward(self) -> bool:
+        """Whether the replica's own state lets a run of decode steps be fast-forwarded
+        (the scheduler decides the rest); a role with queues of its own says no while they
+        hold anything the next formation would take."""
+        return True
 
     # hooks for the disaggregated roles (``simulator.engine.disagg``): a colocated replica
     # does nothing in them
@@ -135,6 +179,13 @@ class Replica:
             last_launch = launch
             last_decode = not batch.chunks
             dt = step_time(batch.shape)
+            run = self._plan_run(batch, dt) if self.fast_forward and not batch.chunks else None
+            if run is not None:
+                yield from self._sleep_through(run)
+                last_start = self._commit_run(run, batch)
+                last_launch = 0.0
+                last_decode = True
+                continue
             yield env.timeout(dt)
             now = env.now
             if batch.chunks:
@@ -157,6 +208,64 @@ class Replica:
                 self.outstanding -= 1
                 self.on_finish(r)
             sched.aborted.clear()
+
+    def _plan_run(self, batch: Batch, dt: float) -> _DecodeRun | None:
+        """The run of decode steps starting with ``batch`` (just formed, lasting ``dt``), or
+        None when it would be a single step."""
+        sched = self.scheduler
+        steps = min(sched.decode_run_steps(), MAX_RUN_STEPS)
+        if steps < 2 or not self._may_fast_forward():
+            return None
+        cached = sched.cache.evictable_units if sched.cache is not None else 0
+        return _DecodeRun(self.env.now, [], [dt], sched.plan_decode(steps - 1), cached,
+                          len(sched.waiting),
+                          self.cost.decode_step_timer(batch.shape.decode_reqs))
+
+    def _sleep_through(self, run: _DecodeRun):  # simpy process generator
+        """Let the run's steps pass, one timeout each as the step-by-step loop waits (so
+        every step ends at the same time, in the same order among other events), each
+        planned and timed when the one before ends, until the last planned, until the end
+        of a step during which ``poke`` cut the run, or until a formation that is not a
+        plain decode step."""
+        env, plan_next = self.env, self.scheduler.next_decode
+        plan, dts, ends, timer = run.plan, run.dts, run.ends, run.timer
+        self._run = run
+        try:
+            while True:
+                yield env.timeout(dts[-1])
+                ends.append(env.now)
+                if run.cut:
+                    break
+                step = plan_next(plan)
+                if step is None:
+                    break
+                dts.append(timer(step[0], step[1], 0))
+        finally:
+            self._run = None
+
+    def _commit_run(self, run: _DecodeRun, batch: Batch) -> float:
+        """The run's steps applied and logged as the step-by-step loop would have left
+        them; returns the start of its last step."""
+        sched, log = self.scheduler, self.log
+        steps = len(run.ends)
+        n = batch.shape.decode_reqs
+        # the steps before the last one saw the replica as the run found it; whatever
+        # reached it during the last one (where a cut run ends) shows in that step's row
+        cap = sched.pool.capacity
+        usage = [(u - run.cached) / cap for u in run.plan.used[:steps - 1]]
+        sched.apply_decode_steps(run.plan, steps, run.ends, self.itl)
+        usage.append(sched.usage)
+        log.t_end.extend(run.ends)
+        log.dt.extend(run.dts[:steps])
+        log.kind.extend([KIND_CODE["decode"]] * steps)
+        log.running.extend([n] * steps)
+        log.batch.extend([n] * steps)
+        log.tokens.extend([n] * steps)
+        log.seqs.extend([0] * steps)
+        log.waiting.extend([run.waiting] * (steps - 1))
+        log.waiting.append(len(sched.waiting))
+        log.usage.extend(usage)
+        return run.ends[-2] if steps > 1 else run.start
 
     def _deliver(self, streamed: list[SimRequest], finished: list[SimRequest],
                  delay: float) -> None:

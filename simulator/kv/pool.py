@@ -24,6 +24,7 @@ DiffKV rules (invariants):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,10 @@ import numpy as np
 from sglang_diffkv.layout import PageGeometry
 from simulator.errors import SimulatorInputError
 from simulator.kv.mix import TierMix
+
+# numpy sums a row of up to its buffer size (8,192 elements) in one pairwise pass, as it
+# sums a 1-D array; ``DiffKVPool.decode_sums`` sums rows only that long
+ROW_SUM_MAX = 8192
 
 
 class KVPool(ABC):
@@ -68,6 +73,22 @@ class KVPool(ABC):
     @property
     @abstractmethod
     def write_bytes_per_token_layer(self) -> float: ...
+
+    def decode_step_need_of(self, reqs: int) -> int | None:
+        """``decode_step_need`` of any ``reqs`` requests where it depends on their number
+        alone, else None (it depends on their lengths)."""
+        return None
+
+    def decode_sums(self, kv: np.ndarray, offsets: Iterable[int],
+                    prof: np.ndarray | None) -> list[tuple[int, float]]:
+        """For each offset o: (units held in all, attention bytes per layer) of requests
+        holding ``kv + o`` tokens, each exactly as ``decode_state(kv + o, prof)`` sums them
+        (the engine plans runs of decode steps with them)."""
+        out = []
+        for o in offsets:
+            held, read = self.decode_state(kv + o, prof)
+            out.append((int(held.sum()), read))
+        return out
 
     def compression_pairs(self, prompt_tokens: int) -> float:
         """Extra query-key pairs (per query head and layer) a finished prompt costs before
@@ -135,6 +156,9 @@ class TokenPool(KVPool):
         if self.page_size == 1:
             return int(kv.size)
         return int(np.count_nonzero(kv % self.page_size == 0)) * self.page_size
+
+    def decode_step_need_of(self, reqs: int) -> int | None:
+        return reqs if self.page_size == 1 else None
 
     def read_bytes_per_layer(self, kv: np.ndarray, prof: np.ndarray | None) -> float:
         return float(kv.sum()) * self.read_bytes_per_token_layer
@@ -241,9 +265,12 @@ class DiffKVPool(KVPool):
 
     def decode_state(self, kv: np.ndarray, prof: np.ndarray | None) -> tuple[np.ndarray, float]:
         if prof is None:
-            if kv.size and int(kv.max()) >= len(self._pages_tab):
+            try:      # a length past the tables is rare: look up first, grow on a miss
+                pages = self._pages_tab[kv]
+            except IndexError:
                 self._grow_tables(int(kv.max()))
-            return self._pages_tab[kv], float(self._read_tab[kv].sum())
+                pages = self._pages_tab[kv]
+            return pages, float(self._read_tab[kv].sum())
         high, low = self._tier_tokens(kv, prof)
         pages = np.ceil(high / self.n_high) + np.ceil(low / self.n_low)
         per_class = high * self._high_bpt + low * self._low_bpt
@@ -255,6 +282,27 @@ class DiffKVPool(KVPool):
 
     def decode_step_need(self, kv: np.ndarray) -> int:
         return int(kv.size) * self.head_count * self._tiers_growing
+
+    def decode_step_need_of(self, reqs: int) -> int | None:
+        return reqs * self.head_count * self._tiers_growing
+
+    def decode_sums(self, kv: np.ndarray, offsets: Iterable[int],
+                    prof: np.ndarray | None) -> list[tuple[int, float]]:
+        offsets = list(offsets)
+        if prof is not None or not kv.size or kv.size > ROW_SUM_MAX:
+            return super().decode_sums(kv, offsets, prof)
+        # the shared mix: one lookup of every (offset, request), summed along each row; a
+        # row's sum along the contiguous axis is the same pairwise sum as the 1-D one that
+        # decode_state takes, to the last bit
+        lengths = kv[None, :] + np.asarray(offsets, dtype=np.int64)[:, None]
+        try:
+            pages = self._pages_tab[lengths]
+        except IndexError:
+            self._grow_tables(int(lengths.max()))
+            pages = self._pages_tab[lengths]
+        held = pages.sum(axis=1).tolist()
+        read = self._read_tab[lengths].sum(axis=1).tolist()
+        return list(zip(held, read, strict=True))
 
     def logged_tokens(self, kv: np.ndarray) -> float:
         """sglang_diffkv's SGLang pool counts as used the pages held plus the next decode

@@ -55,6 +55,9 @@ class PreallocQueue:
         self.sched = sched
         self.reserved_tokens = reserved_tokens
         self.queue: deque[SimRequest] = deque()
+        # each queued request's prompt_units, worked out once: the head of the queue is
+        # tried at every batch formation until it fits
+        self._units: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -68,6 +71,7 @@ class PreallocQueue:
         return self.sched.admissible(r, need)
 
     def add(self, r: SimRequest) -> None:
+        self._units[r.rid] = prompt_units(self.sched, r)
         self.queue.append(r)
 
     def pop_preallocated(self, in_flight: int) -> list[SimRequest]:
@@ -79,7 +83,7 @@ class PreallocQueue:
             return []
         reserve = pool.future_units(self.reserved_tokens)
         running = sched.running
-        retractable = float(sched.held.sum()) if running else 0.0
+        retractable = float(sched.held_total) if running else 0.0
         need_single = 0.0
         if running:
             inputs = np.array([q.input_len for q in sched.run_reqs], dtype=np.float64)
@@ -91,11 +95,12 @@ class PreallocQueue:
         while self.queue:
             r = self.queue[0]
             allocatable = free - max(reserve * (active + len(taken)), need_single)
-            units = prompt_units(sched, r)
+            units = self._units[r.rid]
             whole = units + pool.future_units(min(r.max_new, CLIP_MAX_NEW_TOKENS)) - retractable
             if max(units + reserve, whole) > allocatable:
                 break
             self.queue.popleft()
+            del self._units[r.rid]
             sched.reserve(r, units)
             free -= units
             taken.append(r)

@@ -83,6 +83,30 @@ class Batch:
         return "prefill" if self.chunks else "decode"
 
 
+@dataclass
+class DecodePlan:
+    """The formations that follow a decode step just formed, as ``next_batch`` would make
+    them if no request arrived, left or was released meanwhile (``Scheduler.plan_decode``):
+    each a decode step of the same requests, one token longer. ``Scheduler.next_decode``
+    plans one more; ``used[i]`` is the pool units in use once the i-th is formed (0: the
+    step already formed)."""
+
+    limit: int                    # the most formations it may plan
+    n: int                        # requests in the batch
+    kv_total: int                 # KV tokens of the last step planned
+    free: int                     # units the next formation may allocate (evictable ones too)
+    held: int                     # units the requests hold after the last step planned
+    used: list[int] = field(default_factory=list)
+    fixed_need: int | None = None  # the decode reserve when it depends on the batch size alone
+    # DiffKV: (units held, attention bytes per layer) of the next formations, worked out a
+    # few at a time (KVPool.decode_sums)
+    ahead: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def planned(self) -> int:
+        return len(self.used) - 1
+
+
 class Scheduler:
     def __init__(self, pool: KVPool, limits: SchedulerLimits, rng: np.random.Generator,
                  cache: PrefixCache | None = None):
@@ -112,6 +136,11 @@ class Scheduler:
         # the running (decoding) batch, structure of arrays aligned with run_reqs
         self.run_reqs: list[SimRequest] = []
         self.kv = np.zeros(0, dtype=np.int64)      # tokens in the KV cache
+        # kept as the arrays change, since every step reads them: kv.sum(), held.sum(), and
+        # min(out - gen), the decode steps until the first running request finishes
+        self._kv_total = 0
+        self._held_total = 0
+        self._left = 0
         self.gen = np.zeros(0, dtype=np.int64)
         self.out = np.zeros(0, dtype=np.int64)
         self.maxnew = np.zeros(0, dtype=np.int64)
@@ -243,7 +272,7 @@ class Scheduler:
             # waiting ones now (returning None would idle the engine until the next arrival)
             return self._prefill_batch()
         b = Batch(decode=True, retracted=retracted)
-        kv_total = int(self.kv.sum())
+        kv_total = self._kv_total
         read = (self.pool.read_bytes_for_tokens(kv_total) if self._linear_read
                 else self._read_bytes)
         b.shape = StepShape(decode_reqs=len(self.run_reqs), decode_kv_tokens=kv_total,
@@ -462,7 +491,7 @@ class Scheduler:
         dec_bytes = 0.0
         if mixed:
             self._allocate_decode()
-            dec_reqs, dec_kv = len(self.run_reqs), int(self.kv.sum())
+            dec_reqs, dec_kv = len(self.run_reqs), self._kv_total
             dec_bytes = (pool.read_bytes_for_tokens(dec_kv) if self._linear_read
                          else self._read_bytes)
         b.shape = StepShape(decode_reqs=dec_reqs, decode_kv_tokens=dec_kv,
@@ -476,16 +505,20 @@ class Scheduler:
     def _allocate_decode(self) -> None:
         """prepare_for_decode: one more KV token per running request."""
         self.kv = self.kv + 1
+        self._kv_total += len(self.run_reqs)
         if self._unit_growth:
             self._make_room(len(self.run_reqs))
             self.held = self.held + 1
+            self._held_total += len(self.run_reqs)
             self.used += len(self.run_reqs)
             return
         new_held, self._read_bytes = self.pool.decode_state(self.kv, self.prof)
-        delta = int(new_held.sum() - self.held.sum())
+        total = int(new_held.sum())
+        delta = total - self._held_total
         self._make_room(delta)
         self.used += delta
         self.held = new_held
+        self._held_total = total
 
     def _update_running_batch(self) -> int:
         """Scheduler.update_running_batch: check_decode_mem, retract or decay, allocate."""
@@ -545,10 +578,109 @@ class Scheduler:
         self.batch_is_full = False
         return len(popped)
 
+    # ---- runs of decode steps (the engine's fast path, ``Replica``) -----------------------
+    def decode_run_steps(self) -> int:
+        """Called after ``next_batch`` formed a decode-only step: how many steps, that one
+        first, the running batch decodes before it could change by itself, i.e. before the
+        first request finishes (that step excluded). 0 when the next formation may differ
+        from a plain decode step: a chunked prompt to continue, an abort to hand back, or a
+        waiting request that the next formation may admit (one that ``batch_is_full``
+        holds back waits until a request finishes)."""
+        if (not self.run_reqs or self.chunked is not None or self.aborted
+                or (self.waiting and not self.batch_is_full)):
+            return 0
+        return self._left - 1
+
+    def plan_decode(self, steps: int) -> DecodePlan:
+        """A plan of up to ``steps`` formations after a decode step just formed (``DecodePlan``),
+        to be extended one at a time (``next_decode``) and committed
+        (``apply_decode_steps``). Changes nothing."""
+        n = len(self.run_reqs)
+        limit = steps
+        if self._unit_growth:
+            # each formation allocates one unit per request; it fits while n <= free (no
+            # retraction) and, with a radix cache, n <= the truly free units (no eviction)
+            free = self._free()
+            limit = min(limit, free // n)
+            if self.cache is not None:
+                limit = min(limit, (self.pool.capacity - self.used) // n)
+        return DecodePlan(limit, n, self._kv_total, self._free(), self._held_total,
+                          [self.used], self.pool.decode_step_need_of(n))
+
+    def next_decode(self, plan: DecodePlan) -> tuple[int, float] | None:
+        """Plan the next formation (``_update_running_batch`` on the planned state): its
+        step's (KV tokens, attention bytes per layer); None, planning nothing, past the
+        plan's limit or where that formation would retract (``check_decode_mem`` fails) or
+        evict cached blocks to allocate, not a plain decode step."""
+        i = len(plan.used)                   # formations after the one already made
+        if i > plan.limit:
+            return None
+        n, pool = plan.n, self.pool
+        if self._unit_growth:                # plan_decode's limit keeps it plain
+            plan.kv_total += n
+            plan.used.append(plan.used[-1] + n)
+            return plan.kv_total, pool.read_bytes_for_tokens(plan.kv_total)
+        need = (plan.fixed_need if plan.fixed_need is not None
+                else pool.decode_step_need(self.kv + (i - 1)))
+        if need > plan.free:
+            return None
+        if not plan.ahead:
+            # a few formations at a time, more as the run lasts: a run cut short wastes few
+            k = min(max(4, i), plan.limit - i + 1, 64)
+            plan.ahead = pool.decode_sums(self.kv, range(i + k - 1, i - 1, -1), self.prof)
+        held, read = plan.ahead.pop()
+        delta = held - plan.held
+        used = plan.used[-1]
+        if delta > pool.capacity - used and self.cache is not None:
+            return None                      # _make_room would evict
+        plan.held = held
+        plan.free -= delta
+        plan.kv_total += n
+        plan.used.append(used + delta)
+        return plan.kv_total, (pool.read_bytes_for_tokens(plan.kv_total) if self._linear_read
+                               else read)
+
+    def apply_decode_steps(self, plan: DecodePlan, steps: int, ends: Sequence[float],
+                           itl_sink: list[np.ndarray]) -> None:
+        """Commit ``steps`` decode steps: the one formed before ``plan`` was made and the
+        plan's first ``steps - 1`` formations, step i ending at ``ends[i]``, as ``complete``
+        after each step and ``next_batch`` between them would (none finishes: see
+        ``decode_run_steps``). The inter-token gaps go to ``itl_sink`` as one array, in the
+        order ``complete`` would append them."""
+        n = len(self.run_reqs)
+        extra = steps - 1
+        if extra:
+            self.kv = self.kv + extra
+            self._kv_total += n * extra
+            if self._unit_growth:
+                self.held = self.held + extra
+                self._held_total += n * extra
+            else:
+                self.held, self._read_bytes = self.pool.decode_state(self.kv, self.prof)
+                self._held_total = int(self.held.sum())
+            # as a difference: what reached the scheduler meanwhile (freed memory) stays
+            self.used += plan.used[extra] - plan.used[0]
+            ratio, decay, least = self.new_token_ratio, self.ratio_decay, self.min_ratio
+            for _ in range(extra):
+                ratio = max(ratio - decay, least)
+            self.new_token_ratio = ratio
+        self.gen += steps
+        self._left -= steps
+        first = ends[0] - self.last
+        if extra:
+            gaps = np.diff(np.asarray(ends))
+            itl_sink.append(np.concatenate([first, np.repeat(gaps, n)]))
+        else:
+            itl_sink.append(first)
+        self.last[:] = ends[steps - 1]
+
     def _filter(self, keep: np.ndarray) -> None:
         self.run_reqs = list(compress(self.run_reqs, keep.tolist()))
         self.kv, self.gen, self.out = self.kv[keep], self.gen[keep], self.out[keep]
         self.maxnew, self.held, self.last = self.maxnew[keep], self.held[keep], self.last[keep]
+        self._kv_total = int(self.kv.sum())
+        self._held_total = int(self.held.sum())
+        self._left = int((self.out - self.gen).min()) if len(self.gen) else 0
         if self.prof is not None:
             self.prof = self.prof[keep]
 
@@ -559,10 +691,11 @@ class Scheduler:
         finished: list[SimRequest] = []
         if b.decode and self.run_reqs:
             self.gen += 1
+            self._left -= 1
             itl_sink.append(now - self.last)
             self.last[:] = now
-            done = self.gen >= self.out
-            if done.any():
+            done = self.gen >= self.out if self._left <= 0 else None
+            if done is not None and done.any():
                 for i in np.flatnonzero(done):
                     r = self.run_reqs[i]
                     r.gen = int(self.gen[i])
@@ -669,12 +802,18 @@ class Scheduler:
         return self._free()
 
     def _join(self, reqs: list[SimRequest]) -> None:
+        left = min(r.output_len - r.gen for r in reqs)
+        self._left = min(self._left, left) if self.run_reqs else left
         self.run_reqs.extend(reqs)
-        self.kv = np.concatenate([self.kv, [r.fill_len for r in reqs]]).astype(np.int64)
-        self.gen = np.concatenate([self.gen, [r.gen for r in reqs]]).astype(np.int64)
-        self.out = np.concatenate([self.out, [r.output_len for r in reqs]]).astype(np.int64)
-        self.maxnew = np.concatenate([self.maxnew, [r.max_new for r in reqs]]).astype(np.int64)
-        self.held = np.concatenate([self.held, [r.held for r in reqs]]).astype(np.int64)
+        new = np.array([(r.fill_len, r.gen, r.output_len, r.max_new, r.held) for r in reqs],
+                       dtype=np.int64)
+        self.kv = np.concatenate([self.kv, new[:, 0]])
+        self.gen = np.concatenate([self.gen, new[:, 1]])
+        self.out = np.concatenate([self.out, new[:, 2]])
+        self.maxnew = np.concatenate([self.maxnew, new[:, 3]])
+        self.held = np.concatenate([self.held, new[:, 4]])
+        self._kv_total += sum(r.fill_len for r in reqs)
+        self._held_total += sum(r.held for r in reqs)
         self.last = np.concatenate([self.last, [r.last_token for r in reqs]])
         if self._with_prof:
             new = np.stack([r.prof for r in reqs])
@@ -685,6 +824,11 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self.run_reqs)
+
+    @property
+    def held_total(self) -> int:
+        """Units the running requests hold (``held.sum()``)."""
+        return self._held_total
 
     @property
     def usage(self) -> float:
