@@ -221,6 +221,14 @@ def _output_options(p: argparse.ArgumentParser) -> None:
                    help="progress bar (default: on for long runs in a terminal)")
 
 
+def _cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, e.g. under taskset), else all."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:                # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="diffkv-sim",
@@ -328,9 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-requests", type=int, default=4000,
                    help="longest search trace: stop doubling here and say the answer is not "
                         "steady (default: %(default)s)")
-    g.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
-                   help="KV formats searched at once, each in a process of its own "
-                        "(default: %(default)s, the CPU cores up to 3)")
+    g.add_argument("--jobs", type=int, default=min(6, _cpu_cores()),
+                   help="searches run at once, each in a process of its own: every KV "
+                        "format's split search and its colocated one (default: %(default)s, "
+                        "the CPU cores this process may use, up to 6)")
     g.add_argument("--colocated", default="replay", choices=("replay", "capacity", "none"),
                    help="the colocated answer: replay = the fewest colocated replicas meeting "
                         "the SLO on the same probe traces (same requests, arrivals and "
@@ -754,19 +763,31 @@ def _disagg_inputs(a: argparse.Namespace) -> tuple[Scenario, Trace, Any, SLO, fl
     return sc, trace, link, slo, rate, max_replicas
 
 
-def _disagg_format(a: argparse.Namespace, fmt: str, on_probe: Any) -> dict[str, Any]:
+# the parts of a format's answer that ``_disagg_format`` computes: both, or, where they do
+# not depend on each other (a searched split beside replayed colocated fleets), either one
+# alone, so that --jobs can run them in processes of their own
+BOTH, SPLIT, COLOCATED = "both", "split", "colocated"
+
+
+def _disagg_format(a: argparse.Namespace, fmt: str, on_probe: Any,
+                   part: str = BOTH) -> dict[str, Any]:
     """One KV format's answers for ``cmd_disagg``: the split (searched, or --split
-    replayed) and the colocated one. Runs in a worker process under --jobs."""
+    replayed) and the colocated one; ``part`` (``_disagg_parts``) leaves one of the two
+    None. Runs in a worker process under --jobs."""
     from simulator.studies import disagg_search as ds
 
     sc, trace, link, slo, rate, max_replicas = _disagg_inputs(a)
     tp = sc.settings.tp
     srv = sc.server(fmt)
     if a.split is None:
-        found = ds.cheapest_split(srv, trace, slo, link, rate, a.link_scope, a.router,
-                                  a.start_requests, a.max_requests, max_replicas, a.seed,
-                                  on_probe)
-        colo = _colocated(a, sc, srv, trace, fmt, slo, rate, max_replicas, found, on_probe)
+        found = colo = None
+        if part != COLOCATED:
+            found = ds.cheapest_split(srv, trace, slo, link, rate, a.link_scope, a.router,
+                                      a.start_requests, a.max_requests, max_replicas, a.seed,
+                                      on_probe)
+        if part != SPLIT:
+            colo = _colocated(a, sc, srv, trace, fmt, slo, rate, max_replicas, found,
+                              on_probe)
         return {"format": fmt, "disagg": found, "colocated": colo}
     split = _split_arg(a.split)
     if a.trace_arrivals:
@@ -789,9 +810,16 @@ def _disagg_format(a: argparse.Namespace, fmt: str, on_probe: Any) -> dict[str, 
     return {"format": fmt, "disagg": found, "colocated": colo}
 
 
-def _disagg_worker(a: argparse.Namespace, fmt: str, queue: Any) -> dict[str, Any]:
+def _disagg_worker(a: argparse.Namespace, fmt: str, part: str, queue: Any) -> dict[str, Any]:
     """``_disagg_format`` in a worker process, its probes reported on ``queue``."""
-    return _disagg_format(a, fmt, lambda p: queue.put((fmt, _probe_note(p))))
+    return _disagg_format(a, fmt, lambda p: queue.put((fmt, _probe_note(p))), part)
+
+
+def _disagg_parts(a: argparse.Namespace) -> tuple[str, ...]:
+    """The parts of each format's answer that can run in processes of their own: the split
+    search and the colocated replays are independent (``--colocated capacity`` replays its
+    answer on the split search's longest trace, and --split is one replay)."""
+    return (SPLIT, COLOCATED) if a.split is None and a.colocated == "replay" else (BOTH,)
 
 
 def _probe_note(p: Any) -> str:
@@ -800,7 +828,9 @@ def _probe_note(p: Any) -> str:
 
 
 def _disagg_parallel(a: argparse.Namespace, formats: list[str]) -> list[dict[str, Any]]:
-    """Each format's search in a process of its own (--jobs), one progress bar over all."""
+    """Each format's searches in processes of their own (--jobs), one progress bar over
+    all. The split searches are queued first: they take longest, so the colocated ones fill
+    in behind them."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, wait
 
@@ -808,10 +838,11 @@ def _disagg_parallel(a: argparse.Namespace, formats: list[str]) -> list[dict[str
 
     show = a.progress if a.progress is not None else sys.stderr.isatty()
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(min(a.jobs, len(formats)),
+    tasks = [(f, part) for part in _disagg_parts(a) for f in formats]
+    with ctx.Manager() as manager, ProcessPoolExecutor(min(a.jobs, len(tasks)),
                                                        mp_context=ctx) as pool:
         queue = manager.Queue()
-        futures = [pool.submit(_disagg_worker, a, f, queue) for f in formats]
+        futures = [pool.submit(_disagg_worker, a, f, part, queue) for f, part in tasks]
         bar = tqdm(desc="disagg " + ",".join(formats), unit="replay", file=sys.stderr,
                    disable=not show, leave=False)
         try:
@@ -824,7 +855,13 @@ def _disagg_parallel(a: argparse.Namespace, formats: list[str]) -> list[dict[str
                     bar.update()
         finally:
             bar.close()
-        return [f.result() for f in futures]
+        results = {f: {"format": f, "disagg": None, "colocated": None} for f in formats}
+        for (f, part), fut in zip(tasks, futures, strict=True):
+            done = fut.result()
+            for key in ("disagg", "colocated"):
+                if part in (BOTH, SPLIT if key == "disagg" else COLOCATED):
+                    results[f][key] = done[key]
+        return [results[f] for f in formats]
 
 
 def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
@@ -833,7 +870,7 @@ def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     split = _split_arg(a.split) if a.split else None
     formats = _formats(a)
     t0 = time.perf_counter()
-    if a.jobs > 1 and len(formats) > 1:
+    if a.jobs > 1 and len(formats) * len(_disagg_parts(a)) > 1:
         results = _disagg_parallel(a, formats)
     else:
         results = []
@@ -872,9 +909,10 @@ def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
 
 
 def _colocated(a: argparse.Namespace, sc: Scenario, srv: Any, trace: Trace, fmt: str,
-               slo: SLO, rate: float, max_replicas: int, found: dict[str, Any],
+               slo: SLO, rate: float, max_replicas: int, found: dict[str, Any] | None,
                on_probe: Any) -> dict[str, Any] | None:
-    """The colocated answer for ``cmd_disagg`` (--colocated)."""
+    """The colocated answer for ``cmd_disagg`` (--colocated); ``found``, the split search's
+    answer, is needed by --colocated capacity alone."""
     from simulator.studies import disagg_search as ds
 
     if a.colocated == "none":
@@ -891,6 +929,7 @@ def _colocated(a: argparse.Namespace, sc: Scenario, srv: Any, trace: Trace, fmt:
                            "gpus": need["gpus"], "goodput_per_gpu": None,
                            "max_rate_per_replica": steady["max_rate"]}
     if need["replicas"]:
+        assert found is not None, "--colocated capacity runs after the split search"
         # replayed on the split search's longest trace, for a like-for-like goodput
         n = found["levels"][-1]["requests"]
         load = resample_arrivals(resized(trace, n, a.seed), rate, a.seed)
