@@ -10,13 +10,15 @@ after the host has launched step n+1, so a prefill launched next holds them.
 
 Runs of decode steps are fast-forwarded: once a decode-only step is formed and nothing but
 a request finishing could change the batch (``Scheduler.decode_run_steps``), the steps up to
-the one before that finish are planned at once (``Scheduler.plan_decode_steps``) and timed
-with the same cost model, and the loop only lets their step times pass, without forming,
-completing or logging each step. Anything that reaches the replica meanwhile (an arrival, a
-prompt's KV, freed memory: ``poke``) cuts the run at the end of the step it fell in, where
-the step-by-step loop would first have seen it; the run's steps are then committed as the
-loop would have left them, and the loop goes on. Each step still ends with a timeout of its
-own, so the results are the same to the last bit, event order included.
+the first that finishes a request are planned as their predecessors end
+(``Scheduler.plan_decode``, ``next_decode``) and timed with the same cost model, and the
+loop only lets their step times pass, without forming, completing or logging each step.
+Anything that reaches the replica meanwhile (an arrival, a prompt's KV, freed memory:
+``poke``) cuts the run at the end of the step it fell in, where the step-by-step loop would
+first have seen it. The run's steps but the last are then committed as the loop would have
+left them (``Scheduler.apply_decode_steps``), and the last completes as any step does. Each
+step still ends with a timeout of its own, so the results are the same to the last bit,
+event order included.
 """
 
 from __future__ import annotations
@@ -180,13 +182,12 @@ class Replica:
             last_decode = not batch.chunks
             dt = step_time(batch.shape)
             run = self._plan_run(batch, dt) if self.fast_forward and not batch.chunks else None
-            if run is not None:
+            if run is None:
+                yield env.timeout(dt)
+            else:
                 yield from self._sleep_through(run)
-                last_start = self._commit_run(run, batch)
-                last_launch = 0.0
-                last_decode = True
-                continue
-            yield env.timeout(dt)
+                # all but the run's last step are done; that one completes as any other
+                last_start, dt = self._commit_run(run, batch)
             now = env.now
             if batch.chunks:
                 prefill_end = now
@@ -210,8 +211,8 @@ class Replica:
             sched.aborted.clear()
 
     def _plan_run(self, batch: Batch, dt: float) -> _DecodeRun | None:
-        """The run of decode steps starting with ``batch`` (just formed, lasting ``dt``), or
-        None when it would be a single step."""
+        """The run of decode steps starting with ``batch`` (just formed, lasting ``dt``) up
+        to the first that finishes a request, or None when that is this one."""
         sched = self.scheduler
         steps = min(sched.decode_run_steps(), MAX_RUN_STEPS)
         if steps < 2 or not self._may_fast_forward():
@@ -243,29 +244,28 @@ class Replica:
         finally:
             self._run = None
 
-    def _commit_run(self, run: _DecodeRun, batch: Batch) -> float:
-        """The run's steps applied and logged as the step-by-step loop would have left
-        them; returns the start of its last step."""
+    def _commit_run(self, run: _DecodeRun, batch: Batch) -> tuple[float, float]:
+        """The run's steps but the last applied and logged as the step-by-step loop would
+        have left them, and the last one formed: (its start, its length). Its completion,
+        log row and whatever reached the replica during it are the loop's as after any step
+        (``batch`` stands for it: a decode step of the same requests)."""
         sched, log = self.scheduler, self.log
-        steps = len(run.ends)
-        n = batch.shape.decode_reqs
-        # the steps before the last one saw the replica as the run found it; whatever
-        # reached it during the last one (where a cut run ends) shows in that step's row
-        cap = sched.pool.capacity
-        usage = [(u - run.cached) / cap for u in run.plan.used[:steps - 1]]
-        sched.apply_decode_steps(run.plan, steps, run.ends, self.itl)
-        usage.append(sched.usage)
-        log.t_end.extend(run.ends)
-        log.dt.extend(run.dts[:steps])
-        log.kind.extend([KIND_CODE["decode"]] * steps)
-        log.running.extend([n] * steps)
-        log.batch.extend([n] * steps)
-        log.tokens.extend([n] * steps)
-        log.seqs.extend([0] * steps)
-        log.waiting.extend([run.waiting] * (steps - 1))
-        log.waiting.append(len(sched.waiting))
-        log.usage.extend(usage)
-        return run.ends[-2] if steps > 1 else run.start
+        done = len(run.ends) - 1
+        if done:
+            n = batch.shape.decode_reqs
+            cap = sched.pool.capacity
+            sched.apply_decode_steps(run.plan, done, run.ends, self.itl)
+            ends = run.ends[:done]
+            log.t_end.extend(ends)
+            log.dt.extend(run.dts[:done])
+            log.kind.extend([KIND_CODE["decode"]] * done)
+            log.running.extend([n] * done)
+            log.batch.extend([n] * done)
+            log.tokens.extend([n] * done)
+            log.seqs.extend([0] * done)
+            log.waiting.extend([run.waiting] * done)
+            log.usage.extend([(u - run.cached) / cap for u in run.plan.used[:done]])
+        return (run.ends[done - 1] if done else run.start), run.dts[done]
 
     def _deliver(self, streamed: list[SimRequest], finished: list[SimRequest],
                  delay: float) -> None:

@@ -67,13 +67,18 @@ class SchedulerLimits:
     ignore_eos_admission: bool = False
 
 
+# a Batch's shape until its builder sets it: one shared instance (StepShape is frozen), not
+# a new one per batch
+EMPTY_SHAPE = StepShape()
+
+
 @dataclass
 class Batch:
     """One forward pass: prefill chunks (request, tokens) and/or the decoding running batch."""
 
     chunks: list[tuple[SimRequest, int]] = field(default_factory=list)
     decode: bool = False
-    shape: StepShape = field(default_factory=StepShape)
+    shape: StepShape = EMPTY_SHAPE
     retracted: int = 0
 
     @property
@@ -261,23 +266,27 @@ class Scheduler:
     def next_batch(self, visible_until: float = math.inf) -> Batch | None:
         """The next forward pass; only requests that arrived by ``visible_until`` may join."""
         self._visible_until = visible_until
-        batch = self._prefill_batch()
-        if batch is not None:
-            return batch
-        if not self.run_reqs:
-            return None
+        if not (self.run_reqs and self.chunked is None
+                and (self.batch_is_full or not self.waiting)):
+            # a prefill may be formed (the test is _prefill_batch's own early exit, taken
+            # here for the common decode step)
+            batch = self._prefill_batch()
+            if batch is not None:
+                return batch
+            if not self.run_reqs:
+                return None
         retracted = self._update_running_batch()
         if not self.run_reqs:
             # every running request was retracted or aborted: the freed memory may admit
             # waiting ones now (returning None would idle the engine until the next arrival)
             return self._prefill_batch()
-        b = Batch(decode=True, retracted=retracted)
         kv_total = self._kv_total
         read = (self.pool.read_bytes_for_tokens(kv_total) if self._linear_read
                 else self._read_bytes)
-        b.shape = StepShape(decode_reqs=len(self.run_reqs), decode_kv_tokens=kv_total,
-                            decode_read_bytes=read, released_reqs=self._take_released())
-        return b
+        return Batch(decode=True, retracted=retracted,
+                     shape=StepShape(decode_reqs=len(self.run_reqs), decode_kv_tokens=kv_total,
+                                     decode_read_bytes=read,
+                                     released_reqs=self._take_released()))
 
     def _take_released(self) -> int:
         n, self.released = self.released, 0
@@ -581,15 +590,15 @@ class Scheduler:
     # ---- runs of decode steps (the engine's fast path, ``Replica``) -----------------------
     def decode_run_steps(self) -> int:
         """Called after ``next_batch`` formed a decode-only step: how many steps, that one
-        first, the running batch decodes before it could change by itself, i.e. before the
-        first request finishes (that step excluded). 0 when the next formation may differ
-        from a plain decode step: a chunked prompt to continue, an abort to hand back, or a
-        waiting request that the next formation may admit (one that ``batch_is_full``
-        holds back waits until a request finishes)."""
+        first, the running batch decodes until it changes by itself, i.e. up to the first
+        that finishes a request. 0 when the next formation may differ from a plain decode
+        step: a chunked prompt to continue, an abort to hand back, or a waiting request
+        that the next formation may admit (one that ``batch_is_full`` holds back waits
+        until a request finishes)."""
         if (not self.run_reqs or self.chunked is not None or self.aborted
                 or (self.waiting and not self.batch_is_full)):
             return 0
-        return self._left - 1
+        return self._left
 
     def plan_decode(self, steps: int) -> DecodePlan:
         """A plan of up to ``steps`` formations after a decode step just formed (``DecodePlan``),
@@ -642,33 +651,32 @@ class Scheduler:
 
     def apply_decode_steps(self, plan: DecodePlan, steps: int, ends: Sequence[float],
                            itl_sink: list[np.ndarray]) -> None:
-        """Commit ``steps`` decode steps: the one formed before ``plan`` was made and the
-        plan's first ``steps - 1`` formations, step i ending at ``ends[i]``, as ``complete``
-        after each step and ``next_batch`` between them would (none finishes: see
-        ``decode_run_steps``). The inter-token gaps go to ``itl_sink`` as one array, in the
-        order ``complete`` would append them."""
+        """Complete ``steps`` >= 1 decode steps, the one formed before ``plan`` was made and
+        the plan's first ``steps - 1``, step i ending at ``ends[i]``, and make the plan's
+        formation after each, as ``complete`` and ``next_batch`` would (no request
+        finishes in them: see ``decode_run_steps``); the step after them is then formed and
+        runs. The inter-token gaps go to ``itl_sink`` as one array, in the order
+        ``complete`` would append them."""
         n = len(self.run_reqs)
-        extra = steps - 1
-        if extra:
-            self.kv = self.kv + extra
-            self._kv_total += n * extra
-            if self._unit_growth:
-                self.held = self.held + extra
-                self._held_total += n * extra
-            else:
-                self.held, self._read_bytes = self.pool.decode_state(self.kv, self.prof)
-                self._held_total = int(self.held.sum())
-            # as a difference: what reached the scheduler meanwhile (freed memory) stays
-            self.used += plan.used[extra] - plan.used[0]
-            ratio, decay, least = self.new_token_ratio, self.ratio_decay, self.min_ratio
-            for _ in range(extra):
-                ratio = max(ratio - decay, least)
-            self.new_token_ratio = ratio
+        self.kv = self.kv + steps
+        self._kv_total += n * steps
+        if self._unit_growth:
+            self.held = self.held + steps
+            self._held_total += n * steps
+        else:
+            self.held, self._read_bytes = self.pool.decode_state(self.kv, self.prof)
+            self._held_total = int(self.held.sum())
+        # as a difference: what reached the scheduler meanwhile (freed memory) stays
+        self.used += plan.used[steps] - plan.used[0]
+        ratio, decay, least = self.new_token_ratio, self.ratio_decay, self.min_ratio
+        for _ in range(steps):
+            ratio = max(ratio - decay, least)
+        self.new_token_ratio = ratio
         self.gen += steps
         self._left -= steps
         first = ends[0] - self.last
-        if extra:
-            gaps = np.diff(np.asarray(ends))
+        if steps > 1:
+            gaps = [ends[i] - ends[i - 1] for i in range(1, steps)]
             itl_sink.append(np.concatenate([first, np.repeat(gaps, n)]))
         else:
             itl_sink.append(first)
