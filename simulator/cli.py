@@ -336,10 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-requests", type=int, default=4000,
                    help="longest search trace: stop doubling here and say the answer is not "
                         "steady (default: %(default)s)")
-    g.add_argument("--jobs", type=int, default=min(6, _cpu_cores()),
+    g.add_argument("--jobs", type=int, default=None,
                    help="searches run at once, each in a process of its own: every KV "
-                        "format's split search and its colocated one (default: %(default)s, "
-                        "the CPU cores this process may use, up to 6)")
+                        "format's split search and its colocated one (default: all of them "
+                        "where this process may use more than one CPU core, the cores "
+                        "shared among them, so that the slowest search never runs alone)")
     g.add_argument("--colocated", default="replay", choices=("replay", "capacity", "none"),
                    help="the colocated answer: replay = the fewest colocated replicas meeting "
                         "the SLO on the same probe traces (same requests, arrivals and "
@@ -747,7 +748,7 @@ def _disagg_inputs(a: argparse.Namespace) -> tuple[Scenario, Trace, Any, SLO, fl
     if a.max_gpus < 2:
         raise SimulatorInputError(f"--max-gpus {a.max_gpus} must be >= 2 (a prefill and a "
                                   "decode replica)")
-    if a.jobs < 1:
+    if a.jobs is not None and a.jobs < 1:
         raise SimulatorInputError(f"--jobs {a.jobs} must be >= 1")
     if a.replicas != 1:
         raise SimulatorInputError(f"--replicas {a.replicas}: disagg chooses the replicas "
@@ -822,15 +823,25 @@ def _disagg_parts(a: argparse.Namespace) -> tuple[str, ...]:
     return (SPLIT, COLOCATED) if a.split is None and a.colocated == "replay" else (BOTH,)
 
 
+def _disagg_jobs(a: argparse.Namespace, searches: int) -> int:
+    """Processes for ``searches`` searches: --jobs, else one each on more than one core.
+    Searches take unequal times, the slowest several times the fastest; run all at once,
+    the cores are shared among those left, where a fixed number of workers taking them in
+    turn could leave the slowest running alone at the end."""
+    if a.jobs is not None:
+        return min(a.jobs, searches)
+    return searches if _cpu_cores() > 1 else 1
+
+
 def _probe_note(p: Any) -> str:
     where = f"{p.prefill}P+{p.decode}D" if hasattr(p, "prefill") else f"{p.replicas} coloc"
     return f"{p.requests:,} req, {where}: {p.attainment:.0%} {'met' if p.met else 'missed'}"
 
 
 def _disagg_parallel(a: argparse.Namespace, formats: list[str]) -> list[dict[str, Any]]:
-    """Each format's searches in processes of their own (--jobs), one progress bar over
-    all. The split searches are queued first: they take longest, so the colocated ones fill
-    in behind them."""
+    """Each format's searches in processes of their own (``_disagg_jobs``), one progress
+    bar over all. The split searches are queued first: they take longest, so where fewer
+    processes than searches run, the colocated ones fill in behind them."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, wait
 
@@ -839,7 +850,7 @@ def _disagg_parallel(a: argparse.Namespace, formats: list[str]) -> list[dict[str
     show = a.progress if a.progress is not None else sys.stderr.isatty()
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     tasks = [(f, part) for part in _disagg_parts(a) for f in formats]
-    with ctx.Manager() as manager, ProcessPoolExecutor(min(a.jobs, len(tasks)),
+    with ctx.Manager() as manager, ProcessPoolExecutor(_disagg_jobs(a, len(tasks)),
                                                        mp_context=ctx) as pool:
         queue = manager.Queue()
         futures = [pool.submit(_disagg_worker, a, f, part, queue) for f, part in tasks]
@@ -870,7 +881,7 @@ def cmd_disagg(a: argparse.Namespace, out: Any) -> dict[str, Any]:
     split = _split_arg(a.split) if a.split else None
     formats = _formats(a)
     t0 = time.perf_counter()
-    if a.jobs > 1 and len(formats) * len(_disagg_parts(a)) > 1:
+    if _disagg_jobs(a, len(formats) * len(_disagg_parts(a))) > 1:
         results = _disagg_parallel(a, formats)
     else:
         results = []

@@ -135,3 +135,21 @@ def test_the_colocated_answer_can_be_the_capacity_commands(tmp_path):
     colo = json.loads((tmp_path / "c.json").read_text())["results"][0]["colocated"]
     assert colo["max_rate_per_replica"] > 0 and colo["gpus"] >= 1
     assert colo["best"]["replicas"] == colo["gpus"]
+
+
+def test_the_searches_in_parallel_answer_as_one_after_another(tmp_path):
+    # each format's split search and its colocated one run as jobs of their own; taken
+    # back together they are the serial answers, probe for probe
+    base = ("disagg", "--formats", "bf16,diffkv", "--rate", "16", "--start-requests", "120",
+            "--max-requests", "240", "--slo-ttft-ms", "300")
+    payloads = []
+    for jobs in ("1", "3"):
+        path = tmp_path / f"j{jobs}.json"
+        rc, _ = _run(*base, "--jobs", jobs, "--json", str(path))
+        assert rc == 0
+        data = json.loads(path.read_text())
+        data.pop("elapsed_s")
+        payloads.append(data)
+    assert payloads[0] == payloads[1]
+    assert all(r["disagg"]["probes"] and r["colocated"]["probes"]
+               for r in payloads[0]["results"])
