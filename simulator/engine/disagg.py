@@ -105,7 +105,8 @@ class DecodeReplica(Replica):
         r.queued_at = self.env.now
         self.prealloc.add(r)
         self.outstanding += 1
-        self.poke()
+        # a run of decode steps reserves it between two of its steps (_between_run_steps)
+        self.poke(cut=False)
         return True
 
     def kv_arrived(self, r: SimRequest) -> None:
@@ -119,10 +120,23 @@ class DecodeReplica(Replica):
         self.outstanding -= 1
 
     def _may_fast_forward(self) -> bool:
-        # a run of decode steps is fast-forwarded only while no formation would reserve or
-        # join anything: nothing queued for preallocation, nothing arrived that has room
+        # a run of decode steps is fast-forwarded only while no formation would join
+        # anything: nothing arrived that has room (what waits for preallocation is reserved
+        # between its steps; a radix cache, which reserving may evict from, is off here)
         room = self.scheduler.lim.max_running_requests - self.scheduler.running
-        return not self.prealloc.queue and (not self.arrived or room <= 0)
+        return (self.scheduler.cache is None
+                and (not self.arrived or room <= 0))
+
+    def _between_run_steps(self, held: int, free: int) -> int:
+        # _before_batch's reservations, which the formation of the run's next step would
+        # make first: on the run's planned state, the batch unchanged
+        if not self.prealloc.queue:
+            return 0
+        before = self.scheduler.used
+        for r in self.prealloc.pop_preallocated(self.in_flight, held, free):
+            self.in_flight += 1
+            self.on_reserved(self, r)
+        return self.scheduler.used - before
 
     def _before_batch(self) -> None:
         sched = self.scheduler

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import simpy
@@ -55,6 +55,8 @@ class _DecodeRun:
     waiting: int           # requests waiting then
     timer: Callable[[int, float, int], float]     # a step's time (CostModel.decode_step_timer)
     cut: bool = False
+    # (steps ended, units): allocated beside the steps after that many had ended
+    shifts: list[tuple[int, int]] = field(default_factory=list)
 
 
 class StepLog:
@@ -115,13 +117,14 @@ class Replica:
         self.poke()
         return True
 
-    def poke(self) -> None:
+    def poke(self, cut: bool = True) -> None:
         """Wake the loop if it idles: there may be work it can start now. A fast-forwarded
         run of decode steps ends with the step in flight, where the step-by-step loop would
-        first see what changed."""
+        first see what changed; ``cut=False``: the run takes it in between two steps
+        (``_between_run_steps``)."""
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
-        if self._run is not None:
+        if cut and self._run is not None:
             self._run.cut = True
 
     def _may_fast_forward(self) -> bool:
@@ -129,6 +132,13 @@ class Replica:
         (the scheduler decides the rest); a role with queues of its own says no while they
         hold anything the next formation would take."""
         return True
+
+    def _between_run_steps(self, held: int, free: int) -> int:
+        """In a run of decode steps, between a step's end and the next one's formation (the
+        place of ``_before_batch``): what the replica's own queues do there without changing
+        the batch, given the running requests' units (``held``) and the free units as
+        planned. Returns the units it allocated (negative: freed) beside the steps."""
+        return 0
 
     # hooks for the disaggregated roles (``simulator.engine.disagg``): a colocated replica
     # does nothing in them
@@ -182,12 +192,13 @@ class Replica:
             last_decode = not batch.chunks
             dt = step_time(batch.shape)
             run = self._plan_run(batch, dt) if self.fast_forward and not batch.chunks else None
+            beside = 0
             if run is None:
                 yield env.timeout(dt)
             else:
                 yield from self._sleep_through(run)
                 # all but the run's last step are done; that one completes as any other
-                last_start, dt = self._commit_run(run, batch)
+                last_start, dt, beside = self._commit_run(run, batch)
             now = env.now
             if batch.chunks:
                 prefill_end = now
@@ -204,7 +215,9 @@ class Replica:
             log.tokens.append(shape.decode_reqs + shape.prefill_tokens)
             log.seqs.append(shape.prefill_seqs)
             log.waiting.append(len(sched.waiting))
-            log.usage.append(sched.usage)
+            # what a run allocated beside its steps as its last one ended comes after that
+            # step's row, as it would after the step's completion
+            log.usage.append(sched.usage_of(sched.used - beside))
             for r in sched.aborted:
                 self.outstanding -= 1
                 self.on_finish(r)
@@ -235,8 +248,12 @@ class Replica:
             while True:
                 yield env.timeout(dts[-1])
                 ends.append(env.now)
-                if run.cut:
-                    break
+                if run.cut or len(plan.used) > plan.limit:
+                    break                    # the step ending now completes as any other
+                shift = self._between_run_steps(plan.held, plan.free)
+                if shift:
+                    plan.shift(shift)
+                    run.shifts.append((len(ends), shift))
                 step = plan_next(plan)
                 if step is None:
                     break
@@ -244,9 +261,10 @@ class Replica:
         finally:
             self._run = None
 
-    def _commit_run(self, run: _DecodeRun, batch: Batch) -> tuple[float, float]:
+    def _commit_run(self, run: _DecodeRun, batch: Batch) -> tuple[float, float, int]:
         """The run's steps but the last applied and logged as the step-by-step loop would
-        have left them, and the last one formed: (its start, its length). Its completion,
+        have left them, and the last one formed: (its start, its length, the units
+        allocated beside the steps as it ended, ``_between_run_steps``). Its completion,
         log row and whatever reached the replica during it are the loop's as after any step
         (``batch`` stands for it: a decode step of the same requests)."""
         sched, log = self.scheduler, self.log
@@ -264,8 +282,12 @@ class Replica:
             log.tokens.extend([n] * done)
             log.seqs.extend([0] * done)
             log.waiting.extend([run.waiting] * done)
-            log.usage.extend([(u - run.cached) / cap for u in run.plan.used[:done]])
-        return (run.ends[done - 1] if done else run.start), run.dts[done]
+            used = run.plan.used[:done]
+            for after, units in run.shifts:  # allocated at a step's end: in the rows after
+                used[after:] = [u + units for u in used[after:]]
+            log.usage.extend([(u - run.cached) / cap for u in used])
+        beside = sum(units for after, units in run.shifts if after == done + 1)
+        return (run.ends[done - 1] if done else run.start), run.dts[done], beside
 
     def _deliver(self, streamed: list[SimRequest], finished: list[SimRequest],
                  delay: float) -> None:

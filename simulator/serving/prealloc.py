@@ -58,6 +58,8 @@ class PreallocQueue:
         # each queued request's prompt_units, worked out once: the head of the queue is
         # tried at every batch formation until it fits
         self._units: dict[int, int] = {}
+        # the running batch's largest prompt + min(max_new, 4096), as of a batch version
+        self._largest: tuple[int, float] = (-1, 0.0)
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -67,30 +69,39 @@ class PreallocQueue:
         fit an empty pool, or it would wait forever (False: ``r.rejected`` says why)."""
         self.sched.ensure_profile(r)
         pool = self.sched.pool
-        need = prompt_units(self.sched, r) + pool.future_units(self.reserved_tokens)
-        return self.sched.admissible(r, need)
+        units = self._units[r.rid] = prompt_units(self.sched, r)
+        return self.sched.admissible(r, units + pool.future_units(self.reserved_tokens))
 
     def add(self, r: SimRequest) -> None:
-        self._units[r.rid] = prompt_units(self.sched, r)
+        if r.rid not in self._units:
+            self._units[r.rid] = prompt_units(self.sched, r)
         self.queue.append(r)
 
-    def pop_preallocated(self, in_flight: int) -> list[SimRequest]:
+    def pop_preallocated(self, in_flight: int, held: int | None = None,
+                         free: int | None = None) -> list[SimRequest]:
         """Reserve KV for the requests at the head of the queue that fit now, in order;
         ``in_flight``: requests reserved earlier whose KV has not yet joined the running
-        batch. Returns the requests reserved (removed from the queue)."""
+        batch. ``held``, ``free``: the running requests' units and the free ones where the
+        scheduler's own are not yet up to date (the engine's runs of decode steps,
+        ``DecodePlan``). Returns the requests reserved (removed from the queue)."""
         sched, pool = self.sched, self.sched.pool
         if not self.queue:
             return []
         reserve = pool.future_units(self.reserved_tokens)
         running = sched.running
-        retractable = float(sched.held_total) if running else 0.0
+        held = sched.held_total if held is None else held
+        retractable = float(held) if running else 0.0
         need_single = 0.0
         if running:
-            inputs = np.array([q.input_len for q in sched.run_reqs], dtype=np.float64)
-            grow = np.minimum(sched.maxnew, CLIP_MAX_NEW_TOKENS)
-            need_single = pool.future_units(float((inputs + grow).max())) - retractable
+            version, largest = self._largest
+            if version != sched.batch_version:
+                inputs = np.array([q.input_len for q in sched.run_reqs], dtype=np.float64)
+                grow = np.minimum(sched.maxnew, CLIP_MAX_NEW_TOKENS)
+                largest = float((inputs + grow).max())
+                self._largest = (sched.batch_version, largest)
+            need_single = pool.future_units(largest) - retractable
         active = running + in_flight + len(sched.waiting)
-        free = sched.free_units
+        free = sched.free_units if free is None else free
         taken: list[SimRequest] = []
         while self.queue:
             r = self.queue[0]

@@ -94,12 +94,14 @@ class DecodePlan:
     them if no request arrived, left or was released meanwhile (``Scheduler.plan_decode``):
     each a decode step of the same requests, one token longer. ``Scheduler.next_decode``
     plans one more; ``used[i]`` is the pool units in use once the i-th is formed (0: the
-    step already formed)."""
+    step already formed), counting the steps' own allocations only (``shift`` counts what
+    else was allocated meanwhile)."""
 
     limit: int                    # the most formations it may plan
     n: int                        # requests in the batch
     kv_total: int                 # KV tokens of the last step planned
     free: int                     # units the next formation may allocate (evictable ones too)
+    room: int                     # of which free outright (allocating more would evict)
     held: int                     # units the requests hold after the last step planned
     used: list[int] = field(default_factory=list)
     fixed_need: int | None = None  # the decode reserve when it depends on the batch size alone
@@ -107,9 +109,11 @@ class DecodePlan:
     # few at a time (KVPool.decode_sums)
     ahead: list[tuple[int, float]] = field(default_factory=list)
 
-    @property
-    def planned(self) -> int:
-        return len(self.used) - 1
+    def shift(self, units: int) -> None:
+        """``units`` more were allocated (fewer, if negative) beside the steps, before the
+        next formation (a disaggregated decode server's reservations)."""
+        self.free -= units
+        self.room -= units
 
 
 class Scheduler:
@@ -146,6 +150,9 @@ class Scheduler:
         self._kv_total = 0
         self._held_total = 0
         self._left = 0
+        # counts the running batch's changes of membership (joins, filters): what is worked
+        # out from its members alone can be kept until it changes
+        self.batch_version = 0
         self.gen = np.zeros(0, dtype=np.int64)
         self.out = np.zeros(0, dtype=np.int64)
         self.maxnew = np.zeros(0, dtype=np.int64)
@@ -605,16 +612,9 @@ class Scheduler:
         to be extended one at a time (``next_decode``) and committed
         (``apply_decode_steps``). Changes nothing."""
         n = len(self.run_reqs)
-        limit = steps
-        if self._unit_growth:
-            # each formation allocates one unit per request; it fits while n <= free (no
-            # retraction) and, with a radix cache, n <= the truly free units (no eviction)
-            free = self._free()
-            limit = min(limit, free // n)
-            if self.cache is not None:
-                limit = min(limit, (self.pool.capacity - self.used) // n)
-        return DecodePlan(limit, n, self._kv_total, self._free(), self._held_total,
-                          [self.used], self.pool.decode_step_need_of(n))
+        return DecodePlan(steps, n, self._kv_total, self._free(),
+                          self.pool.capacity - self.used, self._held_total, [self.used],
+                          self.pool.decode_step_need_of(n))
 
     def next_decode(self, plan: DecodePlan) -> tuple[int, float] | None:
         """Plan the next formation (``_update_running_batch`` on the planned state): its
@@ -625,7 +625,13 @@ class Scheduler:
         if i > plan.limit:
             return None
         n, pool = plan.n, self.pool
-        if self._unit_growth:                # plan_decode's limit keeps it plain
+        if self._unit_growth:
+            # one unit per request: the reserve check_decode_mem asks for is what it takes
+            if n > plan.free or (n > plan.room and self.cache is not None):
+                return None
+            plan.free -= n
+            plan.room -= n
+            plan.held += n
             plan.kv_total += n
             plan.used.append(plan.used[-1] + n)
             return plan.kv_total, pool.read_bytes_for_tokens(plan.kv_total)
@@ -639,13 +645,13 @@ class Scheduler:
             plan.ahead = pool.decode_sums(self.kv, range(i + k - 1, i - 1, -1), self.prof)
         held, read = plan.ahead.pop()
         delta = held - plan.held
-        used = plan.used[-1]
-        if delta > pool.capacity - used and self.cache is not None:
+        if delta > plan.room and self.cache is not None:
             return None                      # _make_room would evict
         plan.held = held
         plan.free -= delta
+        plan.room -= delta
         plan.kv_total += n
-        plan.used.append(used + delta)
+        plan.used.append(plan.used[-1] + delta)
         return plan.kv_total, (pool.read_bytes_for_tokens(plan.kv_total) if self._linear_read
                                else read)
 
@@ -655,8 +661,8 @@ class Scheduler:
         the plan's first ``steps - 1``, step i ending at ``ends[i]``, and make the plan's
         formation after each, as ``complete`` and ``next_batch`` would (no request
         finishes in them: see ``decode_run_steps``); the step after them is then formed and
-        runs. The inter-token gaps go to ``itl_sink`` as one array, in the order
-        ``complete`` would append them."""
+        runs. The inter-token gaps go to ``itl_sink`` in the order ``complete`` would
+        append them (concatenated, the same values)."""
         n = len(self.run_reqs)
         self.kv = self.kv + steps
         self._kv_total += n * steps
@@ -674,15 +680,13 @@ class Scheduler:
         self.new_token_ratio = ratio
         self.gen += steps
         self._left -= steps
-        first = ends[0] - self.last
+        itl_sink.append(ends[0] - self.last)
         if steps > 1:
-            gaps = [ends[i] - ends[i - 1] for i in range(1, steps)]
-            itl_sink.append(np.concatenate([first, np.repeat(gaps, n)]))
-        else:
-            itl_sink.append(first)
+            itl_sink.append(np.repeat([ends[i] - ends[i - 1] for i in range(1, steps)], n))
         self.last[:] = ends[steps - 1]
 
     def _filter(self, keep: np.ndarray) -> None:
+        self.batch_version += 1
         self.run_reqs = list(compress(self.run_reqs, keep.tolist()))
         self.kv, self.gen, self.out = self.kv[keep], self.gen[keep], self.out[keep]
         self.maxnew, self.held, self.last = self.maxnew[keep], self.held[keep], self.last[keep]
@@ -810,6 +814,7 @@ class Scheduler:
         return self._free()
 
     def _join(self, reqs: list[SimRequest]) -> None:
+        self.batch_version += 1
         left = min(r.output_len - r.gen for r in reqs)
         self._left = min(self._left, left) if self.run_reqs else left
         self.run_reqs.extend(reqs)
@@ -841,8 +846,12 @@ class Scheduler:
     @property
     def usage(self) -> float:
         """Pool fraction in use, evictable cache excluded (SGLang's token usage)."""
+        return self.usage_of(self.used)
+
+    def usage_of(self, used: int) -> float:
+        """``usage`` had ``used`` units been in use."""
         cached = self.cache.evictable_units if self.cache is not None else 0
-        return (self.used - cached) / self.pool.capacity
+        return (used - cached) / self.pool.capacity
 
     @property
     def cache_units(self) -> int:

@@ -84,11 +84,12 @@ def ttft_parts(res: RunResult) -> dict[str, np.ndarray]:
     return {n: a[:, i] for i, n in enumerate(names)}
 
 
-def transfer_stats(res: RunResult) -> dict[str, float]:
+def transfer_stats(res: RunResult, parts: dict[str, np.ndarray] | None = None
+                   ) -> dict[str, float]:
     """Means over completed requests of ``ttft_parts`` (ms; ``bytes``: bytes on the wire,
     ``wire_ms``: all its pieces' time on the wire), and the busiest port's share of the
-    run."""
-    parts = ttft_parts(res)
+    run. ``parts``: ``ttft_parts(res)`` if already at hand."""
+    parts = ttft_parts(res) if parts is None else parts
     out = {"bytes": float(parts["bytes"].mean()) if parts["bytes"].size else math.nan}
     for k in ("reserve_wait", "prefill_wait", "prefill", "link_wait", "wire", "join_wait"):
         out[f"{k}_ms"] = 1e3 * float(parts[k].mean()) if parts[k].size else math.nan
@@ -98,17 +99,19 @@ def transfer_stats(res: RunResult) -> dict[str, float]:
     return out
 
 
-def blame(res: RunResult, slo: SLO) -> dict[str, float]:
+def blame(res: RunResult, slo: SLO, parts: dict[str, np.ndarray] | None = None
+          ) -> dict[str, float]:
     """Which side the SLO misses come from: the shares of requests missing TPOT and TTFT,
     and, summed over the requests missing TTFT, the seconds they waited that more replicas
     could shorten: ``decode`` (for the reservation and for a batch slot), ``prefill`` (in
     the prefill queue), ``link`` (queued for the link). A prompt's own prefill and wire
-    time are nobody's: more replicas do not shorten them."""
+    time are nobody's: more replicas do not shorten them. ``parts``: ``ttft_parts(res)`` if
+    already at hand."""
     arrs = per_request_arrays(res)
     lat = res.server.deployment.calibration.first_token_latency_s
     tpot = np.nan_to_num(arrs["tpot"], nan=0.0)
     n = max(len(res.requests), 1)
-    parts = ttft_parts(res)
+    parts = ttft_parts(res) if parts is None else parts
     late = parts["ttft"] + lat > slo.ttft_s
     return {"tpot_miss": float((tpot > slo.tpot_s).sum()) / n,
             "ttft_miss": float((arrs["ttft"] > slo.ttft_s).sum()) / n,
@@ -125,9 +128,10 @@ def probe_split(server: ResolvedServer, trace: Trace, slo: SLO, prefill: int, de
     res = simulate_disagg(trace, server, prefill, decode, link, scope, router, seed)
     s = summarize(res, slo)
     tail = tail_attainment(res, slo)
+    parts = ttft_parts(res)
     return SplitProbe(prefill, decode, len(trace), min(s["slo_attainment"], tail),
-                      bool(s["slo_met"] and tail >= slo.attainment), s, transfer_stats(res),
-                      blame(res, slo))
+                      bool(s["slo_met"] and tail >= slo.attainment), s,
+                      transfer_stats(res, parts), blame(res, slo, parts))
 
 
 def _goodput_per_gpu(p: SplitProbe, tp: int) -> float:

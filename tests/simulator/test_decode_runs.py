@@ -23,6 +23,7 @@ from simulator.engine.disagg import simulate_disagg
 from simulator.engine.replica import Replica
 from simulator.kv.mix import TierMix
 from simulator.serving.cost import StepShape
+from simulator.serving.prealloc import PreallocQueue
 from simulator.serving.scheduler import Scheduler
 from simulator.specs.calibration_set import load_calibration_set
 from simulator.specs.link import LinkSpec, load_link
@@ -221,3 +222,27 @@ def test_the_batch_totals_the_scheduler_keeps_match_its_arrays(monkeypatch, fmt)
     simulate(_trace("azure-conv", 200, 12.0), sc.server(fmt), 1)
     simulate_disagg(_trace("azure-code", 100, 20.0), measured().server(fmt), 2, 1, SLOW)
     assert checked[0] > 500
+
+
+def test_reservations_made_between_a_runs_steps_are_the_loops(monkeypatch):
+    # without SGLang's 512-token reserve per request a reservation can leave too little for
+    # the next decode step: the run then ends with the step whose end made the reservation,
+    # whose log row still shows the pool before it (as the loop logs a step before its
+    # next formation reserves)
+    init = PreallocQueue.__init__
+    monkeypatch.setattr(PreallocQueue, "__init__",
+                        lambda self, sched, reserved_tokens=0: init(self, sched, 0))
+    ended_by_one: list[int] = []
+    commit = Replica._commit_run
+
+    def spy(self, run, batch):
+        out = commit(self, run, batch)
+        ended_by_one.append(out[2])
+        return out
+    monkeypatch.setattr(Replica, "_commit_run", spy)
+    sc = measured(max_total_tokens=16_000, max_running_requests=64)
+    trace = _trace("azure-conv", 300, 20.0)
+    res = _same_both_ways(monkeypatch, lambda: simulate_disagg(trace, sc.server("diffkv"), 3,
+                                                               1, SLOW))
+    assert any(ended_by_one)
+    assert sum(rep.scheduler.retractions for rep in res.replicas) > 0
