@@ -202,6 +202,14 @@ class CostModel:
         grid, the work (``decode_attention_work``) at the flat efficiencies."""
         return self.decode_attention_timer(reqs)(kv_tokens, read_bytes)
 
+    def _attention_terms(self, reqs: int) -> tuple[float, int, int, float, float]:
+        """What ``reqs`` requests' decode attention takes from the batch size alone: (the
+        format's scale, requests for the mean context, query bytes, KV bytes written,
+        FLOPs per context token), each as ``decode_attention_work`` computes it."""
+        return (self.attention_scale, max(reqs, 1),
+                reqs * self.q_heads * self.head_dim * ACT_BYTES * 2, reqs * self.write_bpt,
+                4.0 * self.q_heads * self.head_dim)
+
     def decode_attention_timer(self, reqs: int) -> Callable[[int, float], float]:
         """``decode_attention_time`` for ``reqs`` requests as a function of (kv_tokens,
         read_bytes), memoised: the batch's terms of the work and its place on the grid's
@@ -210,11 +218,7 @@ class CostModel:
         f = self._attention_timers.get(reqs)
         if f is not None:
             return f
-        scale = self.attention_scale
-        per_req = max(reqs, 1)
-        q_bytes = reqs * self.q_heads * self.head_dim * ACT_BYTES * 2
-        written = reqs * self.write_bpt
-        flops_per_token = 4.0 * self.q_heads * self.head_dim
+        scale, per_req, q_bytes, written, flops_per_token = self._attention_terms(reqs)
         if self._decode_grid is not None:
             bw, peak = self.bw, self.flops
             eta = self._decode_grid.at_x(reqs)
@@ -353,17 +357,37 @@ class CostModel:
         fixed = c.step_overhead_s + c.seq_overhead_s * reqs
         per_release = c.release_overhead_s
         floor = 0.0 if graphed else self.decode_host_s + self.decode_host_per_req_s * reqs
-        attention = self.decode_attention_timer(reqs) if reqs else None
+        if not reqs:
+            def idle(kv_tokens: int, read_bytes: float, released: int = 0) -> float:
+                t = layers * dense + lm_head
+                t += overhead
+                t += fixed + per_release * released
+                return max(t, floor)
+            return idle
+        # decode_attention_timer's arithmetic, inline: this runs for every step of a run
+        scale, per_req, q_bytes, written, flops_per_token = self._attention_terms(reqs)
+        if self._decode_grid is not None:
+            bw, peak = self.bw, self.flops
+            eta = self._decode_grid.at_x(reqs)
 
-        def step(kv_tokens: int, read_bytes: float, released: int = 0) -> float:
-            per_layer = dense
-            if attention is not None:
-                per_layer += attention(kv_tokens, read_bytes)
-            t = layers * per_layer + lm_head
+            def step(kv_tokens: int, read_bytes: float, released: int = 0) -> float:
+                sol = max((read_bytes + written + q_bytes) / bw,
+                          flops_per_token * kv_tokens / peak)
+                t = layers * (dense + sol / eta(kv_tokens / per_req) * scale) + lm_head
+                t += overhead
+                t += fixed + per_release * released
+                return max(t, floor)
+            return step
+        mem, comp = self.attn_mem_rate, self.attn_comp_rate
+
+        def flat(kv_tokens: int, read_bytes: float, released: int = 0) -> float:
+            attention = max((read_bytes + written + q_bytes) / mem,
+                            flops_per_token * kv_tokens / comp) * scale
+            t = layers * (dense + attention) + lm_head
             t += overhead
             t += fixed + per_release * released
             return max(t, floor)
-        return step
+        return flat
 
     def step_time(self, s: StepShape, launch_floor: bool = True) -> float:
         """Seconds one step of shape ``s`` lasts. ``launch_floor=False``: an eager prefill

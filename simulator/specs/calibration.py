@@ -220,9 +220,24 @@ class LogBilinear:
         i0, i1, wx = _interp_index(self._log_x, x)
         r0, r1 = self.table[i0].tolist(), self.table[i1].tolist()
         log_y = self._log_y
+        first, n = log_y[0], len(log_y) - 1
+        end = log_y[n]
+        search = bisect.bisect_right
 
         def f(y: float) -> float:
-            j0, j1, wy = _interp_index(log_y, y)
+            # _interp_index(log_y, y), inline: this runs for every step of a run of decode
+            # steps
+            ly = math.log2(max(y, 1e-12))
+            if ly <= first:
+                j0 = j1 = 0
+                wy = 0.0
+            elif ly >= end:
+                j0 = j1 = n
+                wy = 0.0
+            else:
+                j0 = search(log_y, ly) - 1
+                j1 = j0 + 1
+                wy = (ly - log_y[j0]) / (log_y[j1] - log_y[j0])
             top = r0[j0] * (1 - wy) + r0[j1] * wy
             bot = r1[j0] * (1 - wy) + r1[j1] * wy
             return top * (1 - wx) + bot * wx

@@ -186,6 +186,7 @@ def test_decode_timers_give_step_times_to_the_last_bit(fmt, make):
                     nbytes, fl = cost.decode_attention_work(reqs, kv, read)
                     att = max(nbytes / cost.attn_mem_rate, fl / cost.attn_comp_rate)
                 per_layer += att * cost.attention_scale
+                assert cost.decode_attention_time(reqs, kv, read) == att * cost.attention_scale
             t = cost.layers * per_layer + cost._gemm(lin, cost.lm_head, cost._lm_grid)
             t += cost.layers * cost.layer_overhead(shape)
             t += (c.step_overhead_s + c.seq_overhead_s * reqs
