@@ -19,8 +19,9 @@ time, so a replica's transfer moves its per-rank bytes at one link's rate.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import simpy
 
@@ -35,10 +36,22 @@ class Port:
     """One FIFO queue of transfers and what it carried."""
 
     name: str
-    queue: simpy.Resource
     busy_s: float = 0.0
     bytes: float = 0.0
     transfers: int = 0
+    # the transfer holding it, and those waiting for it in order (``KVLinks``)
+    holder: _Transfer | None = field(default=None, repr=False)
+    waiting: deque[_Transfer] = field(default_factory=deque, repr=False)
+
+
+@dataclass
+class _Transfer:
+    """One transfer: its ports in the order it takes them, how many it holds."""
+
+    route: tuple[Port, ...]
+    nbytes: float
+    done: Callable[[float, float], None]
+    taken: int = 0
 
 
 class KVLinks:
@@ -52,16 +65,12 @@ class KVLinks:
         self.env = env
         self.spec = spec
         self.scope = scope
-
-        def port(name: str) -> Port:
-            return Port(name, simpy.Resource(env, capacity=1))
-
         if scope == "pair":
-            self._pair = {(p, d): port(f"P{p}->D{d}") for p in range(prefill)
+            self._pair = {(p, d): Port(f"P{p}->D{d}") for p in range(prefill)
                           for d in range(decode)}
         else:
-            self._send = [port(f"P{p} send") for p in range(prefill)]
-            self._recv = [port(f"D{d} receive") for d in range(decode)]
+            self._send = [Port(f"P{p} send") for p in range(prefill)]
+            self._recv = [Port(f"D{d} receive") for d in range(decode)]
 
     @property
     def ports(self) -> list[Port]:
@@ -80,21 +89,42 @@ class KVLinks:
         """Queue ``nbytes`` from prefill replica ``p`` to decode replica ``d``; when they have
         arrived, ``done(start, seconds on the wire)`` is called (``start``: when the transfer
         got its link)."""
-        self.env.process(self._transfer(self.route(p, d), nbytes, done))
+        self._advance(_Transfer(self.route(p, d), nbytes, done))
 
-    def _transfer(self, route: tuple[Port, ...], nbytes: float,
-                  done: Callable[[float, float], None]):  # simpy process generator
-        held = []
-        for port in route:
-            req = port.queue.request()
-            yield req
-            held.append((port, req))
+    # A port is a FIFO lock held for a transfer's wire time. It is kept here rather than as
+    # a simpy Resource with a process per transfer (request, grant and release events for
+    # each): the ports are taken and handed on at the same times, and a transfer's wire
+    # time is one timeout, as before.
+    def _advance(self, t: _Transfer) -> None:
+        """Take ``t``'s ports in order while they are free; queue it on the first that is
+        not; with all of them, put it on the wire."""
+        while t.taken < len(t.route):
+            port = t.route[t.taken]
+            if port.holder is not None:
+                port.waiting.append(t)
+                return
+            port.holder = t
+            t.taken += 1
         start = self.env.now
-        wire = self.spec.transfer_s(nbytes)
-        yield self.env.timeout(wire)
-        for port, req in held:
-            port.queue.release(req)
+        wire = self.spec.transfer_s(t.nbytes)
+        self.env.timeout(wire).callbacks.append(
+            lambda _ev: self._arrived(t, start, wire))
+
+    def _arrived(self, t: _Transfer, start: float, wire: float) -> None:
+        """``t``'s last byte is in: free its ports, each handed to the next transfer waiting
+        for it, report the transfer, then let those transfers go on (as a released
+        Resource grants the next request at once and its process resumes after)."""
+        handed: list[_Transfer] = []
+        for port in t.route:
+            port.holder = None
             port.busy_s += wire
-            port.bytes += nbytes
+            port.bytes += t.nbytes
             port.transfers += 1
-        done(start, wire)
+            if port.waiting:
+                nxt = port.waiting.popleft()
+                port.holder = nxt
+                nxt.taken += 1
+                handed.append(nxt)
+        t.done(start, wire)
+        for nxt in handed:
+            self._advance(nxt)

@@ -118,6 +118,12 @@ def test_two_transfers_on_one_link_serialise_and_on_different_links_do_not():
     assert _run_transfers("gpu", [(0, 0), (0, 1)], 5e8) == pytest.approx([one, 2 * one])
     assert _run_transfers("gpu", [(0, 0), (1, 0)], 5e8) == pytest.approx([one, 2 * one])
     assert _run_transfers("gpu", [(0, 0), (1, 1)], 5e8) == pytest.approx([one, one])
+    # head-of-line: the second holds its send port while it waits for the receive port,
+    # so the third, whose receive port is free, waits for that send port
+    assert _run_transfers("gpu", [(0, 0), (1, 0), (1, 1)], 5e8) == pytest.approx(
+        [one, 2 * one, 3 * one])
+    assert _run_transfers("gpu", [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0)], 5e8) == (
+        pytest.approx([one, 2 * one, 2 * one, 3 * one, 3 * one]))
 
 
 def test_a_link_is_fifo_and_counts_what_it_carried():
