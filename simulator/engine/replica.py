@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
@@ -73,8 +73,10 @@ class StepLog:
         self.waiting: list[int] = []
         self.usage: list[float] = []      # pool fraction allocated after the step
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v) for k, v in vars(self).items()}
+    def arrays(self, *names: str) -> dict[str, np.ndarray]:
+        """The series as arrays: those named, or all of them."""
+        series = vars(self)
+        return {k: np.asarray(series[k]) for k in (names or series)}
 
 
 class Replica:
@@ -183,8 +185,7 @@ class Replica:
                 head = (env.now - last_start if self.overlap and last_decode and not formed_now
                         and last_start != math.inf and self.cost.prefill_launch_overlaps
                         else 0.0)
-                batch.shape = replace(batch.shape, prefill_gap_s=env.now - prefill_end,
-                                      launch_head_start_s=head)
+                batch.shape = batch.shape.started(env.now - prefill_end, head)
             launch = self.cost.launch_s(batch.shape) if self.launch_holds_loop else 0.0
             self._deliver(streamed, finished, launch)
             last_start = env.now

@@ -98,7 +98,7 @@ def summarize(result: RunResult, slo: SLO | None = None) -> dict[str, Any]:
     itl_parts = [a for rep in result.replicas for a in rep.itl]
     itl_parts += [np.asarray(r.itl) for r in result.requests if r.itl]
     itl = np.concatenate(itl_parts) if itl_parts else np.zeros(0)
-    logs = [rep.log.arrays() for rep in result.replicas]
+    logs = [rep.log.arrays("dt", "running", "usage", "kind") for rep in result.replicas]
     dec_bs, dec_w, usage, usage_w, steps, peak_bs = [], [], [], [], 0, 0
     for lg in logs:
         steps += lg["dt"].size

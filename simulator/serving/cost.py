@@ -75,6 +75,14 @@ class StepShape:
     # step before it, so its launch floor (eager_prefill_launch_s) counts from there
     launch_head_start_s: float = 0.0
 
+    def started(self, prefill_gap_s: float, launch_head_start_s: float) -> StepShape:
+        """This shape as the engine starts it: ``replace`` of its two timing fields, built
+        directly (the engine does it for every prefill step)."""
+        return StepShape(self.decode_reqs, self.decode_kv_tokens, self.decode_read_bytes,
+                         self.prefill_tokens, self.prefill_pairs, self.prefill_past_tokens,
+                         self.prefill_seqs, self.released_reqs, self.prefill_chunks,
+                         prefill_gap_s, launch_head_start_s)
+
 
 def _alike_chunks(tokens: int, past_tokens: int, seqs: int) -> tuple[tuple[int, int], ...]:
     """``seqs`` chunks sharing ``tokens`` and ``past_tokens`` as evenly as integers allow."""

@@ -8,7 +8,7 @@ closed loops and the overlap scheduler on and off. And the cost model's per-batc
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
@@ -247,3 +247,12 @@ def test_reservations_made_between_a_runs_steps_are_the_loops(monkeypatch):
                                                                1, SLOW))
     assert any(ended_by_one)
     assert sum(rep.scheduler.retractions for rep in res.replicas) > 0
+
+
+def test_a_started_shape_is_the_shape_with_its_timing_replaced():
+    # StepShape.started builds the shape positionally: every field must land in place
+    given = {f.name: ((i, i + 1),) if f.name == "prefill_chunks" else
+             (float(i) if f.type == "float" else i) for i, f in enumerate(fields(StepShape), 1)}
+    shape = StepShape(**given)
+    assert shape.started(0.5, 0.25) == replace(shape, prefill_gap_s=0.5,
+                                               launch_head_start_s=0.25)
