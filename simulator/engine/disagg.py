@@ -93,6 +93,7 @@ class DecodeReplica(Replica):
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.prealloc = PreallocQueue(self.scheduler)
+        self._run_hook = self._between_run_steps
         self.on_reserved = on_reserved
         self.in_flight = 0               # reserved, not yet in the running batch
         self.arrived: list[SimRequest] = []

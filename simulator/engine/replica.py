@@ -105,6 +105,8 @@ class Replica:
                                   and server.deployment.calibration.eager_launch_holds_loop)
         self._wake: simpy.Event | None = None
         self._run: _DecodeRun | None = None
+        # what a role does between a run's steps (_between_run_steps), None: nothing
+        self._run_hook: Callable[[int, int], int] | None = None
         env.process(self._loop())
 
     def submit(self, r: SimRequest) -> bool:
@@ -139,7 +141,8 @@ class Replica:
         """In a run of decode steps, between a step's end and the next one's formation (the
         place of ``_before_batch``): what the replica's own queues do there without changing
         the batch, given the running requests' units (``held``) and the free units as
-        planned. Returns the units it allocated (negative: freed) beside the steps."""
+        planned. Returns the units it allocated (negative: freed) beside the steps. A role
+        that has such queues sets ``_run_hook`` to it."""
         return 0
 
     # hooks for the disaggregated roles (``simulator.engine.disagg``): a colocated replica
@@ -242,19 +245,23 @@ class Replica:
         planned and timed when the one before ends, until the last planned, until the end
         of a step during which ``poke`` cut the run, or until a formation that is not a
         plain decode step."""
-        env, plan_next = self.env, self.scheduler.next_decode
+        env, plan_next, between = self.env, self.scheduler.next_decode, self._run_hook
         plan, dts, ends, timer = run.plan, run.dts, run.ends, run.timer
+        end = run.start
         self._run = run
         try:
             while True:
-                yield env.timeout(dts[-1])
-                ends.append(env.now)
+                dt = dts[-1]
+                yield env.timeout(dt)
+                end += dt                    # env.now, as the timeout added it
+                ends.append(end)
                 if run.cut or len(plan.used) > plan.limit:
                     break                    # the step ending now completes as any other
-                shift = self._between_run_steps(plan.held, plan.free)
-                if shift:
-                    plan.shift(shift)
-                    run.shifts.append((len(ends), shift))
+                if between is not None:
+                    shift = between(plan.held, plan.free)
+                    if shift:
+                        plan.shift(shift)
+                        run.shifts.append((len(ends), shift))
                 step = plan_next(plan)
                 if step is None:
                     break
