@@ -156,6 +156,7 @@ class CostModel:
         self.graph_max = graph_sizes[-1] if graph_sizes else 0
         self._dense_cache: dict[int, float] = {}
         self._lm_cache: dict[int, float] = {}
+        self._prefill_attention_cache: dict[tuple, float] = {}
         # per batch size: decode_step_timer's and decode_attention_timer's functions
         self._decode_timers: dict[int, Callable[[int, float, int], float]] = {}
         self._attention_timers: dict[int, Callable[[int, float], float]] = {}
@@ -250,7 +251,16 @@ class CostModel:
         ``seqs`` alike chunks of the totals). SGLang's triton extend kernel with a measured
         grid: the tiles its launch computes (``ExtendTileTimes``). Otherwise the grid at
         (tokens in the batch, mean past per chunk), or the flat efficiency, on the chunks'
-        query-key pairs, the triton kernel's times its launch padding."""
+        query-key pairs, the triton kernel's times its launch padding. Memoised: a search
+        replays the same prompts again and again."""
+        key = (tokens, past_tokens, pairs, seqs, chunks)
+        t = self._prefill_attention_cache.get(key)
+        if t is None:
+            t = self._prefill_attention_cache[key] = self._prefill_attention(*key)
+        return t
+
+    def _prefill_attention(self, tokens: int, past_tokens: int, pairs: float, seqs: int,
+                           chunks: tuple[tuple[int, int], ...]) -> float:
         if self._extend_times is not None:
             return self._extend_times(chunks or _alike_chunks(tokens, past_tokens, seqs))
         if self._prefill_grid is not None:
