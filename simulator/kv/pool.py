@@ -250,6 +250,12 @@ class DiffKVPool(KVPool):
         return high, low
 
     def decode_units(self, kv: np.ndarray, prof: np.ndarray | None) -> np.ndarray:
+        if prof is None:              # the shared mix's table, without decode_state's bytes
+            try:
+                return self._pages_tab[kv]
+            except IndexError:
+                self._grow_tables(int(kv.max()))
+                return self._pages_tab[kv]
         return self.decode_state(kv, prof)[0]
 
     def _grow_tables(self, max_kv: int) -> None:
