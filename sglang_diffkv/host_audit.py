@@ -135,17 +135,15 @@ class SectionCounts:
         return self.counts[category]
 
 
-class HostAudit(TorchDispatchMode):
-    """Counts dispatched ops, Triton launches, syncs and uploads per section (module
-    docstring). Use as a context manager; ``sections`` holds the counts afterwards."""
+class SectionedMode(TorchDispatchMode):
+    """A dispatch mode that attributes what it sees to the innermost named section, and
+    patches attributes only while it is active (restored, in reverse order, on exit). The
+    host audit and ``traffic_audit.TrafficAudit`` both build on it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.sections: dict[str, SectionCounts] = defaultdict(SectionCounts)
         self._stack: list[str] = []
         self._patches: list[tuple[Any, str, Any]] = []
-
-    # ---- sections ---------------------------------------------------------------------
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -182,6 +180,24 @@ class HostAudit(TorchDispatchMode):
                else getattr(owner, attribute))
         self._patches.append((owner, attribute, old))
         setattr(owner, attribute, value)
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        while self._patches:
+            owner, attribute, value = self._patches.pop()
+            if value is _INHERITED:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, value)
+
+
+class HostAudit(SectionedMode):
+    """Counts dispatched ops, Triton launches, syncs and uploads per section (module
+    docstring). Use as a context manager; ``sections`` holds the counts afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sections: dict[str, SectionCounts] = defaultdict(SectionCounts)
 
     def _count(self, category: str, what: str | None = None) -> None:
         if not self._stack:
@@ -223,15 +239,6 @@ class HostAudit(TorchDispatchMode):
             self._patch(cls, "run", counted_run)
         super().__enter__()
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        while self._patches:
-            owner, attribute, value = self._patches.pop()
-            if value is _INHERITED:
-                delattr(owner, attribute)
-            else:
-                setattr(owner, attribute, value)
 
     # ---- results ---------------------------------------------------------------------------
 

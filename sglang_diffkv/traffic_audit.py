@@ -26,8 +26,6 @@ ends); it is for analysis scripts and tests at small shapes, never the serving p
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,9 +33,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
-from sglang_diffkv.host_audit import _ALLOC_OPS, _is_view
+from sglang_diffkv.host_audit import _ALLOC_OPS, SectionedMode, _is_view
 
 _aten = torch.ops.aten
 # ops that read only the rows their index picks: their output (and the index) is what moves
@@ -113,7 +111,7 @@ class LaunchCounts:
         return sum(int(np.prod(g)) for g in self.grids)
 
 
-class TrafficAudit(TorchDispatchMode):
+class TrafficAudit(SectionedMode):
     """Bytes per torch op and per Triton launch inside ``section(name)`` (module docstring).
     ``ops[section][op name]`` / ``launches[section][kernel name]`` hold the counts."""
 
@@ -122,18 +120,8 @@ class TrafficAudit(TorchDispatchMode):
         self.ops: dict[str, dict[str, OpCounts]] = defaultdict(lambda: defaultdict(OpCounts))
         self.launches: dict[str, dict[str, LaunchCounts]] = defaultdict(
             lambda: defaultdict(LaunchCounts))
-        self._stack: list[str] = []
-        self._patches: list[tuple[Any, str, Any]] = []
         # the launch under way: (loaded addresses, stored addresses, counters)
         self._live: tuple[list, list, LaunchCounts] | None = None
-
-    @contextlib.contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        self._stack.append(name)
-        try:
-            yield
-        finally:
-            self._stack.pop()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -225,16 +213,6 @@ class TrafficAudit(TorchDispatchMode):
         super().__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        while self._patches:
-            owner, attribute, value = self._patches.pop()
-            setattr(owner, attribute, value)
-
-    def _patch(self, owner: Any, attribute: str, value: Any) -> None:
-        self._patches.append((owner, attribute, getattr(owner, attribute)))
-        setattr(owner, attribute, value)
-
     # ---- results ---------------------------------------------------------------------
 
     def section_bytes(self, name: str) -> tuple[int, int]:
@@ -272,14 +250,3 @@ def _unique_bytes(chunks: list[tuple[np.ndarray, int]]) -> int:
     for addr, item in chunks:
         by_size[item].append(addr)
     return sum(int(np.unique(np.concatenate(a)).size) * item for item, a in by_size.items())
-
-
-def audited(fn: Callable, audit: TrafficAudit, name: str) -> Callable:
-    """``fn`` run inside ``audit``'s section ``name``."""
-
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with audit.section(name):
-            return fn(*args, **kwargs)
-
-    return wrapped

@@ -38,7 +38,7 @@ from sglang_diffkv.config import preset  # noqa: E402
 from sglang_diffkv.kernels import extend_store  # noqa: E402
 from sglang_diffkv.sglang import extend_ops  # noqa: E402
 from sglang_diffkv.sglang.ops import DiffKVOps  # noqa: E402
-from sglang_diffkv.traffic_audit import TrafficAudit, audited  # noqa: E402
+from sglang_diffkv.traffic_audit import TrafficAudit  # noqa: E402
 
 LLAMA_LAYER = Shape(128, 8, 4, 1)  # one Llama-3-8B layer's heads
 
@@ -97,7 +97,7 @@ def served_case(case: Case, shape: Shape = LLAMA_LAYER, config=None) -> Result:
     t0 = time.perf_counter()
     try:
         for owner, attr, name in patches:
-            setattr(owner, attr, audited(getattr(owner, attr), audit, name))
+            setattr(owner, attr, audit.wrap(getattr(owner, attr), name))
         with audit:
             with audit.section("end"):
                 step.stores.store_prompt_ends(layer, ql, kl, vl, scale)
