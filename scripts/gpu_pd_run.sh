@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A real bf16 prefill/decode (P/D) deployment of SGLang 0.5.17 on the 2-GPU machine, and its
-# colocated control, for `diffkv-sim validate-disagg` (docs/disaggregation.md, "Validating
-# against a real P/D run"). From the repo root:
+# A real bf16 prefill/decode (P/D) deployment of SGLang 0.5.17 on the 2-GPU machine (or, on a
+# one-GPU machine, both servers on that GPU: below), and its colocated control, for
+# `diffkv-sim validate-disagg` (docs/disaggregation.md, "Validating against a real P/D run").
+# From the repo root:
 #
 #   bash scripts/gpu_pd_run.sh [STEP ...]     # default: link coloc pd
 #
@@ -17,16 +18,38 @@
 #   install  only that
 #   link     link probes -> $OUT/pd_link.json (sglang_diffkv.bench.link_probe): the loopback
 #            socket, GPU<->host copies and, with Mooncake installed, its TCP transport moving
-#            GPU 0 memory into GPU 1 memory as SGLang's mooncake_tcp backend does
+#            GPU 0 memory into GPU 1 memory as SGLang's mooncake_tcp backend does (one GPU:
+#            into another buffer on GPU 0, owned by another process; labelled same_gpu)
 #   coloc    the control: one ordinary bf16 server on GPU 0, the trace at each rate
 #            -> $OUT/pd_runs_colocated.json (sglang_diffkv.bench.pd_replay)
 #   pd       a prefill server on GPU 0 and a decode server on GPU 1
 #            (--disaggregation-transfer-backend mooncake_tcp: KV goes GPU -> host -> TCP ->
 #            host -> GPU), SGLang's router in front (sglang_router --mini-lb), the trace at
 #            each rate through the router -> $OUT/pd_runs_pd.json; the prefill server's
-#            sglang:kv_transfer_* metrics are kept per rate
-# A step whose needs are missing (SGLang, the extras, two GPUs) says so in one line and is
-# skipped; the others still run.
+#            sglang:kv_transfer_* metrics are kept per rate.
+#            One GPU (NGPU == 1): both servers on GPU 0, started one after the other (below),
+#            recorded as shared_gpu in pd_runs_pd.json: TTFT/TPOT then include the two
+#            servers' contention for one GPU (indicative only); the KV transfer bytes and
+#            times are the measurement
+# A step whose needs are missing (SGLang, the extras) says so in one line and is skipped; the
+# others still run.
+#
+# The one-GPU memory split. SGLang 0.5.17 sizes a server's KV pool at start-up as
+#   pool = free_now - pre * (1 - mem_fraction_static)
+# (mem_cache/kv_cache_configurator.py _profile_available_bytes), where pre is the GPU's free
+# memory when that server started (before its weights) and free_now the free memory after
+# them: pool = pre * frac - weights - context. So the servers start one after the other, each
+# sized on what the other left. H200 (140.4 GiB, ~139.5 free) and the dummy Llama-3-8B (15.0
+# GiB of bf16 weights):
+#   prefill, PD1_PREFILL_FRAC 0.30: 139.5 * 0.30 - 15 = ~26.8 GiB pool (~220k tokens of 128 KiB);
+#            with CUDA graphs, activations and context it holds ~45-47 GiB
+#   decode,  PD1_DECODE_FRAC 0.68, started after the prefill server is ready: pre ~92 GiB,
+#            92 * 0.68 - 15 = ~47.6 GiB pool (~390k tokens); ~29 GiB stay free for both
+#            servers' graphs, activations and Mooncake
+# (were the rule total * (1 - frac), as in older SGLang: 124.5 - 98.3 = 26 GiB and 77 - 45 =
+# 32 GiB: positive too). An H100 (79.1 GiB): 0.30 gives ~8.5 GiB, 0.68 ~22 GiB. The colocated
+# control keeps 0.85 of the whole GPU (~104 GiB on an H200): far more pool than either P/D
+# server, which at these rates (tens of requests of ~1.4k tokens in flight) none of them fills.
 #
 # Both deployments run the e2e bench's bf16 flags (sglang_diffkv/bench/server.py
 # launch_command: dummy Llama-3-8B weights, triton attention, no tokenizer, mem fraction 0.85,
@@ -37,7 +60,8 @@
 # Env: BUDGET_S (default 560) bounds the whole script, install included: keep it below the
 # call's timeout_s (at most 600). PD_TRACE (azure-conv), PD_RATES (2,4,8 req/s), PD_WINDOW_S
 # (45: arrivals per rate), PD_DRAIN_S (60: the most a rate waits for its last requests),
-# DUMMY_SHAPE (llama-3-8b).
+# DUMMY_SHAPE (llama-3-8b), PD1_PREFILL_FRAC / PD1_DECODE_FRAC (0.30 / 0.68: the one-GPU
+# split above), PD_ONE_GPU=1 (the one-GPU layout on a machine with more GPUs).
 # $OUT (or /tmp/diffkv_pd) gets summary.txt, logs.tar.gz and the pd_*.json files: at most five
 # files, inside the tool's eight.
 set -uo pipefail
@@ -199,32 +223,44 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 MODEL=/tmp/dummy-llama3-8b; SHAPE=${DUMMY_SHAPE:-llama-3-8b}
 [ "$SHAPE" = llama-3-8b ] || MODEL=/tmp/dummy-$SHAPE
 if [ -n "$SGLANG_OK" ]; then python3 scripts/dummy_model.py "$MODEL" --shape "$SHAPE" > /dev/null || SGLANG_OK=; fi
+# --mem-fraction-static per server: 0.85 (the e2e bench's) unless one GPU holds both P/D servers
 COMMON=(--model-path "$MODEL" --load-format dummy --attention-backend triton
         --sampling-backend pytorch --grammar-backend none --skip-tokenizer-init
-        --mem-fraction-static 0.85 --disable-piecewise-cuda-graph
+        --disable-piecewise-cuda-graph
         --incremental-streaming-output --stream-interval 4 --decode-log-interval 10
         --disable-radix-cache --enable-metrics --host 127.0.0.1)
 REPLAY=(python3 -m sglang_diffkv.bench.pd_replay --out "$RES" --trace "$TRACE" --rates "$RATES"
         --window-s "$WINDOW_S" --drain-s "$DRAIN_S")
 # the replay's budget: what is left less the time to stop the servers and pack the logs
 replay_budget() { local b=$(( $(left) - 40 )); [ "$b" -ge 60 ] && echo "$b"; }
+# a server's start-up wait: 300 s, less when less is left (100 s kept for the replay and exit)
+start_wait() { local w=$(( $(left) - 100 )); [ "$w" -gt 300 ] && w=300; [ "$w" -lt 30 ] && w=30; echo "$w"; }
+ONE_GPU=; { [ "$NGPU" -eq 1 ] || [ "${PD_ONE_GPU:-0}" = 1 ]; } && ONE_GPU=1
+PFRAC=${PD1_PREFILL_FRAC:-0.30}; DFRAC=${PD1_DECODE_FRAC:-0.68}
+gpu0_used() { nvidia-smi -i 0 --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null; }
 
 # ---- steps ---------------------------------------------------------------------------------------
 step_link() {
   [ "$(left)" -gt 60 ] || { say "link: skipped: no time"; return; }
-  local mc=(); [ -n "$PD_OK" ] && [ "$NGPU" -ge 2 ] && mc=(--mooncake)
-  timeout 150 python3 -m sglang_diffkv.bench.link_probe --out "$RES" "${mc[@]}" \
+  # one GPU: Mooncake writes GPU 0 memory into another process's buffer on GPU 0 (--same-gpu)
+  local mc=() same=() rc
+  [ -n "$PD_OK" ] && [ "$NGPU" -ge 1 ] && mc=(--mooncake)
+  [ -n "$ONE_GPU" ] && same=(--same-gpu)
+  timeout 150 python3 -m sglang_diffkv.bench.link_probe --out "$RES" "${mc[@]}" "${same[@]}" \
     > "$LOGS/link_probe.log" 2>&1
-  say "link: rc $? ($([ ${#mc[@]} -gt 0 ] && echo "with" || echo "without") Mooncake)"
+  rc=$?
+  say "link: rc $rc ($([ ${#mc[@]} -gt 0 ] && echo "with" || echo "without") Mooncake$([ ${#same[@]} -gt 0 ] && echo "; one GPU: GPU 0 -> GPU 0 loopback"))"
   grep "^link_probe" "$LOGS/link_probe.log" | tee -a "$SUMMARY"
 }
 
 step_coloc() {
   [ -n "$SGLANG_OK" ] || { say "coloc: skipped: SGLang is not installed"; return; }
   [ "$(left)" -gt 240 ] || { say "coloc: skipped: $(left) s left"; return; }
-  start colocated python3 -m sglang.launch_server "${COMMON[@]}" --base-gpu-id 0 --port 30000
+  [ -n "$ONE_GPU" ] && say "coloc: --mem-fraction-static 0.85 of GPU 0 (the P/D pair on this one GPU splits it ${PFRAC} / ${DFRAC}: their pools are smaller; none fills at these rates)"
+  start colocated python3 -m sglang.launch_server "${COMMON[@]}" --mem-fraction-static 0.85 \
+    --base-gpu-id 0 --port 30000
   local b
-  if wait_ready colocated 30000 300 "$READY"; then
+  if wait_ready colocated 30000 "$(start_wait)" "$READY"; then
     if b=$(replay_budget); then
       "${REPLAY[@]}" --deployment colocated --url http://127.0.0.1:30000 \
         --metrics-url http://127.0.0.1:30000 --idle-url http://127.0.0.1:30000 \
@@ -238,21 +274,40 @@ step_coloc() {
 step_pd() {
   [ -n "$SGLANG_OK" ] || { say "pd: skipped: SGLang is not installed"; return; }
   [ -n "$PD_OK" ] || { say "pd: skipped: the P/D extras (Mooncake, sglang-router) are not usable"; return; }
-  [ "$NGPU" -ge 2 ] || { say "pd: skipped: $NGPU GPU(s); the P/D pair needs 2"; return; }
+  [ "$NGPU" -ge 1 ] || { say "pd: skipped: no GPU"; return; }
   [ "$(left)" -gt 270 ] || { say "pd: skipped: $(left) s left"; return; }
   # Mooncake's engine advertises SGLang's local IP: on this machine, loopback
-  local env=(env SGLANG_HOST_IP=127.0.0.1 MC_FORCE_TCP=1) b
-  local pd=(--disaggregation-transfer-backend mooncake_tcp)
-  start prefill "${env[@]}" python3 -m sglang.launch_server "${COMMON[@]}" "${pd[@]}" \
-    --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 --base-gpu-id 0 --port 30000
-  start decode "${env[@]}" python3 -m sglang.launch_server "${COMMON[@]}" "${pd[@]}" \
-    --disaggregation-mode decode --base-gpu-id 1 --port 30001
-  if wait_ready prefill 30000 300 "$READY" && wait_ready decode 30001 300 "$READY"; then
+  local env=(env SGLANG_HOST_IP=127.0.0.1 MC_FORCE_TCP=1) b ok=
+  local pd=(--disaggregation-transfer-backend mooncake_tcp) one=()
+  local pre=(--disaggregation-mode prefill --disaggregation-bootstrap-port 8998 --port 30000)
+  local dec=(--disaggregation-mode decode --port 30001)
+  if [ -n "$ONE_GPU" ]; then
+    # both on GPU 0, one after the other: each sizes its pool on what the other left (above)
+    one=(--shared-gpu)
+    say "pd: ONE GPU: prefill and decode servers share GPU 0 (--mem-fraction-static $PFRAC, then $DFRAC); TTFT/TPOT include their contention (indicative), the KV transfer bytes/times are the measurement"
+    say "pd: GPU 0 before the prefill server: $(gpu0_used)"
+    start prefill "${env[@]}" python3 -m sglang.launch_server "${COMMON[@]}" "${pd[@]}" \
+      --mem-fraction-static "$PFRAC" "${pre[@]}" --base-gpu-id 0
+    if wait_ready prefill 30000 "$(start_wait)" "$READY"; then
+      say "pd: GPU 0 before the decode server: $(gpu0_used)"
+      start decode "${env[@]}" python3 -m sglang.launch_server "${COMMON[@]}" "${pd[@]}" \
+        --mem-fraction-static "$DFRAC" "${dec[@]}" --base-gpu-id 0
+      wait_ready decode 30001 "$(start_wait)" "$READY" && ok=1
+      say "pd: GPU 0 with both servers: $(gpu0_used)"
+    fi
+  else
+    start prefill "${env[@]}" python3 -m sglang.launch_server "${COMMON[@]}" "${pd[@]}" \
+      --mem-fraction-static 0.85 "${pre[@]}" --base-gpu-id 0
+    start decode "${env[@]}" python3 -m sglang.launch_server "${COMMON[@]}" "${pd[@]}" \
+      --mem-fraction-static 0.85 "${dec[@]}" --base-gpu-id 1
+    wait_ready prefill 30000 300 "$READY" && wait_ready decode 30001 300 "$READY" && ok=1
+  fi
+  if [ -n "$ok" ]; then
     start router python3 -m sglang_router.launch_router --pd-disaggregation --mini-lb \
       --prefill http://127.0.0.1:30000 8998 --decode http://127.0.0.1:30001 \
       --host 127.0.0.1 --port 8000
     if wait_ready router 8000 60 && b=$(replay_budget); then
-      "${REPLAY[@]}" --deployment pd --url http://127.0.0.1:8000 \
+      "${REPLAY[@]}" --deployment pd "${one[@]}" --url http://127.0.0.1:8000 \
         --metrics-url http://127.0.0.1:30000 \
         --idle-url http://127.0.0.1:30000 --idle-url http://127.0.0.1:30001 \
         --server prefill="$LOGS/prefill.log" --server decode="$LOGS/decode.log" \

@@ -1,6 +1,9 @@
 """``python -m sglang_diffkv.bench.link_probe --out DIR``: how fast KV can move between the two
 GPUs of the machine a real P/D run uses, without RDMA, for ``diffkv-sim validate-disagg``'s
-link (writes ``DIR/pd_link.json``, ``sglang_diffkv.serving_io.pd_run``).
+link (writes ``DIR/pd_link.json``, ``sglang_diffkv.serving_io.pd_run``). On a machine with one
+GPU (or with ``--same-gpu``) the far side is GPU 0 too: another process's buffer on the same
+GPU, what SGLang's mooncake_tcp moves when the prefill and decode servers share one GPU; the
+file then says ``"same_gpu": true`` (and the Mooncake probe ``receiver_gpu`` 0).
 
 SGLang's ``--disaggregation-transfer-backend mooncake_tcp`` moves a request's KV with Mooncake's
 TCP transport: GPU -> host (cudaMemcpy), a local TCP socket, host -> GPU. Three probes, each
@@ -10,13 +13,13 @@ optional and each recorded with its error instead when it fails:
                    and the round trip of a 1-byte message
   memcpy           1 GiB GPU -> host and host -> GPU, pinned and pageable (torch)
   mooncake_tcp     Mooncake's engine itself (``--mooncake``): a second process registers GPU 1
-                   memory, this one writes GPU 0 memory into it with
-                   ``batch_transfer_sync_write`` (SGLang's call), in 1 or 64 pieces (SGLang
-                   sends a request's KV as one piece per layer and K/V buffer: 64 for
-                   Llama-3-8B), several sizes; ``fit_link`` turns the rows into a latency and a
-                   bandwidth. The engine is set up as SGLang sets it up: ``MC_FORCE_TCP=1``,
-                   handshake ``P2PHANDSHAKE``, protocol ``rdma`` (which MC_FORCE_TCP turns into
-                   TCP); if that fails, protocol ``tcp``.
+                   memory (GPU 0 with one GPU or ``--same-gpu``), this one writes GPU 0
+                   memory into it with ``batch_transfer_sync_write`` (SGLang's call), in 1
+                   or 64 pieces (SGLang sends a request's KV as one piece per layer and K/V
+                   buffer: 64 for Llama-3-8B), several sizes; ``fit_link`` turns the rows
+                   into a latency and a bandwidth. The engine is set up as SGLang sets it up:
+                   ``MC_FORCE_TCP=1``, handshake ``P2PHANDSHAKE``, protocol ``rdma`` (which
+                   MC_FORCE_TCP turns into TCP); if that fails, protocol ``tcp``.
 """
 
 from __future__ import annotations
@@ -96,15 +99,16 @@ def socket_probe(total_bytes: int, chunk: int = 8 * MIB, pings: int = 200) -> di
     return {"bytes": sent, "seconds": seconds, "bandwidth": sent / seconds, "rtt_s": rtt}
 
 
-def memcpy_probe(nbytes: int, reps: int = 3) -> dict[str, Any]:
+def memcpy_probe(nbytes: int, reps: int = 3, same_gpu: bool = False) -> dict[str, Any]:
     """Bytes/s of GPU -> host and host -> GPU copies of ``nbytes`` (median of ``reps``), pinned
-    and pageable host memory; GPU 0 to host to GPU 1 when there are two."""
+    and pageable host memory; GPU 0 to host to GPU 1 when there are two (and not
+    ``same_gpu``)."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    dst_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    dst_dev = "cuda:1" if torch.cuda.device_count() > 1 and not same_gpu else "cuda:0"
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
     out: dict[str, Any] = {"bytes": nbytes, "to_device": dst_dev}
     for kind, pin in (("pinned", True), ("pageable", False)):
@@ -177,9 +181,11 @@ def mooncake_receiver(handoff: Path, nbytes: int, host: bool = False) -> int:
 
 
 def mooncake_probe(plan: Sequence[tuple[int, int]] = MOONCAKE_PLAN, reps: int = REPS,
-                   host: bool = False) -> dict[str, Any]:
+                   host: bool = False, same_gpu: bool = False) -> dict[str, Any]:
     """Time Mooncake transfers GPU 0 -> GPU 1 (another process) per ``plan`` row (total MiB,
-    pieces). Rows: [bytes, pieces, seconds]. ``host``: host memory on both sides instead."""
+    pieces). Rows: [bytes, pieces, seconds]. With one GPU, or ``same_gpu``: GPU 0 -> another
+    process's buffer on GPU 0 (``same_gpu`` true in the result). ``host``: host memory on both
+    sides instead."""
     import tempfile
 
     nbytes = max(m for m, _ in plan) * MIB
@@ -191,9 +197,18 @@ def mooncake_probe(plan: Sequence[tuple[int, int]] = MOONCAKE_PLAN, reps: int = 
         if not host:
             import torch
 
-            if torch.cuda.device_count() > 1:
+            # the receiver's cuda:0 is the GPU CUDA_VISIBLE_DEVICES names (as this
+            # process sees them: an inherited list is honoured)
+            visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                       if v.strip()]
+            rx = 1 if torch.cuda.device_count() > 1 and not same_gpu else 0
+            if visible:
+                env["CUDA_VISIBLE_DEVICES"] = visible[rx]
+            elif rx:
                 env["CUDA_VISIBLE_DEVICES"] = "1"
-            out["receiver_gpu"] = env.get("CUDA_VISIBLE_DEVICES", "0")
+            out["sender_gpu"] = 0
+            out["receiver_gpu"] = rx
+            out["same_gpu"] = rx == 0
         log = open(Path(tmp) / "receiver.log", "w+")  # noqa: SIM115 - read back below
         peer = subprocess.Popen([sys.executable, "-m", "sglang_diffkv.bench.link_probe",
                                  "--mooncake-receiver", str(handoff),
@@ -258,7 +273,9 @@ def _probe(name: str, fn: Any, *args: Any) -> dict[str, Any]:
     if "fit" in res:
         line = (f"fit {res['fit']['bandwidth'] / 1e9:.2f} GB/s + "
                 f"{res['fit']['latency_s'] * 1e3:.2f} ms per transfer of "
-                f"{res['fit']['pieces']} pieces ({res['protocol']})")
+                f"{res['fit']['pieces']} pieces ({res['protocol']}"
+                + (f", GPU 0 -> GPU {res['receiver_gpu']}" if "receiver_gpu" in res else "")
+                + (": the same GPU, another process" if res.get("same_gpu") else "") + ")")
     print(f"link_probe {name}: {line}", flush=True)
     return res
 
@@ -273,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB per GPU<->host copy (0: skip; default: %(default)s)")
     p.add_argument("--mooncake", action=argparse.BooleanOptionalAction, default=False,
                    help="also time Mooncake's TCP transport between GPU 0 and GPU 1")
+    p.add_argument("--same-gpu", action="store_true",
+                   help="the far side on GPU 0 too even with more GPUs (the one-GPU P/D "
+                        "layout; with one GPU it is so anyway)")
     p.add_argument("--mooncake-host-memory", action="store_true",
                    help="the Mooncake probe on host memory (a rehearsal without GPUs)")
     p.add_argument("--mooncake-receiver", type=Path, default=None, help=argparse.SUPPRESS)
@@ -289,6 +309,15 @@ def _device() -> str:
     return ""
 
 
+def _gpu_count() -> int:
+    """GPUs nvidia-smi lists (0 without it)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20,
+                             check=False).stdout
+        return sum(line.startswith("GPU ") for line in out.splitlines())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.mooncake_receiver is not None:
@@ -301,11 +330,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         probes["socket_loopback"] = _probe("socket_loopback", socket_probe,
                                            int(a.socket_gib * 2**30) // (8 * MIB) * 8 * MIB)
     if a.memcpy_gib > 0:
-        probes["memcpy"] = _probe("memcpy", memcpy_probe, int(a.memcpy_gib * 2**30))
+        probes["memcpy"] = _probe("memcpy", memcpy_probe, int(a.memcpy_gib * 2**30), 3,
+                                  a.same_gpu)
     if a.mooncake:
         probes["mooncake_tcp"] = _probe("mooncake_tcp", mooncake_probe, MOONCAKE_PLAN, REPS,
-                                        a.mooncake_host_memory)
-    doc = {"schema": SCHEMA, "kind": "link", "device": _device(),
+                                        a.mooncake_host_memory, a.same_gpu)
+    gpus = _gpu_count()
+    doc = {"schema": SCHEMA, "kind": "link", "device": _device(), "gpus": gpus,
+           "same_gpu": bool(a.same_gpu or gpus == 1),
            "created": dt.datetime.now(dt.timezone.utc).isoformat(), "probes": probes}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / LINK_FILE).write_text(json.dumps(doc, indent=1))

@@ -13,6 +13,10 @@ with ``--enable-metrics``) the change of its ``sglang:kv_transfer_*`` series ove
 kept: SGLang's own measure of each request's KV transfer. Between rates the servers of
 ``--idle-url`` must drain (``/get_load``; the router has none).
 
+``--shared-gpu`` (scripts/gpu_pd_run.sh on a one-GPU machine): the prefill and decode servers
+share one GPU; recorded as ``"shared_gpu": true`` with a note (their TTFT/TPOT include each
+other's contention; the KV transfer metrics are the measurement).
+
 Writes ``OUT/pd_runs_<deployment>.json`` (``sglang_diffkv.serving_io.pd_run``) after every
 rate, so a run cut short keeps what it measured.
 """
@@ -46,6 +50,7 @@ from sglang_diffkv.serving_io.pd_run import (
     DEPLOYMENTS,
     REQUEST_FIELDS,
     SCHEMA,
+    SHARED_GPU_NOTE,
     PdRequest,
     PdRun,
     latency_stats,
@@ -297,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock budget: a rate that does not fit is shortened or skipped "
                         "(default: %(default)s)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="the P/D pair's servers share one GPU (recorded in the file)")
     return p
 
 
@@ -326,7 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "trace": {"name": a.trace, "seed": a.seed, "window_s": a.window_s,
                       "context_len": a.context_len, "rates": a.rates},
             "servers": servers, "router": router, "runs": [], "notes": [],
+            "shared_gpu": bool(a.shared_gpu),
             "client": {"python": sys.version.split()[0], "numpy": np.__version__}}
+        if a.shared_gpu:
+            doc["notes"].append(SHARED_GPU_NOTE)
+            print(f"{PROG}: {SHARED_GPU_NOTE}", flush=True)
         out = a.out / replay_file(a.deployment)
         cl.raise_fd_limit()
         cl.run_async(run_rates(a, doc, out, budget))

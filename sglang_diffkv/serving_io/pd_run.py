@@ -20,6 +20,10 @@ several request rates::
                "transfer": {"sglang:kv_transfer_latency_ms_sum": 812.0, ...},
                "fields": ["index", "arrival_s", ...], "requests": [[0, 0.0, ...], ...]}]}
 
+``"shared_gpu": true`` (optional; absent means false, unless the prefill and decode servers'
+commands name the same ``--base-gpu-id``): both P/D servers ran on one GPU (the one-GPU
+variant of scripts/gpu_pd_run.sh).
+
 ``requests`` rows follow ``fields`` (``REQUEST_FIELDS``): times are seconds after the run's
 start, ``send_s`` / ``first_token_s`` / ``end_s`` null for a request never sent or never
 answered; ``completed`` is 1 for a request that streamed all its tokens. ``transfer``: the
@@ -29,13 +33,15 @@ change over the run of the prefill server's ``sglang:kv_transfer_*`` Prometheus 
 ``kind: "link"`` (``pd_link.json``): bandwidth probes on the same machine, each optional::
 
     {"schema": 1, "kind": "link", "device": "...",
+      "gpus": 1, "same_gpu": true,
      "probes": {"socket_loopback": {"bytes": 4294967296, "seconds": 1.9, "rtt_s": 3e-05},
                 "memcpy": {"d2h_pinned": 2.4e10, "h2d_pinned": ..., ...},
                 "mooncake_tcp": {"transfers": [[bytes, pieces, seconds], ...]}}}
 
 ``mooncake_tcp`` times Mooncake's transfer engine with its TCP transport (what SGLang's
 ``--disaggregation-transfer-backend mooncake_tcp`` uses) writing GPU 0 memory into GPU 1
-memory, one ``batch_transfer_sync_write`` of ``pieces`` equal pieces per row.
+memory (``same_gpu``, one GPU: into another process's buffer on GPU 0), one
+``batch_transfer_sync_write`` of ``pieces`` equal pieces per row.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ LINK_FILE = "pd_link.json"
 # decode side's acknowledgement, and the request's KV megabytes (MiB: bytes / 2**20)
 TRANSFER_LATENCY = "sglang:kv_transfer_latency_ms"
 TRANSFER_MB = "sglang:kv_transfer_total_mb"
+SHARED_GPU_NOTE = ("one GPU: the prefill and decode servers shared it; their TTFT/TPOT include "
+                   "each other's contention (indicative only); the KV transfer bytes and times "
+                   "(sglang:kv_transfer_*) are the measurement")
 
 
 def replay_file(deployment: str) -> str:
@@ -107,6 +116,7 @@ class PdReplay:
     servers: tuple[PdServer, ...]
     router: str | None
     runs: tuple[PdRun, ...]
+    shared_gpu: bool = False
 
     def server(self, role: str) -> PdServer | None:
         return next((s for s in self.servers if s.role == role), None)
@@ -117,6 +127,7 @@ class LinkProbe:
     path: str
     device: str
     probes: dict[str, Any]
+    same_gpu: bool = False
 
 
 @dataclass
@@ -240,7 +251,7 @@ def read_pd_file(path: str | Path) -> PdReplay | LinkProbe:
     device = str(data.get("device") or "")
     if kind == "link":
         probes = _need(data, "probes", dict, where)
-        return LinkProbe(where, device, probes)
+        return LinkProbe(where, device, probes, bool(data.get("same_gpu", False)))
     if kind != "replay":
         raise InputError(f"{where}: kind {kind!r}, expected 'replay' or 'link'")
     dep = _need(data, "deployment", str, where)
@@ -257,8 +268,26 @@ def read_pd_file(path: str | Path) -> PdReplay | LinkProbe:
     if not isinstance(trace, dict):
         raise InputError(f"{where}: trace must be an object")
     router = data.get("router")
+    shared = bool(data.get("shared_gpu", False)) or (dep == "pd" and _same_gpu_ids(servers))
     return PdReplay(where, dep, device, trace, servers, None if router is None else str(router),
-                    runs)
+                    runs, shared)
+
+
+def _base_gpu_id(command: str) -> str | None:
+    words = command.split()
+    for i, w in enumerate(words):
+        if w == "--base-gpu-id" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--base-gpu-id="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def _same_gpu_ids(servers: Sequence[PdServer]) -> bool:
+    """The prefill and decode servers' commands name the same ``--base-gpu-id`` (the files of
+    a one-GPU run written before ``shared_gpu`` was recorded)."""
+    ids = {s.role: _base_gpu_id(s.command) for s in servers}
+    return ids.get("prefill") is not None and ids.get("prefill") == ids.get("decode")
 
 
 def pd_files(paths: Iterable[str | Path]) -> list[Path]:
