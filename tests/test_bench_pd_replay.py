@@ -123,3 +123,19 @@ def test_the_socket_probe_moves_every_byte_and_a_failed_probe_is_recorded(tmp_pa
     got = read_pd_file(tmp_path / "pd_link.json")
     assert isinstance(got, LinkProbe) and set(got.probes) == {"socket_loopback"}
     assert json.loads(Path(tmp_path / "pd_link.json").read_text())["schema"] == 1
+
+
+def test_the_one_gpu_flags_are_recorded(tmp_path):
+    # link_probe --same-gpu: the file says so (the Mooncake far side is then GPU 0)
+    assert lp.main(["--out", str(tmp_path), "--socket-gib", "0.0625", "--memcpy-gib", "0",
+                    "--same-gpu"]) == 0
+    doc = json.loads(Path(tmp_path / "pd_link.json").read_text())
+    assert doc["same_gpu"] is True and "gpus" in doc
+    got = read_pd_file(tmp_path / "pd_link.json")
+    assert isinstance(got, LinkProbe) and got.same_gpu
+    # pd_replay --shared-gpu
+    a = pr.build_parser().parse_args(["--url", "http://x", "--deployment", "pd", "--out",
+                                      str(tmp_path), "--shared-gpu"])
+    assert a.shared_gpu
+    assert not pr.build_parser().parse_args(["--url", "http://x", "--deployment", "pd",
+                                             "--out", str(tmp_path)]).shared_gpu

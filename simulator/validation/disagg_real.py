@@ -16,6 +16,15 @@ replica model on the same requests; then it prints measured against simulated TT
 transfer time and size against the model's. ``--export DIR`` writes each run's trace and the
 link as files and prints the ``diffkv-sim disagg`` command that reproduces the P/D column.
 
+A one-GPU run (scripts/gpu_pd_run.sh on a machine with one GPU: both P/D servers on GPU 0,
+``"shared_gpu": true`` in ``pd_runs_pd.json``, or both commands naming the same
+``--base-gpu-id``) is accepted and said so in the report's first lines: the model gives each
+replica a GPU of its own, so the TTFT/TPOT and P/D-over-colocated rows carry the two servers'
+contention for one GPU (indicative); the KV transfer rows (SGLang's bytes and time per request
+against the model's bytes, ``simulator/kv/transfer.py``, and its link queue + wire time) are
+the measurement, on the link fitted to the same-GPU Mooncake probe (``same_gpu`` in
+``pd_link.json``).
+
 The link (``--link``): ``measured`` (default) fits latency + bytes / bandwidth to the Mooncake
 TCP probe of ``pd_link.json``, or, without it, chains the probe's GPU->host copy, loopback
 socket and host->GPU copy rates; ``sglang`` takes SGLang's own transfer metrics of the slowest
@@ -67,6 +76,10 @@ from simulator.validation.harness import server_settings
 PROG = "diffkv-sim validate-disagg"
 FORMAT = "bf16"
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "req_s", "out_tok_s")
+SHARED_GPU_LINE = (
+    "ONE GPU: the P/D pair's prefill and decode servers shared one GPU; the model gives each "
+    "replica its own, so the TTFT/TPOT rows include their contention and are indicative only; "
+    "the KV transfer rows (bytes and ms per request) are the measurement")
 LABELS = {"ttft_p50_ms": "TTFT p50 ms", "ttft_p90_ms": "TTFT p90 ms",
           "tpot_p50_ms": "TPOT p50 ms", "tpot_p90_ms": "TPOT p90 ms", "req_s": "req/s",
           "out_tok_s": "output tok/s", "kv_ms": "KV transfer ms/req", "kv_mb": "KV MB/req"}
@@ -119,10 +132,15 @@ def measured_link(res: PdResults) -> LinkSpec:
         probe, path = m
         rows = link_rows(probe["transfers"])
         lat, bw = fit_link(rows)
-        return LinkSpec("measured-mooncake-tcp", "Mooncake TCP transport GPU->GPU (measured)",
+        same = bool(probe.get("same_gpu"))
+        return LinkSpec("measured-mooncake-tcp" + ("-same-gpu" if same else ""),
+                        "Mooncake TCP transport "
+                        + ("GPU 0->GPU 0, another process (one GPU; measured)" if same
+                           else "GPU->GPU (measured)"),
                         bw, 1.0, lat,
                         f"fitted to {len(rows)} Mooncake TCP transfers of {int(rows[0][1])} "
-                        f"pieces, the median of each size ({path})")
+                        f"pieces{' within one GPU' if same else ''}, the median of each size "
+                        f"({path})")
     s = _latest(res.links, "socket_loopback")
     c = _latest(res.links, "memcpy")
     if s is not None and c is not None:
@@ -267,7 +285,9 @@ def validate(paths: Sequence[str | Path], gpu: str = "auto", link_spec: str = "m
             runs.append(compare_run(replay, run, sc, link, seed))
     servers = {f"{r.deployment}/{s.role}": s.max_total_num_tokens
                for r in res.replays for s in r.servers}
+    pd = res.replay("pd")
     return {"gpu": key, "link": asdict(link), "calibration": calib.note(), "runs": runs,
+            "shared_gpu": bool(pd is not None and pd.shared_gpu),
             "settings": {k: v.to_dict() for k, v in settings.items()},
             "pool_tokens_measured": servers, "files": [r.path for r in res.replays]
             + [lp.path for lp in res.links]}
@@ -305,6 +325,8 @@ def report(result: dict[str, Any]) -> str:
              f"simulated, the same requests; P/D = 1 prefill + 1 decode replica "
              f"(diffkv-sim disagg --split 1:1 --trace-arrivals), link {link.describe()}",
              f"link: {link.provenance}", result["calibration"]]
+    if result.get("shared_gpu"):
+        lines[1:1] = [SHARED_GPU_LINE]
     table = []
     for row in rows_of(result):
         err = row.error
@@ -322,7 +344,9 @@ def report(result: dict[str, Any]) -> str:
     rr = ratio_rows(result)
     if rr:
         lines.append(render(["req/s", "P/D / colocated", "measured", "simulated", "error"], rr,
-                            "what disaggregation changed: P/D over colocated, each side"))
+                            "what disaggregation changed: P/D over colocated, each side"
+                            + (" (measured P/D on one shared GPU: indicative)"
+                               if result.get("shared_gpu") else "")))
     model_pool = {r["deployment"]: r["pool_tokens_model"] for r in result["runs"]}
     pools = ", ".join(f"{k} {v}" for k, v in result["pool_tokens_measured"].items() if v)
     if pools:

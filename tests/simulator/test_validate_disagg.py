@@ -230,3 +230,60 @@ def test_errors_are_none_where_nothing_was_measured():
     assert dr.Row("pd", 2.0, "kv_ms", math.nan, 5.0).error is None
     assert dr.Row("pd", 2.0, "kv_ms", 0.0, 5.0).error is None
     assert dr.Row("pd", 2.0, "kv_ms", 4.0, 5.0).error == pytest.approx(0.25)
+
+
+# ---- the one-GPU variant (data/pd_run_one_gpu: both P/D servers on GPU 0 of an H200) -------
+ONE = DATA.parent / "pd_run_one_gpu"
+BW1, LAT1 = 0.8e9, 0.003
+
+
+def test_a_one_gpu_run_loads_as_shared_and_its_link_is_the_same_gpu_probe():
+    res = load_pd_results([ONE])
+    pd = res.replay("pd")
+    assert pd is not None and pd.shared_gpu
+    assert not res.replay("colocated").shared_gpu
+    assert res.links[0].same_gpu and res.links[0].probes["mooncake_tcp"]["receiver_gpu"] == 0
+    link = dr.choose_link(res, "measured")
+    assert link.key == "measured-mooncake-tcp-same-gpu" and "GPU 0->GPU 0" in link.name
+    assert link.bandwidth == pytest.approx(BW1, rel=1e-6)
+    assert link.latency_s == pytest.approx(LAT1, rel=1e-6)
+    # the two-GPU fixture is not shared
+    assert not load_pd_results(CALLS).replay("pd").shared_gpu
+
+
+def test_a_one_gpu_file_without_the_flag_is_shared_by_its_base_gpu_ids(tmp_path):
+    d = tmp_path / "one"
+    shutil.copytree(ONE, d)
+    _edit(d / "pd_runs_pd.json", lambda j: j.pop("shared_gpu"))
+    assert load_pd_results([d]).replay("pd").shared_gpu
+    _edit(d / "pd_runs_pd.json", lambda j: j["servers"][1].update(
+        command=j["servers"][1]["command"].replace("--base-gpu-id 0", "--base-gpu-id 1")))
+    assert not load_pd_results([d]).replay("pd").shared_gpu
+
+
+def test_a_one_gpu_run_compares_kv_bytes_and_time_and_says_the_gpu_was_shared():
+    out = io.StringIO()
+    assert dr.main([str(ONE)], out) == 0
+    text = out.getvalue()
+    assert text.splitlines()[1].startswith("ONE GPU: the P/D pair's prefill and decode servers "
+                                           "shared one GPU")
+    assert "(measured P/D on one shared GPU: indicative)" in text
+    result = dr.validate([ONE])
+    assert result["shared_gpu"] is True and result["gpu"] == "h200"
+    pd = next(r for r in result["runs"] if r["deployment"] == "pd")
+    rows = _raw(ONE / "pd_runs_pd.json")["runs"][0]["requests"]
+    # SGLang's bytes per request (MiB in its metric) against the model's (transfer.py): equal
+    assert pd["measured"]["kv_mb"] == pytest.approx(
+        np.mean([r[2] * 131072 for r in rows]) / 1e6, rel=1e-9)
+    assert pd["simulated"]["kv_mb"] == pytest.approx(pd["measured"]["kv_mb"], rel=1e-6)
+    # the model's transfer: at least the wire time on the measured same-GPU link
+    wire = 1e3 * np.mean([LAT1 + r[2] * 131072 / BW1 for r in rows])
+    assert pd["measured"]["kv_ms"] == pytest.approx(wire, rel=1e-9)
+    assert pd["simulated"]["kv_ms"] >= wire * 0.999
+    # the servers' own fractions: the prefill server's 0.30 sizes the model's pd replicas
+    assert result["settings"]["pd"]["mem_fraction_static"] == 0.30
+    assert result["pool_tokens_measured"] == {"colocated/colocated": 780000,
+                                              "pd/prefill": 220000, "pd/decode": 390000}
+    # a two-GPU run says nothing of it
+    two = io.StringIO()
+    assert dr.main([str(DATA)], two) == 0 and "ONE GPU" not in two.getvalue()
