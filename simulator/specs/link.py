@@ -69,8 +69,9 @@ def link_names() -> list[str]:
 
 
 def load_link(spec: str) -> LinkSpec:
-    """A bundled link key (nvlink4, pcie5, rdma-100, rdma-200, rdma-400, and tcp-loopback, a
-    placeholder until measured) or a JSON file with one link's fields."""
+    """A bundled link key (nvlink4, pcie5, rdma-100, rdma-200, rdma-400, and tcp-loopback,
+    Mooncake's TCP transport within one host, measured idle on an H200) or a JSON file with
+    one link's fields."""
     key = spec.strip().lower()
     data = _bundled()
     if key in data and not key.startswith("_"):

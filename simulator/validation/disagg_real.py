@@ -28,8 +28,8 @@ the measurement, on the link fitted to the same-GPU Mooncake probe (``same_gpu``
 The link (``--link``): ``measured`` (default) fits latency + bytes / bandwidth to the Mooncake
 TCP probe of ``pd_link.json``, or, without it, chains the probe's GPU->host copy, loopback
 socket and host->GPU copy rates; ``sglang`` takes SGLang's own transfer metrics of the slowest
-rate (bytes / time per request); or a link key (``tcp-loopback`` is a placeholder until
-measured) or JSON file, as ``diffkv-sim disagg --link``.
+rate (bytes / time per request); or a link key (``tcp-loopback`` holds the idle one-host
+Mooncake TCP measurement) or JSON file, as ``diffkv-sim disagg --link``.
 """
 
 from __future__ import annotations
@@ -415,8 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "files name (default: %(default)s)")
     p.add_argument("--link", default="measured", metavar="LINK",
                    help="measured (pd_link.json's probes), sglang (SGLang's own transfer "
-                        "metrics), a link key (e.g. tcp-loopback, a placeholder) or a JSON "
-                        "file (default: %(default)s)")
+                        "metrics), a link key (e.g. tcp-loopback, Mooncake TCP measured idle) "
+                        "or a JSON file (default: %(default)s)")
     p.add_argument("--calibration", default=None, metavar="PATH",
                    help="a calibration file instead of the GPU's shipped set")
     p.add_argument("--seed", type=int, default=0)

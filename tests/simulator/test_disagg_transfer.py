@@ -4,6 +4,7 @@ transfers on one link run one after another, on different links at once."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from simulator.engine.link import KVLinks
 from simulator.errors import SimulatorInputError
 from simulator.kv.transfer import KVTransfer
 from simulator.specs.link import LinkSpec, link_names, load_link
+
+ONE_GPU_PD_RUN = (Path(__file__).resolve().parents[2] / "docs/data"
+                  / "h200-2026-11-28-session44/pd-one-gpu/call-pd")
 
 
 def _transfer(fmt: str, **settings: object) -> KVTransfer:
@@ -72,11 +76,16 @@ def test_wire_time_is_latency_plus_bytes_over_rate_and_scales_with_the_bytes():
                                  "tcp-loopback"}
 
 
-def test_the_tcp_loopback_link_says_it_is_a_placeholder_wherever_it_is_printed():
-    # nothing measured it yet: its numbers must not pass for a measurement in any output
+def test_the_tcp_loopback_link_is_the_committed_probe_measurement():
+    # the bundled entry must stay what the committed one-GPU run measured, not a guess
+    from simulator.validation.disagg_real import load_pd_results, measured_link
+
     tcp = load_link("tcp-loopback")
-    assert "PLACEHOLDER" in tcp.describe() and "NOT MEASURED" in tcp.name
-    assert tcp.provenance.startswith("PLACEHOLDER, TO BE MEASURED")
+    fit = measured_link(load_pd_results([ONE_GPU_PD_RUN]))
+    assert tcp.bandwidth * tcp.efficiency == pytest.approx(fit.bandwidth * fit.efficiency,
+                                                           rel=0.01)
+    assert tcp.latency_s == pytest.approx(fit.latency_s, abs=1e-4)
+    assert "PLACEHOLDER" not in tcp.describe() and "measured" in tcp.name
 
 
 @pytest.mark.parametrize("bad, needle", [
