@@ -234,6 +234,7 @@ def test_dry_run_prints_commands_and_writes_traces(capsys, tmp_path) -> None:
     out = capsys.readouterr().out
     assert rc == 0
     assert "--kv-cache-dtype fp8_e4m3" in out and "SGLANG_DIFFKV_PROFILE=1" in out
+    assert "bf16: admission new_token_ratio" in out
     assert len(load_trace(tmp_path / "logs/traces/longgen-n16-o4096.jsonl")) == 16
     assert len(load_trace(tmp_path / "logs/traces/sharegpt-n30.jsonl")) == 30
     assert main(["--dry-run", "--out", str(tmp_path), "--configs", "bf16", "--workloads",
@@ -317,6 +318,13 @@ def test_harness_end_to_end_on_the_fake_server(fake_python, tmp_path, monkeypatc
             "logs/requests__bf16__sharegpt.jsonl.gz",
             "logs/traces/diffkv-mix__ladder@1x.jsonl"} <= names
     assert "diffkv-mix" in printed and "ladder@1x" in printed
+    # the fake logs SGLang's resolved server_args line: radix on, so new_token_ratio
+    for c in res["configs"].values():
+        assert c["disable_radix_cache"] is False
+        assert c["disable_radix_cache_from"] == "server log"
+        assert c["admission_rule"] == "new_token_ratio"
+    assert {r["admission_rule"] for r in res["runs"]} == {"new_token_ratio"}
+    assert res["admission_warnings"] == [] and "WARNING" not in res["table"]
     assert "1.50" in printed  # the mm ms/step column
 
 

@@ -161,11 +161,16 @@ def request_ids(spec: RequestSpec, seed: int, index: int) -> list[int]:
     return ids
 
 
+# every request asks for exactly max_new_tokens (ignore_eos); with the radix cache off SGLang
+# then admits under its strict no-retraction rule (sglang_diffkv.bench.admission)
+SENDS_IGNORE_EOS = True
+
+
 def generate_payload(spec: RequestSpec, seed: int, index: int) -> dict[str, Any]:
     return {
         "input_ids": request_ids(spec, seed, index),
         "sampling_params": {"max_new_tokens": spec.output_len, "temperature": 0.0,
-                            "ignore_eos": True},
+                            "ignore_eos": SENDS_IGNORE_EOS},
         "stream": True,
     }
 

@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.bench import admission as adm
 from sglang_diffkv.bench import client as cl
 from sglang_diffkv.bench.budget import Budget
 from sglang_diffkv.bench.errors import BenchInputError
@@ -351,7 +352,7 @@ TABLE_COLS = (
     ("config", 12), ("workload", 14), ("win s", 6), ("out tok/s", 9), ("steady", 8),
     ("req/s", 6), ("done", 5), ("batch", 6), ("peak", 5), ("pool tok", 9), ("peak #tok", 9),
     ("TPOT ms", 7), ("TPOT med", 8), ("TTFT ms", 8), ("mm ms", 6), ("retr", 5),
-    ("hit %", 5),
+    ("hit %", 5), ("admit", 6),
 )
 
 
@@ -365,6 +366,7 @@ def table_row(run: dict[str, Any]) -> list[str]:
         _fmt(c["median_tpot_all_ms"], ".1f"), _fmt(c["mean_ttft_all_ms"]),
         _fmt(mm_ms_per_step(s), ".2f"), _fmt(s.get("retractions")),
         _fmt(None if c.get("cache_hit_rate") is None else 100 * c["cache_hit_rate"], ".1f"),
+        adm.SHORT.get(run.get("admission_rule") or "", "-"),
     ]
 
 
@@ -379,7 +381,11 @@ def format_table(runs: list[dict[str, Any]]) -> str:
                  "batch/peak/#tok: 'Decode batch' log lines; mm ms: DiffKV memory "
                  "management per step (SGLANG_DIFFKV_PROFILE); hit %: prompt tokens served from "
                  "the prefix cache (meta_info.cached_tokens) over prompt tokens, requests "
-                 "that streamed")
+                 "that streamed; admit: SGLang's admission rule, strict = ignore_eos_strict "
+                 "(ignore_eos and the radix cache off: every admitted request can reach its "
+                 "max_new_tokens, no retraction), ratio = new_token_ratio (optimistic, may "
+                 "retract)")
+    lines += adm.mixed_rule_warnings(runs)
     return "\n".join(lines)
 
 
@@ -489,6 +495,8 @@ class Harness:
             "config": cfg.name, "workload": label.split("@")[0], "label": label,
             "trace_file": trace_file, "client": summary, "server_log": stats,
             "pool_tokens": self.configs[cfg.name].get("max_total_num_tokens"),
+            "ignore_eos": cl.SENDS_IGNORE_EOS,
+            "admission_rule": self.configs[cfg.name].get("admission_rule"),
             "abort_all": aborted, "idle_after_s": idle, "drain_s": drain,
             "wall_start_unix": run.wall_start, **(extra or {}),
         }
@@ -545,6 +553,7 @@ class Harness:
             info["startup_s"] = ready
             self.start_est = ready + 15
             info.update(startup_info(log_path, server.log_size()))
+            self._admission(cfg, argv, log_path)
             self.say(f"{cfg.name}: ready after {ready:.0f} s; pool "
                      f"{info.get('max_total_num_tokens')} tokens, max running "
                      f"{info.get('max_running_requests')}")
@@ -556,6 +565,17 @@ class Harness:
         finally:
             info["stop_s"] = server.stop()
             self.say(f"{cfg.name}: stopped in {info['stop_s']:.0f} s")
+
+    def _admission(self, cfg: ServerConfig, argv: list[str], log_path: Path) -> None:
+        """Record the server's resolved radix setting and the admission rule it gives the
+        bench's (ignore_eos) requests (sglang_diffkv.bench.admission)."""
+        info = self.configs[cfg.name]
+        off, where = adm.radix_disabled(argv, cfg.attention_backend, log_path)
+        rule = adm.admission_rule(cl.SENDS_IGNORE_EOS, off)
+        info.update({"disable_radix_cache": off, "disable_radix_cache_from": where,
+                     "admission_rule": rule})
+        self.say(f"{cfg.name}: radix cache {'off' if off else 'on'} ({where}): SGLang admits "
+                 f"the ignore_eos requests under {rule}")
 
     def _warmup(self, cfg: ServerConfig) -> None:
         if self.a.warmup <= 0:
@@ -742,6 +762,7 @@ class Harness:
         table = format_table(self.runs)
         print(table, flush=True)
         self.results.update({"configs": self.configs, "runs": self.runs,
+                             "admission_warnings": adm.mixed_rule_warnings(self.runs),
                              "notes": self.budget.notes, "table": table,
                              "elapsed_s": self.budget.elapsed()})
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1,
@@ -768,7 +789,12 @@ def dry_run(plan: Plan, a: argparse.Namespace) -> int:
     out = Path(a.out)
     (out / "logs" / "traces").mkdir(parents=True, exist_ok=True)
     for cfg in plan.configs:
-        print(f"{cfg.name}: {shell_line(launch_command(cfg, plan.launch), cfg.env_dict)}")
+        argv = launch_command(cfg, plan.launch)
+        rule = adm.admission_rule(cl.SENDS_IGNORE_EOS,
+                                  adm.argv_disable_radix(argv, cfg.attention_backend))
+        print(f"{cfg.name}: {shell_line(argv, cfg.env_dict)}")
+        print(f"{cfg.name}: admission {rule} (from the launch command; the server log's "
+              "resolved disable_radix_cache decides in a real run)")
     for wl in plan.workloads:
         if wl == "ladder":
             basis = "each server's" if a.paced_basis == "own" else "the first server's"

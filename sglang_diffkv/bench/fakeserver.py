@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--decode-log-interval", type=int, default=40)
     p.add_argument("--context-length", type=int, default=8192)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1)
     a, _ = p.parse_known_args(argv)
     state = FakeState(step_s=float(os.environ.get("FAKE_STEP_S", "0.01")),
                       stream_interval=a.stream_interval,
@@ -394,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     if state.diffkv:
         state.diffkv_config = DiffKVConfig.from_env()
     log(f"server_args: {' '.join(sys.argv[1:])}")
+    # SGLang's resolved-arguments line (diffkv forces the radix cache off with --tp-size > 1)
+    no_radix = a.disable_radix_cache or (state.diffkv and a.tp_size > 1)
+    log(f"server_args=ServerArgs(attention_backend={a.attention_backend!r}, "
+        f"tp_size={a.tp_size}, disable_radix_cache={no_radix})")
     if os.environ.get("FAKE_EXIT_EARLY") == "1":
         log("Traceback (most recent call last): fake start-up failure")
         return 3

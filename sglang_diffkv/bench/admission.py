@@ -1,0 +1,114 @@
+"""Which admission rule SGLang 0.5.17 applied to a run's requests.
+
+``PrefillAdder.add_one_req`` (sglang/srt/managers/schedule_policy.py) takes one of two paths:
+
+- ``ignore_eos_strict``: the request sends ``ignore_eos`` and the tree cache is disabled
+  (``getattr(tree_cache, "disable", True)``: SGLang's ChunkCache, i.e. the server resolved
+  ``disable_radix_cache=True``). ``add_one_req_ignore_eos`` admits a request only if every
+  admitted request can still reach its ``max_new_tokens``: no retraction, a batch of
+  pool / (prompt + output) requests.
+- ``new_token_ratio``: otherwise. Admission reserves ``new_token_ratio`` (0.7 at start,
+  decaying) of each request's remaining output, so the batch is larger at first and may
+  retract when the pool fills.
+
+Two configurations of one workload that ran under different rules are not comparable as a
+throughput ratio: the ratio mixes the backends' capacity with the two admission rules. Pass the
+same radix flag (``--server-args --disable-radix-cache`` or none) to every configuration.
+
+The server's resolved ``disable_radix_cache`` is read from its log (SGLang logs
+``server_args=ServerArgs(...)`` after ``__post_init__``, so DiffKV's own forcing, e.g. with
+``--tp-size > 1``, and SGLang's, e.g. for some models, are in it). Where the log has no such
+line (a fake server, a start that failed early) the launch command decides: the flag itself,
+or for ``--attention-backend diffkv`` a tensor-parallel size above 1
+(``sglang_diffkv.sglang.args.apply_radix_setting`` then forces the radix cache off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sglang_diffkv.serving_io.sglang_log import _SERVER_ARGS, parse_server_args
+
+STRICT = "ignore_eos_strict"
+RATIO = "new_token_ratio"
+SHORT = {STRICT: "strict", RATIO: "ratio"}
+
+_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+
+
+def logged_disable_radix(text: str) -> bool | None:
+    """The resolved ``disable_radix_cache`` of the first ``server_args=ServerArgs(...)`` log
+    line in ``text``, or None where there is none."""
+    for line in text.splitlines():
+        if m := _SERVER_ARGS.search(line):
+            v = parse_server_args(m.group(1)).get("disable_radix_cache")
+            return None if v not in ("True", "False") else v == "True"
+    return None
+
+
+def _tp_size(argv: Sequence[str]) -> int:
+    tp = 1
+    for i, a in enumerate(argv):
+        flag, eq, val = a.partition("=")
+        if flag in _TP_FLAGS:
+            if not eq:
+                val = argv[i + 1] if i + 1 < len(argv) else "1"
+            try:
+                tp = int(val)
+            except ValueError:
+                pass
+    return tp
+
+
+def argv_disable_radix(argv: Sequence[str], attention_backend: str | None) -> bool:
+    """``disable_radix_cache`` as the launch command implies it: the flag, or diffkv's forcing
+    with a tensor-parallel size above 1."""
+    if any(a == "--disable-radix-cache" for a in argv):
+        return True
+    return attention_backend == "diffkv" and _tp_size(argv) > 1
+
+
+def radix_disabled(argv: Sequence[str], attention_backend: str | None,
+                   log_path: str | Path | None = None) -> tuple[bool, str]:
+    """(the server's ``disable_radix_cache``, where it was read: ``server log`` or
+    ``launch command``)."""
+    if log_path is not None:
+        try:
+            with open(log_path, errors="replace") as f:
+                for line in f:
+                    if "server_args=" in line and (v := logged_disable_radix(line)) is not None:
+                        return v, "server log"
+        except OSError:
+            pass
+    return argv_disable_radix(argv, attention_backend), "launch command"
+
+
+def admission_rule(ignore_eos: bool, radix_cache_disabled: bool) -> str:
+    """SGLang 0.5.17's admission path for a request (see the module docstring)."""
+    return STRICT if ignore_eos and radix_cache_disabled else RATIO
+
+
+def mixed_rule_warnings(runs: Iterable[dict[str, Any]]) -> list[str]:
+    """One warning line per workload whose configurations ran under different admission
+    rules (runs without an ``admission_rule`` are left out)."""
+    by_wl: dict[str, dict[str, str]] = {}
+    for r in runs:
+        rule = r.get("admission_rule")
+        if rule is None:
+            continue
+        by_wl.setdefault(r.get("workload") or r.get("label", "?"), {}).setdefault(
+            r["config"], rule)
+    out = []
+    for wl, rules in by_wl.items():
+        if len(set(rules.values())) < 2:
+            continue
+        named = ", ".join(f"{c} {rule}" for c, rule in rules.items())
+        out.append(
+            f"WARNING {wl}: configurations ran under different SGLang admission rules ({named}): "
+            "a throughput ratio between them mixes two admission rules (ignore_eos_strict: "
+            "ignore_eos with the radix cache off, no retraction; new_token_ratio: optimistic, "
+            "may retract); align them by passing the same radix flag to every configuration "
+            "(--server-args --disable-radix-cache, or none)")
+    return out
