@@ -22,7 +22,9 @@ Two launches, shapes fixed by the plan (CUDA-graph capturable, no host synchroni
    scores are left alone; with ``hints`` (the fused argmin, ``sglang_diffkv.decode_hint``)
    each program also reduces its tokens' eligible (avg, slot) keys for the next step, from
    the scores it just stored, and atomically mins them into the row's record (one atomic
-   per program: the min is order-independent, so the result is deterministic).
+   per program: the min is order-independent, so the result is deterministic): inside the
+   score loop (``hint_fill="loop"``) or in a second loop over the stored scores
+   (``"pass"``, see ``_tier_scores``).
 
 Everything runs in base 2 (exp2) internally; the returned LSE is natural-log.
 
@@ -292,13 +294,55 @@ def _partition_kernel(
 
 
 @triton.jit
+def _age_f32(p_next, pos):
+    """fp32 of max(p_next - pos, 1) as the scan computes it in int64, for every token with
+    pos <= p_next - window (window >= 0, p_next an int32): the true age is then in
+    [0, 2^32), so the uint32 difference is exact and converts to the same fp32 (no int64
+    subtraction and no int64 -> fp32 convert, I2F.U64, per token). Tokens it does not hold
+    for are not eligible; a record whose LIMIT is not P - window is never used."""
+    age = (p_next - pos).to(tl.uint32, bitcast=True)
+    return tl.maximum(age, tl.full([], 1, tl.uint32)).to(tl.float32)
+
+
+@triton.jit
+def _argmin_pass(f32, i32, row, lo, hi, p_next, pos_limit, PAGE_BYTES: tl.constexpr,
+                 ROW_LEN, LOW: tl.constexpr, N: tl.constexpr, SOFF: tl.constexpr,
+                 POFF: tl.constexpr, AT: tl.constexpr):
+    """Per lane of an AT-token block, the least avg = score / max(p_next - pos, 1) (fp32,
+    div_rn: the scan's) over the tier's tokens [lo, hi) with pos <= pos_limit, and its token
+    (inf / INT32_MAX where none). A lane's tokens grow from one block to the next, so a
+    strict < keeps the first of equal avgs; nothing crosses lanes until the caller's one
+    reduction (no per-block reduction, no 64-bit keys in the loop)."""
+    best_v = tl.full([AT], float("inf"), tl.float32)
+    best_t = tl.full([AT], 0x7FFFFFFF, tl.int32)
+    for start in range(lo, hi, AT):
+        tok = start + tl.arange(0, AT)
+        inside = tok < hi
+        q = tok // N
+        slot = tok - q * N
+        if LOW:
+            col = ROW_LEN - 1 - q
+        else:
+            col = q
+        page = tl.load(row + col, mask=inside, other=0)
+        off = page.to(tl.int64) * (PAGE_BYTES // 4) + slot
+        score = tl.load(f32 + off + (SOFF // 4), mask=inside, other=0.0)
+        pos = tl.load(i32 + off + (POFF // 4), mask=inside, other=0)
+        avg = tl.math.div_rn(score, _age_f32(p_next, pos))
+        better = inside & (pos <= pos_limit) & (avg < best_v)
+        best_v = tl.where(better, avg, best_v)
+        best_t = tl.where(better, tok, best_t)
+    return best_v, best_t
+
+
+@triton.jit
 def _tier_scores(
     f32, i32, row, n_tok, buf, part, lse2, gmask, p_ptr, mit_ptr, ppp, skip, first_tok,
-    p_next, pos_limit, hkey,
+    p_next, pos_limit, hkey, req, hk, hs, h_sr, h_sh,
     PAGE_BYTES: tl.constexpr, ROW_LEN, LOW: tl.constexpr, G: tl.constexpr,
     MG: tl.constexpr, PPI: tl.constexpr, ITERS_MAX, RS: tl.constexpr,
     N: tl.constexpr, BN: tl.constexpr, SOFF: tl.constexpr, POFF: tl.constexpr,
-    CH: tl.constexpr, MW: tl.constexpr, HINT: tl.constexpr,
+    CH: tl.constexpr, MW: tl.constexpr, HINT: tl.constexpr, AT: tl.constexpr,
 ):
     """score += max over the group of p * exp2(m_iter - lse) for one partition's tokens,
     CH partition iterations per loop step (independent loads in flight, few steps). The
@@ -306,7 +350,11 @@ def _tier_scores(
     Slots before ``skip`` (a shared prefix) keep their scores. With HINT, also the fused
     argmin (``decode_hint``): the min packed key of avg = new score / (p_next - pos) over
     the partition's slots >= ``first_tok`` with pos <= ``pos_limit``, atomically min'ed into
-    ``hkey`` (the policy's float ops: the same stored fp32 score, div_rn)."""
+    ``hkey`` (the policy's float ops: the same stored fp32 score, div_rn). HINT 1 ("loop")
+    computes it inside the score loop, one int64 key reduction per tile; HINT 2 ("pass")
+    in a second loop over the stored scores (``_argmin_pass``), which keeps the score
+    loop's registers as without the argmin (ptxas: 72 a thread for both, against 106 for
+    HINT 1, at the benchmark's shape; docs/backend.md)."""
     R: tl.constexpr = PPI * BN
     MR: tl.constexpr = CH * RS
     n_pages = tl.cdiv(n_tok, N)
@@ -340,16 +388,35 @@ def _tier_scores(
         old = tl.load(sptr, mask=valid, other=0.0)
         new = old + prob
         tl.store(sptr, new, mask=valid & (tok >= skip))
-        if HINT:
+        if HINT == 1:
             pos = tl.load(i32 + (page.to(tl.int64) * PAGE_BYTES + POFF) // 4 + slot,
                           mask=valid, other=0)
-            age = p_next - pos.to(tl.int64)
+            age = p_next.to(tl.int64) - pos.to(tl.int64)
             avg = tl.math.div_rn(new, tl.maximum(age, 1).to(tl.float32))
             ok = valid & (tok >= first_tok) & (pos <= pos_limit) & (avg < float("inf"))
             best = tl.minimum(best, tl.min(tl.where(ok, _pack_key(avg, tok), _none_key()),
                                            axis=0))
-    if HINT:
+    if HINT == 1:
         tl.atomic_min(hkey, best)
+    if HINT == 2:
+        # the argmin pass: this program's scores, as just stored (the barrier makes every
+        # thread's stores visible to the others), read back in a loop of its own. The
+        # record is read only now: nothing of it is live through the score loop.
+        tl.debug_barrier()
+        hrow = tl.load(req + tl.program_id(0)).to(tl.int64) * h_sr + tl.program_id(1) * h_sh
+        stamp = hs + hrow * 2 + 4
+        p_next = tl.load(stamp)
+        first_tok = tl.load(stamp + 3 + LOW)
+        pos_limit = tl.load(stamp + 5)
+        hkey = hk + hrow + LOW
+        lo = tl.maximum(first * N, first_tok)
+        hi = tl.minimum(last * N, n_tok)
+        best_v, best_t = _argmin_pass(f32, i32, row, lo, hi, p_next, pos_limit, PAGE_BYTES,
+                                      ROW_LEN, LOW, N, SOFF, POFF, AT)
+        m = tl.min(best_v, axis=0)
+        # ties (equal fp32 avg, -0.0 == 0.0 as the packed key folds them): first slot
+        idx = tl.min(tl.where(best_v == m, best_t, 0x7FFFFFFF), axis=0)
+        tl.atomic_min(hkey, tl.where(m < float("inf"), _pack_key(m, idx), _none_key()))
 
 
 @triton.jit
@@ -363,7 +430,7 @@ def _merge_kernel(
     H_N: tl.constexpr, H_BN: tl.constexpr, H_SOFF: tl.constexpr, H_POFF: tl.constexpr,
     L_N: tl.constexpr, L_BN: tl.constexpr, L_SOFF: tl.constexpr, L_POFF: tl.constexpr,
     CH: tl.constexpr, MW: tl.constexpr, MG: tl.constexpr, SHARED: tl.constexpr,
-    HINT: tl.constexpr,
+    HINT: tl.constexpr, AT: tl.constexpr = 128,
 ):
     # Tiles here are MG = next_pow2(G) heads (the split-K scratch rows are BLOCK_G apart:
     # the Triton pass pads the group to 16 MMA rows, which the merge need not carry).
@@ -388,17 +455,18 @@ def _merge_kernel(
     pos_limit = 0
     first_h = 0
     first_l = 0
-    if HINT:
-        p_next = tl.load(hs + hrow * 2 + 4).to(tl.int64)
+    if HINT == 1:
+        p_next = tl.load(hs + hrow * 2 + 4)
         first_h = tl.load(hs + hrow * 2 + 7)
         first_l = tl.load(hs + hrow * 2 + 8)
         pos_limit = tl.load(hs + hrow * 2 + 9)
+    if HINT:
         if s == 0:
             # DONE := P after exactly one merge of an armed record with unchanged counts
             done = tl.load(hs + hrow * 2 + 10)
             same = ((done == -1) & (tl.load(hs + hrow * 2 + 5) == n_hi)
                     & (tl.load(hs + hrow * 2 + 6) == n_lo))
-            tl.store(hs + hrow * 2 + 10, tl.where(same, p_next.to(tl.int32), -2))
+            tl.store(hs + hrow * 2 + 10, tl.where(same, tl.load(hs + hrow * 2 + 4), -2))
     parts_hi = tl.cdiv(tl.cdiv(n_hi, H_N), ppp_hi)
     parts_lo = tl.cdiv(tl.cdiv(n_lo, L_N), ppp_lo)
     head_buf = ((b * tl.num_programs(1) + h) * MAXP).to(tl.int64)
@@ -434,15 +502,16 @@ def _merge_kernel(
     if s < MAXP_HI:
         if s < parts_hi:
             _tier_scores(f32, i32, row, n_hi, head_buf + s, s, lse2, gmask, p_ptr, mit_ptr,
-                         ppp_hi, skip_h, first_h, p_next, pos_limit, hk + hrow, PAGE_BYTES,
+                         ppp_hi, skip_h, first_h, p_next, pos_limit, hk + hrow, req, hk, hs, h_sr,
+                         h_sh, PAGE_BYTES,
                          ROW_LEN, False, G, MG, PPI, ITERS_MAX, RS, H_N, H_BN, H_SOFF, H_POFF,
-                         CH, MW, HINT)
+                         CH, MW, HINT, AT)
     else:
         if s - MAXP_HI < parts_lo:
             _tier_scores(f32, i32, row, n_lo, head_buf + s, s - MAXP_HI, lse2, gmask, p_ptr,
                          mit_ptr, ppp_lo, skip_l, first_l, p_next, pos_limit, hk + hrow + 1,
-                         PAGE_BYTES, ROW_LEN, True, G, MG, PPI, ITERS_MAX, RS, L_N, L_BN,
-                         L_SOFF, L_POFF, CH, MW, HINT)
+                         req, hk, hs, h_sr, h_sh, PAGE_BYTES, ROW_LEN, True, G, MG, PPI,
+                         ITERS_MAX, RS, L_N, L_BN, L_SOFF, L_POFF, CH, MW, HINT, AT)
 
 
 # Split-K pass variants (the merge pass is shared):
@@ -691,6 +760,7 @@ class DecodeAttentionPlan:
         views: tuple[torch.Tensor, ...] | None = None,
         shared: torch.Tensor | None = None,
         hints: torch.Tensor | None = None,
+        hint_fill: str = "loop",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [B, Hq, D] over layer ``layer`` of the requests in ``req_idx``;
         adds each token's max-over-group probability to its page score. Returns (out in
@@ -700,7 +770,9 @@ class DecodeAttentionPlan:
         prefix's scores are left as they are (``CompressedKVCache.decode_layer_attend``).
         ``hints``: the fused argmin's records (``decode_hint``), which this layer's policy
         step armed: the merge pass also leaves each row's eligible argmin for the next
-        step's policy step there."""
+        step's policy step there. ``hint_fill``: how the merge pass computes it
+        (``HINT_FILLS``: "loop" inside the score loop, "pass" in a loop of its own after
+        it); both leave the same keys."""
         geo = self.geometry
         hq, d = self.num_q_heads, geo.head_dim
         b = q.shape[0] if q.dim() == 3 else -1
@@ -739,7 +811,7 @@ class DecodeAttentionPlan:
             i32 = pages.view(torch.int32) if views is None else views[3]
             self._merge(grid, f32, i32, tab, cnt, req_idx, out, lse, common,
                         _row_args(shared, table, layer, 2, torch.int32, "shared"),
-                        _hint_args(hints, table, layer))
+                        _hint_args(hints, table, layer), hint_mode(hint_fill))
         return out, lse
 
     def _partition(self, grid, q, u8, f16, tab, cnt, req_idx, sm_scale, common):
@@ -755,7 +827,8 @@ class DecodeAttentionPlan:
             **({"maxnreg": self.maxnreg} if self.maxnreg and q.is_cuda else {}),
         )
 
-    def _merge(self, grid, f32, i32, tab, cnt, req_idx, out, lse, common, shared, hints):
+    def _merge(self, grid, f32, i32, tab, cnt, req_idx, out, lse, common, shared, hints,
+               mode):
         sh, s_sr, s_sh = shared
         hk, hs, h_sr, h_sh = hints
         _merge_kernel[grid](
@@ -763,8 +836,21 @@ class DecodeAttentionPlan:
             req_idx, self.acc, self.ml, self.pbuf, self.mit, out, out.stride(0),
             out.stride(1), lse, self.ppp_hi, self.ppp_lo, sh, s_sr or 0, s_sh or 0, hk, hs,
             h_sr or 0, h_sh or 0, **common, **self._merge_c, SHARED=s_sr is not None,
-            HINT=h_sr is not None, num_warps=self.merge_warps,
+            HINT=mode if h_sr is not None else 0, num_warps=self.merge_warps,
         )
+
+
+# How the merge pass fills the fused argmin's records (its HINT constexpr): "loop" in the
+# score loop (session 43's design), "pass" in a second loop over the stored scores.
+HINT_FILLS = {"loop": 1, "pass": 2}
+
+
+def hint_mode(fill: str) -> int:
+    """The merge kernel's HINT for a fill name (``HINT_FILLS``)."""
+    try:
+        return HINT_FILLS[fill]
+    except KeyError:
+        raise ValueError(f"hint_fill={fill!r}; known: {', '.join(HINT_FILLS)}") from None
 
 
 def _row_args(x: torch.Tensor | None, table: torch.Tensor, layer: int, width: int,

@@ -9,10 +9,12 @@ Both paths act on the same ``CompressedKVCache`` state (pages, page table, count
 ``SGLANG_DIFFKV_KERNELS``: ``auto`` (default: kernels on CUDA, reference elsewhere),
 ``1`` (kernels everywhere; on CPU only under ``TRITON_INTERPRET=1``) or ``0`` (reference).
 
-``SGLANG_DIFFKV_FUSED_ARGMIN`` (kernel path): ``1`` has each layer's decode merge pass leave
-the next step's eligible argmin for the policy step (``sglang_diffkv.decode_hint``), which
-then scans only the rows whose record is stale; ``0`` (default until measured on the GPU)
-keeps the scan. Same decisions either way.
+``SGLANG_DIFFKV_FUSED_ARGMIN`` (kernel path): ``1`` (or ``loop``) has each layer's decode
+merge pass leave the next step's eligible argmin for the policy step
+(``sglang_diffkv.decode_hint``), computed inside its score loop, which then scans only the
+rows whose record is stale; ``2`` (or ``pass``) the same, computed in a second loop of the
+merge pass over the scores it stored (``decode_attention.HINT_FILLS``); ``0`` (default until
+measured faster on the GPU) keeps the scan. Same decisions every way.
 
 Benchmark mode (``config.bench_mix``) is the same on both paths: the scores are computed,
 then replaced by the draw's (``CompressedKVCache.bench_significance``; on the Triton path
@@ -128,15 +130,23 @@ def want_kernels(device: torch.device, environ: dict[str, str] | None = None) ->
     return device.type == "cuda"
 
 
-def want_fused_argmin(environ: dict[str, str] | None = None) -> bool:
-    """``SGLANG_DIFFKV_FUSED_ARGMIN``: 1/true/on or 0/false/off (default 0)."""
+def fused_argmin_fill(environ: dict[str, str] | None = None) -> str | None:
+    """``SGLANG_DIFFKV_FUSED_ARGMIN``: the merge pass's fill of the fused argmin's records,
+    "loop" (1/true/on/loop) or "pass" (2/pass), or None (0/false/off, the default)."""
     env = os.environ if environ is None else environ
     mode = env.get(FUSED_ARGMIN_ENV, "0").strip().lower()
-    if mode in ("1", "true", "on"):
-        return True
+    if mode in ("1", "true", "on", "loop"):
+        return "loop"
+    if mode in ("2", "pass"):
+        return "pass"
     if mode in ("0", "false", "off", ""):
-        return False
-    raise ValueError(f"{FUSED_ARGMIN_ENV}={mode!r}: use 1 or 0")
+        return None
+    raise ValueError(f"{FUSED_ARGMIN_ENV}={mode!r}: use 1 (loop), 2 (pass) or 0")
+
+
+def want_fused_argmin(environ: dict[str, str] | None = None) -> bool:
+    """``SGLANG_DIFFKV_FUSED_ARGMIN`` set to a fill (:func:`fused_argmin_fill`)."""
+    return fused_argmin_fill(environ) is not None
 
 
 @dataclass
@@ -195,16 +205,22 @@ class DecodeStep:
 class DiffKVOps:
     def __init__(self, cache: CompressedKVCache, use_kernels: bool,
                  plan_cache_bytes: int = PLAN_CACHE_BYTES,
-                 fused_argmin: bool | None = None) -> None:
-        """``fused_argmin``: None reads ``SGLANG_DIFFKV_FUSED_ARGMIN`` (kernel path only)."""
+                 fused_argmin: bool | str | None = None) -> None:
+        """``fused_argmin``: None reads ``SGLANG_DIFFKV_FUSED_ARGMIN`` (kernel path only);
+        True is the "loop" fill, a string names the fill ("loop" or "pass")."""
         self.cache = cache
         self.use_kernels = use_kernels
         # the step profiler (``SGLANG_DIFFKV_PROFILE``): the backend sets it; None records
         # nothing
         self.prof: StepProfiler | None = None
         if fused_argmin is None:
-            fused_argmin = want_fused_argmin()
-        self.fused_argmin = bool(fused_argmin and use_kernels)
+            fused_argmin = fused_argmin_fill()
+        fill = "loop" if fused_argmin is True else (fused_argmin or None)
+        if fill is not None and fill not in ("loop", "pass"):
+            raise ValueError(f"fused_argmin={fused_argmin!r}: use 'loop' or 'pass'")
+        self.fused_argmin = bool(fill and use_kernels)
+        # how the merge pass fills the records (decode_attention.HINT_FILLS)
+        self.hint_fill = fill or "loop"
         # the fused argmin's per-row records (None: the policy kernel scans every row)
         self.hints = cache.manager.enable_decode_hints() if self.fused_argmin else None
         # (bucketed batch, bucketed context, q heads) -> DecodeAttentionPlan, least recently
@@ -228,8 +244,8 @@ class DiffKVOps:
             # prefill attention over the packed prompts: flash varlen where its probe
             # passes, padded SDPA otherwise (prompt_attention)
             self.prompt_attention = choose_prompt_attention(cache.device)
-            argmin = ("fused into the merge pass (SGLANG_DIFFKV_FUSED_ARGMIN=1)"
-                      if self.fused_argmin else "scan")
+            argmin = (f"fused into the merge pass ({self.hint_fill}; "
+                      f"SGLANG_DIFFKV_FUSED_ARGMIN)" if self.fused_argmin else "scan")
             self.name = (f"Triton kernels (sglang_diffkv.kernels); decode page allocation: "
                          f"{room}; prefill attention: {self.prompt_attention.name} "
                          f"({self.prompt_attention.reason}); decode argmin: {argmin}")
@@ -529,7 +545,8 @@ class DiffKVOps:
                                                        q.device)
             views = step.policy.views
         out, _ = plan.run(q.contiguous(), c.pages, c.manager.table, c.manager.counts, req,
-                          layer, scale, views=views, shared=c.manager.shared, hints=self.hints)
+                          layer, scale, views=views, shared=c.manager.shared, hints=self.hints,
+                          hint_fill=self.hint_fill)
         return out
 
     def _plan_for(self, batch: int, max_seq_len: int | None, num_q_heads: int,

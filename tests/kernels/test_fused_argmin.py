@@ -2,7 +2,8 @@
 for the next step and the policy kernel takes it where the record's stamp is valid.
 
 Two kernel-path caches run the same scripted serving life (``DiffKVOps`` with and without
-``fused_argmin``): prefill, decode steps, a shared prefix exported mid-decode and attached
+``fused_argmin``, the latter with each of the merge pass's fills, "loop" and "pass"):
+prefill, decode steps, a shared prefix exported mid-decode and attached
 to a fresh slot, a retraction whose slot is reused by a prompt that starts decoding at the
 very position the old record was armed for, a step taken by the torch reference path, and
 prompts shorter than the window. At every policy step both paths' decisions must equal the
@@ -26,7 +27,7 @@ from sglang_diffkv.cache import CompressedKVCache, _tier_scores
 from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.kernels.decode_policy import decode_policy_step, decode_policy_step_reference
 from sglang_diffkv.policy import _eligible_argmin
-from sglang_diffkv.sglang.ops import DiffKVOps, want_fused_argmin
+from sglang_diffkv.sglang.ops import DiffKVOps, fused_argmin_fill, want_fused_argmin
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -53,7 +54,7 @@ def per_page(cache: CompressedKVCache) -> torch.Tensor:
 class Pair:
     """The scan path and the fused path on copies of one state, driven identically."""
 
-    def __init__(self, bench, seed: int) -> None:
+    def __init__(self, bench, seed: int, fill: str = "loop") -> None:
         self.cfg = config(bench)
         self.g = torch.Generator().manual_seed(seed)
         self.caches = [CompressedKVCache(self.cfg, head_dim=D, num_layers=LAYERS,
@@ -64,8 +65,9 @@ class Pair:
         for c in self.caches:
             c.pages.copy_(noise)
         self.scan = DiffKVOps(self.caches[0], use_kernels=True, fused_argmin=False)
-        self.fused = DiffKVOps(self.caches[1], use_kernels=True, fused_argmin=True)
+        self.fused = DiffKVOps(self.caches[1], use_kernels=True, fused_argmin=fill)
         assert self.scan.hints is None and self.fused.hints is not None
+        assert self.fused.hint_fill == fill
         # records start as garbage: only the protocol may make one valid
         self.fused.hints.copy_(torch.randint(-(1 << 62), 1 << 62, self.fused.hints.shape,
                                              generator=self.g).to(DEV))
@@ -176,9 +178,10 @@ class Pair:
         self.same_state()
 
 
+@pytest.mark.parametrize("fill", ["loop", "pass"])
 @pytest.mark.parametrize("bench", [None, (0.3, 0.5, 0.2)])
-def test_fused_argmin_through_a_serving_life(bench):
-    pair = Pair(bench, seed=31 if bench is None else 32)
+def test_fused_argmin_through_a_serving_life(bench, fill):
+    pair = Pair(bench, seed=31 if bench is None else 32, fill=fill)
     # three prompts, one shorter than the window (nothing eligible, append only)
     slots, lens = [3, 0, 1], [70, 160, 2]
     pair.prefill(slots, lens)
@@ -242,10 +245,11 @@ def _one_policy_step(cache, req, pos, hints, g):
                               hints=hints)
 
 
-def test_valid_record_is_what_the_policy_takes_and_a_missing_merge_is_caught():
+@pytest.mark.parametrize("fill", ["loop", "pass"])
+def test_valid_record_is_what_the_policy_takes_and_a_missing_merge_is_caught(fill):
     """A valid record's keys decide (a tampered slot shows up in hmin), and a record whose
     merge never ran (two policy steps in a row) is not used."""
-    pair = Pair(None, seed=5)
+    pair = Pair(None, seed=5, fill=fill)
     slots, lens = [4, 1], [90, 120]
     pair.prefill(slots, lens)
     pair.decode(slots, lens)
@@ -290,10 +294,18 @@ def test_switch_reads_the_environment():
     assert want_fused_argmin({"SGLANG_DIFFKV_FUSED_ARGMIN": "off"}) is False
     with pytest.raises(ValueError):
         want_fused_argmin({"SGLANG_DIFFKV_FUSED_ARGMIN": "maybe"})
+    assert fused_argmin_fill({}) is None
+    for v, fill in (("1", "loop"), ("on", "loop"), ("loop", "loop"), ("2", "pass"),
+                    ("pass", "pass"), ("0", None)):
+        assert fused_argmin_fill({"SGLANG_DIFFKV_FUSED_ARGMIN": v}) == fill
+    assert want_fused_argmin({"SGLANG_DIFFKV_FUSED_ARGMIN": "2"}) is True
     # the reference path never allocates records
     cache = CompressedKVCache(config(None), head_dim=D, num_layers=1, num_kv_heads=HKV,
                               num_pages=50, max_reqs=2, max_context=64)
     assert DiffKVOps(cache, use_kernels=False, fused_argmin=True).hints is None
+    assert DiffKVOps(cache, use_kernels=False, fused_argmin="pass").hints is None
+    with pytest.raises(ValueError, match="fused_argmin"):
+        DiffKVOps(cache, use_kernels=False, fused_argmin="fast")
     with pytest.raises(ValueError, match="argmin must be 'scan'"):
         decode_policy_step(cache.pages, cache.geometry, cache.manager.table,
                            cache.manager.counts, torch.tensor([0]), 0, torch.tensor([5]),
