@@ -62,12 +62,13 @@ KERNELS = [
     *[("decode_attention", "_partition_kernel",
        {**ATTN, "PAGE_BYTES": GEO1.page_bytes, **HI1, **LO1, "ASM": asm})
       for asm in TRITON_ASM.values() if asm],
-    # the merge pass alone, with shared-prefix bounds, and with the fused argmin
+    # the merge pass alone, with shared-prefix bounds, and with the fused argmin (HINT:
+    # decode_attention.HINT_FILLS, 1 in the score loop, 2 in a pass of its own)
     *(("decode_attention", "_merge_kernel",
        {**ATTN, "BLOCK_P": 16, "CH": 16, "MW": 4, "MG": 4, "SHARED": sh, "HINT": hint,
-        **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF", "H_POFF")},
+        "AT": 128, **{k: HI[k] for k in ("H_N", "H_BN", "H_SOFF", "H_POFF")},
         **{k: LO[k] for k in ("L_N", "L_BN", "L_SOFF", "L_POFF")}})
-      for sh, hint in ((False, False), (True, False), (True, True))),
+      for sh, hint in ((False, 0), (True, 0), (True, 1), (True, 2), (False, 2))),
     # extend attention over a compressed prefix: one program per (tile, head) writing the
     # output, or split with the merge pass (the split count is a runtime argument)
     *(("extend_attention", "_extend_kernel",
@@ -129,10 +130,24 @@ KERNELS = [
 ]
 
 
+# The merge pass as kernels.bench --only fused launches it at 369 x 3300 (K8V4 / K4V2, Hq 32,
+# Hkv 8, one page per iteration, the CUDA split-K pass: MW 4; one partition per tier):
+# Triton specialises the runtime 1 (MAXP_HI) into a constant and marks the ints that are
+# multiples of 16 (strides, MAXP) divisible, which moves ptxas' register count (72 here
+# against 56 without). MERGE_BENCH_DIV: those ints.
+MERGE_BENCH = dict(PAGE_BYTES=GEO1.page_bytes, G=4, BLOCK_G=16, D=128, PPI=1, RS=64,
+                   BLOCK_P=2, CH=8, MW=4, MG=4, SHARED=True, MAXP_HI=1, AT=128,
+                   **{k: HI1[k] for k in ("H_N", "H_BN", "H_SOFF", "H_POFF")},
+                   **{k: LO1[k] for k in ("L_N", "L_BN", "L_SOFF", "L_POFF")})
+MERGE_BENCH_DIV = ("t_sr", "c_sr", "o_sb", "o_sh", "s_sr", "h_sr", "MAXP")
+
+
 def compile_one(module: str, name: str, constexprs: dict,
-                pointers: dict[str, str] | None = None) -> str:
+                pointers: dict[str, str] | None = None, divisible: tuple[str, ...] = (),
+                num_stages: int = 2) -> str:
     """Compile one kernel for sm_90; returns its PTX. ``pointers``: element types of
-    pointer arguments that differ from ``POINTERS``' (by name)."""
+    pointer arguments that differ from ``POINTERS``' (by name); ``divisible``: int
+    arguments Triton would mark divisible by 16 (as it does for such runtime values)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -149,10 +164,10 @@ def compile_one(module: str, name: str, constexprs: dict,
     if missing:
         raise ValueError(f"{name}: constexprs without a value: {missing}")
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if signature[a].startswith("*")}
+             if signature[a].startswith("*") or a in divisible}
     src = ASTSource(fn, signature, constexprs, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "num_stages": 2})
+                            options={"num_warps": 4, "num_stages": num_stages})
     return kernel.asm["ptx"]
 
 
@@ -166,13 +181,14 @@ class Registers:
 
 
 def registers(module: str, name: str, constexprs: dict,
-              pointers: dict[str, str] | None = None) -> Registers | None:
+              pointers: dict[str, str] | None = None, divisible: tuple[str, ...] = (),
+              num_stages: int = 2) -> Registers | None:
     """ptxas -v's register and spill counts of one kernel for sm_90a (None when no ptxas
     here assembles Triton's PTX). A spilling kernel runs from local memory: the prompt-end
     scoring did, 16 ms a layer on an H200, before its fp32 dots moved to tensor cores."""
     import triton.backends.nvidia as nvidia
 
-    ptx = compile_one(module, name, constexprs, pointers)
+    ptx = compile_one(module, name, constexprs, pointers, divisible, num_stages)
     bin_dir = Path(nvidia.__file__).parent / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"

@@ -659,7 +659,9 @@ def fused_rows(cases: tuple[tuple[int, int], ...] = FUSED_CASES) -> list[dict]:
     restores the counters (and, fused, the records: a replayed step would otherwise find
     them armed for the next position and scan); those copies are timed alone and
     subtracted ("net"). The fused timings are only valid if every row took its record:
-    checked once before timing."""
+    checked once before timing. Both fills of the records (``decode_attention.HINT_FILLS``)
+    are timed: "loop" (merge+argmin, step fused) and "pass" (... pass), and the pass's
+    records checked equal to the loop's from the same armed state."""
     geo = PageGeometry.build(D, K8V4, K4V2)
     rows = []
     for b, ctx in cases:
@@ -690,17 +692,26 @@ def fused_case(geo: PageGeometry, b: int, ctx: int) -> dict:
         decode_policy_step(case.pages, geo, case.table, c, case.req_idx, 0, pos, alpha, 64,
                            key, value, shared=shared, hints=hints if fused else None)
 
-    def attend(fused, stages="partition,merge"):
+    def attend(fused, stages="partition,merge", fill="loop"):
         plan.run(q, case.pages, case.table, c, case.req_idx, 0, D**-0.5, stages=stages,
-                 shared=shared, hints=hints if fused else None)
+                 shared=shared, hints=hints if fused else None, hint_fill=fill)
 
     policy(p - 1, True)  # arm the records for p, then fill them
+    # the "pass" fill first, from the same armed state: its records must equal the loop's
+    armed, pages_armed = hints.clone(), case.pages.clone()
+    attend(True, fill="pass")
+    hints_pass = hints.clone()
+    case.pages.copy_(pages_armed)
+    hints.copy_(armed)
+    del pages_armed
     attend(True)
+    pass_equal = bool(torch.equal(hints[case.req_idx], hints_pass[case.req_idx]))
     counts0, hints0 = c.clone(), hints.clone()
     first = torch.zeros(b, HKV, 2, dtype=torch.int64, device=DEV)
     valid = decode_hint.valid(hints[case.req_idx, 0], c[case.req_idx, 0], first, p, 64)
     tokens = int(c[case.req_idx, 0, :, :2].sum())
     row = dict(batch=b, context=ctx, tokens=tokens, rows_valid=float(valid.float().mean()))
+    row["pass records equal"] = pass_equal
 
     def reset(fused):
         c.copy_(counts0)
@@ -722,12 +733,17 @@ def fused_case(geo: PageGeometry, b: int, ctx: int) -> dict:
     timed("merge+argmin", partial(attend, True, "merge"))
     timed("step scan", lambda: (reset(False), policy(p, False), attend(False)))
     timed("step fused", lambda: (reset(True), policy(p, True), attend(True)))
+    timed("merge+argmin pass", partial(attend, True, "merge", "pass"))
+    timed("step fused pass", lambda: (reset(True), policy(p, True), attend(True, fill="pass")))
     for lb, cp in (("policy scan", "counts copy"), ("policy fused", "counts+hints copy"),
-                   ("step scan", "counts copy"), ("step fused", "counts+hints copy")):
+                   ("step scan", "counts copy"), ("step fused", "counts+hints copy"),
+                   ("step fused pass", "counts+hints copy")):
         row[lb + " net"] = row[lb] - row[cp]
     print(f"fused B{b} ctx{ctx} ({tokens} tokens, {row['rows_valid']:.0%} rows valid): "
           + ", ".join(f"{k} {v:.1f}" for k, v in row.items()
-                      if k not in ("batch", "context", "tokens", "rows_valid"))
+                      if k not in ("batch", "context", "tokens", "rows_valid",
+                                   "pass records equal"))
+          + f"; pass records equal: {row['pass records equal']}"
           + " us", flush=True)
     return row
 
@@ -736,14 +752,19 @@ def fused_table(rows: list[dict]) -> str:
     lines = [f"Fused argmin A/B, one layer, per call (us, graph, net of the counter/record "
              f"copies; x{LAYERS} layers for a step), Hkv {HKV}, Hq {HQ}, D {D}, 30/50/20:", "",
              "| batch | context | rows valid | policy scan | policy fused | merge | "
-             "merge+argmin | policy+attention scan | policy+attention fused | saved per "
-             f"step ({LAYERS} layers, ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "merge+argmin loop | merge+argmin pass | policy+attention scan | "
+             "policy+attention fused loop | fused pass | saved per step, loop / pass "
+             f"({LAYERS} layers, ms) | pass records = loop's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         saved = (r["step scan net"] - r["step fused net"]) * LAYERS / 1e3
+        saved_p = (r["step scan net"] - r["step fused pass net"]) * LAYERS / 1e3
         lines.append(f"| {r['batch']} | {r['context']} | {r['rows_valid']:.0%} | "
                      f"{r['policy scan net']:.1f} | {r['policy fused net']:.1f} | "
-                     f"{r['merge']:.1f} | {r['merge+argmin']:.1f} | {r['step scan net']:.1f} | "
-                     f"{r['step fused net']:.1f} | {saved:.2f} |")
+                     f"{r['merge']:.1f} | {r['merge+argmin']:.1f} | "
+                     f"{r['merge+argmin pass']:.1f} | {r['step scan net']:.1f} | "
+                     f"{r['step fused net']:.1f} | {r['step fused pass net']:.1f} | "
+                     f"{saved:.2f} / {saved_p:.2f} | {r['pass records equal']} |")
     return "\n".join(lines)
 
 

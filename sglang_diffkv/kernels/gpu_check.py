@@ -411,7 +411,7 @@ def policy_large_check(batch, ctx_lo, ctx_hi, hkv, seed):
     return run
 
 
-def fused_argmin_check(batch, ctx_lo, ctx_hi, hkv, group, steps, seed):
+def fused_argmin_check(batch, ctx_lo, ctx_hi, hkv, group, steps, seed, fill="loop"):
     """The fused argmin (``decode_hint``) at serving size: a random 30/50/20 state, then
     ``steps`` decode steps of one layer (policy step, then decode attention) run three
     ways from the same state: the reference policy step (CPU) on the fused path's own
@@ -419,7 +419,8 @@ def fused_argmin_check(batch, ctx_lo, ctx_hi, hkv, group, steps, seed):
     step, shared bounds on some rows). Decisions must equal the reference at every step,
     the scan and fused paths' pages and counters stay identical, every armed record's keys
     equal the reference argmin for the next position on the pages the merge wrote, and
-    from the second step on every row must take its record."""
+    from the second step on every row must take its record. ``fill``: how the merge pass
+    fills the records (``decode_attention.HINT_FILLS``)."""
     def run():
         geo, g, ctx, case = _serving_decode_case(batch, ctx_lo, ctx_hi, hkv, seed)
         c = case.counts
@@ -463,7 +464,7 @@ def fused_argmin_check(batch, ctx_lo, ctx_hi, hkv, group, steps, seed):
                        and torch.equal(pages.cpu(), ref_pages)
                        and torch.equal(counts.cpu(), ref_counts))
                 plan.run(q, pages, case.table, counts, req, 0, 128**-0.5, shared=shared,
-                         hints=h)
+                         hints=h, hint_fill=fill)
             ok &= torch.equal(case.pages, scan[0]) and torch.equal(c, scan[1])
             nxt = pos + 1
             pages_cpu, tab = case.pages.cpu(), case.table[req, 0].cpu()
@@ -588,10 +589,12 @@ def main() -> int:
           policy_large_check(305, 1000, 3000, 8, seed=3))
     check("decode_policy", "B7 Hkv8 D128 ctx 20-200, random state",
           policy_large_check(7, 20, 200, 8, seed=4))
-    check("decode_policy[fused]", "B369 Hkv8 G4 D128 ctx 2k-4k, 4 steps, shared rows",
-          fused_argmin_check(369, 2000, 4000, 8, 4, 4, seed=54))
-    check("decode_policy[fused]", "B7 Hkv8 G4 D128 ctx 20-300, 6 steps, shared rows",
-          fused_argmin_check(7, 20, 300, 8, 4, 6, seed=55))
+    for fill in ("loop", "pass"):
+        check(f"decode_policy[fused {fill}]",
+              "B369 Hkv8 G4 D128 ctx 2k-4k, 4 steps, shared rows",
+              fused_argmin_check(369, 2000, 4000, 8, 4, 4, seed=54, fill=fill))
+        check(f"decode_policy[fused {fill}]", "B7 Hkv8 G4 D128 ctx 20-300, 6 steps, shared rows",
+              fused_argmin_check(7, 20, 300, 8, 4, 6, seed=55, fill=fill))
     check("compaction(cuda)", "B128 x 32 layers x 8 heads",
           compaction_check(128, 32, 8, cooperative=False))
     check("compaction(cuda)", "B7 x 3 layers x 2 heads",

@@ -49,3 +49,28 @@ def test_prompt_end_scoring_does_not_spill():
         pytest.skip(f"no ptxas here assembles Triton's PTX:\n{proc.stdout}")
     for name, regs, stores, loads in rows:
         assert (int(stores), int(loads)) == (0, 0), (name, regs, stores, loads)
+
+
+def test_merge_pass_argmin_fill_keeps_the_plain_registers():
+    """The fused argmin's "pass" fill (``decode_attention.HINT_FILLS``) adds no register to
+    the merge pass at the benchmark's specialisation (``aot_check.MERGE_BENCH``) and
+    spills nothing; the "loop" fill raised it 72 -> 106 under Triton 3.6 (7 -> 4 blocks per
+    SM, session 44's ncu)."""
+    pytest.importorskip("triton.backends.compiler")
+    code = (
+        "from sglang_diffkv.kernels import aot_check as A\n"
+        "for h in (0, 2):\n"
+        "    r = A.registers('decode_attention', '_merge_kernel', {**A.MERGE_BENCH, 'HINT': h},\n"
+        "                    None, A.MERGE_BENCH_DIV, 3)\n"
+        "    print(h, 'none' if r is None else f'{r.registers} {r.spill_stores} '\n"
+        "          f'{r.spill_loads}')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r[0]: r[1:] for r in (line.split() for line in proc.stdout.splitlines())}
+    if "none" in rows.get("0", []) or "none" in rows.get("2", []):
+        pytest.skip(f"no ptxas here assembles Triton's PTX:\n{proc.stdout}")
+    (plain, *_), (fill, stores, loads) = (tuple(map(int, rows[k])) for k in ("0", "2"))
+    assert (stores, loads) == (0, 0) and fill <= plain, proc.stdout
