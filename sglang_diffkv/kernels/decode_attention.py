@@ -841,7 +841,7 @@ class DecodeAttentionPlan:
 
 
 # How the merge pass fills the fused argmin's records (its HINT constexpr): "loop" in the
-# score loop (session 43's design), "pass" in a second loop over the stored scores.
+# score loop (the first design), "pass" in a second loop over the stored scores.
 HINT_FILLS = {"loop": 1, "pass": 2}
 
 
