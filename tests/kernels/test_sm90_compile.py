@@ -13,12 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.compiler")
+def _run_compiler(*args: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repo root with TRITON_INTERPRET unset (the kernels' decorators
+    must build real JIT functions for Triton to compile them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "sglang_diffkv.kernels.aot_check"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.compiler")
+    proc = _run_compiler("-m", "sglang_diffkv.kernels.aot_check")
     out = proc.stdout + proc.stderr
     if proc.returncode != 0 and "ptxas" in out.lower() and "FAILED" not in out:
         pytest.skip(f"no ptxas for ahead-of-time compilation:\n{out[-500:]}")
@@ -38,10 +44,7 @@ def test_prompt_end_scoring_does_not_spill():
         "        r = A.registers(m, n, cx, *p)\n"
         "        print(n, 'none' if r is None else f'{r.registers} {r.spill_stores} '\n"
         "              f'{r.spill_loads}')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = _run_compiler("-c", code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert [r[0] for r in rows] == ["_lse_kernel", "_colsum_kernel"], proc.stdout
@@ -55,7 +58,7 @@ def test_merge_pass_argmin_fill_keeps_the_plain_registers():
     """The fused argmin's "pass" fill (``decode_attention.HINT_FILLS``) adds no register to
     the merge pass at the benchmark's specialisation (``aot_check.MERGE_BENCH``) and
     spills nothing; the "loop" fill raised it 72 -> 106 under Triton 3.6 (7 -> 4 blocks per
-    SM, session 44's ncu)."""
+    SM, as Nsight Compute measured it on an H200)."""
     pytest.importorskip("triton.backends.compiler")
     code = (
         "from sglang_diffkv.kernels import aot_check as A\n"
@@ -64,10 +67,7 @@ def test_merge_pass_argmin_fill_keeps_the_plain_registers():
         "                    None, A.MERGE_BENCH_DIV, 3)\n"
         "    print(h, 'none' if r is None else f'{r.registers} {r.spill_stores} '\n"
         "          f'{r.spill_loads}')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = _run_compiler("-c", code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r[0]: r[1:] for r in (line.split() for line in proc.stdout.splitlines())}
     if "none" in rows.get("0", []) or "none" in rows.get("2", []):
