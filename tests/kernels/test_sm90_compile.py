@@ -22,6 +22,21 @@ def _run_compiler(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def _ptxas_rows(loop: str) -> list[list[str]]:
+    """``[label, registers, spill stores, spill loads]`` per kernel that ``loop`` (a for loop
+    over aot_check ``A`` setting ``label`` and ``r = A.registers(...)`` for each) selects;
+    skips the test where no ptxas here assembles Triton's PTX."""
+    code = ("from sglang_diffkv.kernels import aot_check as A\n" + loop
+            + "    print(label, 'none' if r is None else "
+              "f'{r.registers} {r.spill_stores} {r.spill_loads}')\n")
+    proc = _run_compiler("-c", code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    if any(r[1] == "none" for r in rows):
+        pytest.skip(f"no ptxas here assembles Triton's PTX:\n{proc.stdout}")
+    return rows
+
+
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.compiler")
     proc = _run_compiler("-m", "sglang_diffkv.kernels.aot_check")
@@ -37,19 +52,12 @@ def test_prompt_end_scoring_does_not_spill():
     not (255 registers and spills in ``_lse_kernel``, a 7.8 KB stack frame in
     ``_colsum_kernel``)."""
     pytest.importorskip("triton.backends.compiler")
-    code = (
-        "from sglang_diffkv.kernels import aot_check as A\n"
+    rows = _ptxas_rows(
         "for m, n, cx, *p in A.KERNELS:\n"
-        "    if n in ('_lse_kernel', '_colsum_kernel') and cx.get('EXT'):\n"
-        "        r = A.registers(m, n, cx, *p)\n"
-        "        print(n, 'none' if r is None else f'{r.registers} {r.spill_stores} '\n"
-        "              f'{r.spill_loads}')\n")
-    proc = _run_compiler("-c", code)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines()]
-    assert [r[0] for r in rows] == ["_lse_kernel", "_colsum_kernel"], proc.stdout
-    if any(r[1] == "none" for r in rows):
-        pytest.skip(f"no ptxas here assembles Triton's PTX:\n{proc.stdout}")
+        "    if n not in ('_lse_kernel', '_colsum_kernel') or not cx.get('EXT'):\n"
+        "        continue\n"
+        "    label, r = n, A.registers(m, n, cx, *p)\n")
+    assert [r[0] for r in rows] == ["_lse_kernel", "_colsum_kernel"], rows
     for name, regs, stores, loads in rows:
         assert (int(stores), int(loads)) == (0, 0), (name, regs, stores, loads)
 
@@ -60,17 +68,9 @@ def test_merge_pass_argmin_fill_keeps_the_plain_registers():
     spills nothing; the "loop" fill raised it 72 -> 106 under Triton 3.6 (7 -> 4 blocks per
     SM, as Nsight Compute measured it on an H200)."""
     pytest.importorskip("triton.backends.compiler")
-    code = (
-        "from sglang_diffkv.kernels import aot_check as A\n"
-        "for h in (0, 2):\n"
-        "    r = A.registers('decode_attention', '_merge_kernel', {**A.MERGE_BENCH, 'HINT': h},\n"
-        "                    None, A.MERGE_BENCH_DIV, 3)\n"
-        "    print(h, 'none' if r is None else f'{r.registers} {r.spill_stores} '\n"
-        "          f'{r.spill_loads}')\n")
-    proc = _run_compiler("-c", code)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {r[0]: r[1:] for r in (line.split() for line in proc.stdout.splitlines())}
-    if "none" in rows.get("0", []) or "none" in rows.get("2", []):
-        pytest.skip(f"no ptxas here assembles Triton's PTX:\n{proc.stdout}")
+    rows = {r[0]: r[1:] for r in _ptxas_rows(
+        "for label in (0, 2):\n"
+        "    r = A.registers('decode_attention', '_merge_kernel',\n"
+        "                    {**A.MERGE_BENCH, 'HINT': label}, None, A.MERGE_BENCH_DIV, 3)\n")}
     (plain, *_), (fill, stores, loads) = (tuple(map(int, rows[k])) for k in ("0", "2"))
-    assert (stores, loads) == (0, 0) and fill <= plain, proc.stdout
+    assert (stores, loads) == (0, 0) and fill <= plain, rows
