@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sglang_diffkv.serving_io.sglang_log import _SERVER_ARGS, parse_server_args
+from sglang_diffkv.serving_io.sglang_log import SERVER_ARGS_LINE, parse_server_args
 
 STRICT = "ignore_eos_strict"
 RATIO = "new_token_ratio"
@@ -42,7 +42,7 @@ def logged_disable_radix(text: str) -> bool | None:
     """The resolved ``disable_radix_cache`` of the first ``server_args=ServerArgs(...)`` log
     line in ``text``, or None where there is none."""
     for line in text.splitlines():
-        if m := _SERVER_ARGS.search(line):
+        if m := SERVER_ARGS_LINE.search(line):
             v = parse_server_args(m.group(1)).get("disable_radix_cache")
             return None if v not in ("True", "False") else v == "True"
     return None
