@@ -39,7 +39,7 @@ from sglang_diffkv.kernels import (
     decode_compaction_reference,
     prefill_scores,
 )
-from sglang_diffkv.kernels.decode_attention import VARIANTS
+from sglang_diffkv.kernels.decode_attention import VARIANTS, resolve_variant
 from sglang_diffkv.kernels.decode_policy import (
     ARGMIN_BLOCK,
     ARGMIN_PROGRAMS,
@@ -176,6 +176,15 @@ def decode_rows(copy_bw: float, quick: bool, variants: list[str],
 # ``:<letter><N>`` options of a variant spec -> the plan keyword they set
 VARIANT_OPTIONS = {"s": "num_stages", "p": "target_programs", "w": "merge_warps",
                    "t": "merge_tile"}
+
+
+def serving_variant() -> str:
+    """The split-K pass a served plan of the benchmark's shape runs here (``--variants
+    auto``): what ``DecodeAttentionPlan``'s default resolves to, said once."""
+    v = resolve_variant("auto", PageGeometry.build(D, K8V4, K4V2), HQ // HKV, 1,
+                        torch.device(DEV))
+    print(f"--variants auto: {v} (the split-K pass serving runs here)", flush=True)
+    return v
 
 
 def variant_plan(spec: str) -> dict:
@@ -829,15 +838,17 @@ def main() -> int:
                          "compaction, policy, fused (the fused argmin's A/B)")
     ap.add_argument("--fused-cases", default=",".join(f"{b}x{c}" for b, c in FUSED_CASES),
                     help="BATCHxCONTEXT cases of the fused section (comma-separated)")
-    ap.add_argument("--variants", default="base",
-                    help=f"decode attention variants, comma-separated: NAME[@REGS] with NAME "
+    ap.add_argument("--variants", default="auto",
+                    help=f"decode attention variants, comma-separated: auto (the default: the "
+                         f"split-K pass serving runs on this machine, cuda where it can run, "
+                         f"else asm) or NAME[@REGS] with NAME "
                          f"in {', '.join(VARIANTS)} and REGS a register cap (0: none)")
     ap.add_argument("--batches", default="", help="decode batches (default: the issue's grid)")
     ap.add_argument("--contexts", default="", help="decode contexts (default: the grid)")
     ap.add_argument("--stage-cases", default="32x16384",
                     help="BATCHxCONTEXT cases the stages section times (comma-separated)")
     args = ap.parse_args()
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [serving_variant() if v == "auto" else v for v in args.variants.split(",") if v]
     for v in variants:
         variant_plan(v)  # fail before any GPU time is spent
     out = Path(args.out)
