@@ -6,11 +6,15 @@ import pytest
 
 from sglang_diffkv.bench import admission as adm
 from sglang_diffkv.bench.e2e import format_table
+from sglang_diffkv.bench.logstats import startup_info
+from sglang_diffkv.serving_io.sglang_log import parse_server_log
 
 LOG_OFF = ("[2026-11-25 02:27:34] server_args=ServerArgs(model_path='/tmp/m', "
            "attention_backend='diffkv', tp_size=1, disable_radix_cache=True, "
            "cuda_graph_config={'decode': {'max_bs': 256}}, chunked_prefill_size=-1)")
 LOG_ON = LOG_OFF.replace("disable_radix_cache=True", "disable_radix_cache=False")
+# the start-up line a ready server has logged (parse_server_log requires it)
+POOL = "[2026-11-25 02:27:50 TP0] max_total_num_tokens=1000, max_running_requests=64\n"
 
 
 @pytest.mark.parametrize("ignore_eos,off,rule", [
@@ -21,10 +25,14 @@ def test_rule_is_strict_only_with_ignore_eos_and_the_radix_cache_off(ignore_eos,
     assert adm.admission_rule(ignore_eos, off) == rule
 
 
-def test_the_logged_resolved_value() -> None:
-    assert adm.logged_disable_radix("noise\n" + LOG_OFF + "\n") is True
-    assert adm.logged_disable_radix(LOG_ON) is False
-    assert adm.logged_disable_radix("server_args: --port 1") is None
+def test_the_logged_resolved_value(tmp_path) -> None:
+    def logged(text: str) -> bool | None:
+        (log := tmp_path / "server.log").write_text(text + "\n" + POOL)
+        return adm.logged_disable_radix(parse_server_log(log).server_args)
+
+    assert logged("noise\n" + LOG_OFF + "\n") is True
+    assert logged(LOG_ON) is False
+    assert logged("server_args: --port 1") is None
 
 
 @pytest.mark.parametrize("argv,backend,off", [
@@ -42,14 +50,15 @@ def test_the_launch_command_implies_the_radix_setting(argv, backend, off) -> Non
 
 def test_the_server_log_outranks_the_launch_command(tmp_path) -> None:
     log = tmp_path / "server.log"
-    log.write_text("[t] starting\n" + LOG_OFF + "\n")
+    log.write_text("[t] starting\n" + LOG_OFF + "\n" + POOL)
     # e.g. SGLang forced the radix cache off for this model: the log is what ran
-    assert adm.radix_disabled([], "triton", log) == (True, "server log")
-    log.write_text("[t] server_args: --port 1\n")
-    assert adm.radix_disabled(["--disable-radix-cache"], "triton", log) == (
+    logged = startup_info(log)["disable_radix_cache"]
+    assert adm.radix_disabled([], "triton", logged) == (True, "server log")
+    log.write_text("[t] server_args: --port 1\n" + POOL)
+    logged = startup_info(log)["disable_radix_cache"]
+    assert adm.radix_disabled(["--disable-radix-cache"], "triton", logged) == (
         True, "launch command")
-    assert adm.radix_disabled([], "triton", tmp_path / "absent.log") == (False,
-                                                                          "launch command")
+    assert adm.radix_disabled([], "triton", None) == (False, "launch command")
 
 
 def _run(config: str, workload: str, rule: str | None, label: str | None = None) -> dict:

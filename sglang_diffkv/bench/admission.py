@@ -17,19 +17,17 @@ same radix flag (``--server-args --disable-radix-cache`` or none) to every confi
 
 The server's resolved ``disable_radix_cache`` is read from its log (SGLang logs
 ``server_args=ServerArgs(...)`` after ``__post_init__``, so DiffKV's own forcing, e.g. with
-``--tp-size > 1``, and SGLang's, e.g. for some models, are in it). Where the log has no such
-line (a fake server, a start that failed early) the launch command decides: the flag itself,
-or for ``--attention-backend diffkv`` a tensor-parallel size above 1
+``--tp-size > 1``, and SGLang's, e.g. for some models, are in it; ``parse_server_log``
+keeps that line as ``ServerLog.server_args``, which ``logstats.startup_info`` reads). Where
+the log has no such line (a fake server, a start that failed early) the launch command
+decides: the flag itself, or for ``--attention-backend diffkv`` a tensor-parallel size above 1
 (``sglang_diffkv.sglang.args.apply_radix_setting`` then forces the radix cache off).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-
-from sglang_diffkv.serving_io.sglang_log import SERVER_ARGS_LINE, parse_server_args
 
 STRICT = "ignore_eos_strict"
 RATIO = "new_token_ratio"
@@ -38,14 +36,11 @@ SHORT = {STRICT: "strict", RATIO: "ratio"}
 _TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
 
 
-def logged_disable_radix(text: str) -> bool | None:
-    """The resolved ``disable_radix_cache`` of the first ``server_args=ServerArgs(...)`` log
-    line in ``text``, or None where there is none."""
-    for line in text.splitlines():
-        if m := SERVER_ARGS_LINE.search(line):
-            v = parse_server_args(m.group(1)).get("disable_radix_cache")
-            return None if v not in ("True", "False") else v == "True"
-    return None
+def logged_disable_radix(server_args: Mapping[str, str]) -> bool | None:
+    """The resolved ``disable_radix_cache`` of a server's logged arguments
+    (``ServerLog.server_args``), or None where the log holds none."""
+    v = server_args.get("disable_radix_cache")
+    return None if v not in ("True", "False") else v == "True"
 
 
 def _tp_size(argv: Sequence[str]) -> int:
@@ -71,17 +66,11 @@ def argv_disable_radix(argv: Sequence[str], attention_backend: str | None) -> bo
 
 
 def radix_disabled(argv: Sequence[str], attention_backend: str | None,
-                   log_path: str | Path | None = None) -> tuple[bool, str]:
-    """(the server's ``disable_radix_cache``, where it was read: ``server log`` or
-    ``launch command``)."""
-    if log_path is not None:
-        try:
-            with open(log_path, errors="replace") as f:
-                for line in f:
-                    if "server_args=" in line and (v := logged_disable_radix(line)) is not None:
-                        return v, "server log"
-        except OSError:
-            pass
+                   logged: bool | None = None) -> tuple[bool, str]:
+    """(the server's ``disable_radix_cache``, where it was read: ``server log`` when the log
+    gave it, ``logged`` from ``logged_disable_radix``, else ``launch command``)."""
+    if logged is not None:
+        return logged, "server log"
     return argv_disable_radix(argv, attention_backend), "launch command"
 
 

@@ -553,7 +553,7 @@ class Harness:
             info["startup_s"] = ready
             self.start_est = ready + 15
             info.update(startup_info(log_path, server.log_size()))
-            self._admission(cfg, argv, log_path)
+            self._admission(cfg, argv)
             self.say(f"{cfg.name}: ready after {ready:.0f} s; pool "
                      f"{info.get('max_total_num_tokens')} tokens, max running "
                      f"{info.get('max_running_requests')}")
@@ -566,11 +566,14 @@ class Harness:
             info["stop_s"] = server.stop()
             self.say(f"{cfg.name}: stopped in {info['stop_s']:.0f} s")
 
-    def _admission(self, cfg: ServerConfig, argv: list[str], log_path: Path) -> None:
-        """Record the server's resolved radix setting and the admission rule it gives the
-        bench's (ignore_eos) requests (sglang_diffkv.bench.admission)."""
+    def _admission(self, cfg: ServerConfig, argv: list[str]) -> None:
+        """Record the server's resolved radix setting (its start-up log's, which
+        ``startup_info`` read into the config's info, else the launch command's) and the
+        admission rule it gives the bench's (ignore_eos) requests
+        (sglang_diffkv.bench.admission)."""
         info = self.configs[cfg.name]
-        off, where = adm.radix_disabled(argv, cfg.attention_backend, log_path)
+        off, where = adm.radix_disabled(argv, cfg.attention_backend,
+                                        info.get("disable_radix_cache"))
         rule = adm.admission_rule(cl.SENDS_IGNORE_EOS, off)
         info.update({"disable_radix_cache": off, "disable_radix_cache_from": where,
                      "admission_rule": rule})

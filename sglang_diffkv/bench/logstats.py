@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.bench.admission import logged_disable_radix
 from sglang_diffkv.serving_io.errors import InputError
 from sglang_diffkv.serving_io.profile_lines import (
     HOST_LINE_RE,
@@ -242,14 +243,17 @@ def slice_stats(path: str | Path, start: int = 0, end: int | None = None) -> dic
 
 
 def startup_info(path: str | Path, end: int | None = None) -> dict[str, Any]:
-    """Pool size, max running requests, the KV allocation line and DiffKV's start-up report."""
+    """Pool size, max running requests, the resolved ``disable_radix_cache`` (None where the
+    log has no ``server_args`` line), the KV allocation line and DiffKV's start-up report."""
     text = read_slice(path, 0, end)
     lines = [strip_prefix(ln) for ln in text.splitlines()]
-    out: dict[str, Any] = {"max_total_num_tokens": None, "max_running_requests": None}
+    out: dict[str, Any] = {"max_total_num_tokens": None, "max_running_requests": None,
+                           "disable_radix_cache": None}
     try:
         log = parse_server_log(path)
         out["max_total_num_tokens"] = log.max_total_num_tokens
         out["max_running_requests"] = log.max_running_requests
+        out["disable_radix_cache"] = logged_disable_radix(log.server_args)
     except InputError:
         pass
     out["kv_alloc"] = next((m.group(0) for ln in lines if (m := _KV_ALLOC.search(ln))), None)

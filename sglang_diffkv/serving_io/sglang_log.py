@@ -46,7 +46,7 @@ _PREFILL = re.compile(
     r"(?:full )?token usage: " + _NUM + r".*?#running-req: (\d+)")
 _INPUT = re.compile(r"input throughput \(token/s\): " + _NUM)
 _GRAPH = re.compile(r"cuda graph: (True|False)")
-SERVER_ARGS_LINE = re.compile(r"server_args=ServerArgs\((.*)\)\s*$")
+_SERVER_ARGS = re.compile(r"server_args=ServerArgs\((.*)\)\s*$")
 _ARG = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\[[^\]]*\]|\{[^}]*\}|"
                   r"\w+\([^)]*\)|[^,()\[\]{}]+)")
 _RETRACT = re.compile(r"#retracted-req: (\d+)|Retract requests: (\d+)|retract(?:ed)? (\d+) req",
@@ -128,7 +128,7 @@ def parse_server_log(path: str | Path) -> ServerLog:
     log = ServerLog(str(p))
     after_prefill = False    # the last scheduler line was a Prefill line
     for no, line in enumerate(text.splitlines(), start=1):
-        if not log.server_args and (sa := SERVER_ARGS_LINE.search(line)):
+        if not log.server_args and (sa := _SERVER_ARGS.search(line)):
             log.server_args = parse_server_args(sa.group(1))
             continue
         if log.max_total_num_tokens is None and (m := _POOL.search(line)):
