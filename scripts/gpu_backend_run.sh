@@ -24,12 +24,7 @@
 # BUDGET_S (default 540) bounds the run; each step is skipped when too little is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RES=${OUT:-/tmp/diffkv_gpu}; LOGS=$RES/logs; mkdir -p "$LOGS"
-SUMMARY=$RES/summary.txt; : > "$SUMMARY"
-say() { echo "$*" | tee -a "$SUMMARY"; }
-T0=$(date +%s); BUDGET_S=${BUDGET_S:-540}
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-export PYTHONUNBUFFERED=1
+source scripts/_gpu_prologue.sh /tmp/diffkv_gpu 540
 
 source scripts/device_install.sh "$LOGS/install.log" > "$RES/install.txt" 2>&1
 rc=$?; cat "$RES/install.txt" >> "$SUMMARY"; cat "$RES/install.txt"; rm -f "$RES/install.txt"

@@ -31,12 +31,7 @@
 # logs.tar.gz (server.log, fuzz.log, install.log). Exit 0 only when everything passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RES=${OUT:-/tmp/diffkv_fuzz}; LOGS=$RES/logs; mkdir -p "$LOGS"
-SUMMARY=$RES/summary.txt; : > "$SUMMARY"
-say() { echo "$*" | tee -a "$SUMMARY"; }
-T0=$(date +%s); BUDGET_S=${BUDGET_S:-560}
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-export PYTHONUNBUFFERED=1
+source scripts/_gpu_prologue.sh /tmp/diffkv_fuzz 560
 # one descriptor per open stream on both sides; the server inherits the raised limit
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 

@@ -66,12 +66,7 @@
 # files, inside the tool's eight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RES=${OUT:-/tmp/diffkv_pd}; LOGS=$RES/logs; mkdir -p "$LOGS"
-SUMMARY=$RES/summary.txt; : > "$SUMMARY"
-say() { echo "$*" | tee -a "$SUMMARY"; }
-T0=$(date +%s); BUDGET_S=${BUDGET_S:-560}
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-export PYTHONUNBUFFERED=1
+source scripts/_gpu_prologue.sh /tmp/diffkv_pd 560
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 TRACE=${PD_TRACE:-azure-conv}; RATES=${PD_RATES:-2,4,8}
 WINDOW_S=${PD_WINDOW_S:-45}; DRAIN_S=${PD_DRAIN_S:-60}
