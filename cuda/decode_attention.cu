@@ -347,9 +347,12 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
     float mx = s[0][0];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
-    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+    // m_ref is uniform over a head's quad, so "some thread's own max passes the threshold"
+    // equals "the quad's max does": the quad reduction (two shuffles per page) can wait for
+    // the rare rescale, which the branch is warp-uniform to take (same decision, same bits)
     if (__any_sync(kFull, mx > m_ref + kLazyRescale)) {
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
       const float m_new = fmaxf(m_ref, mx);
       const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m_ref - m_new);
       m_ref = m_new;
