@@ -18,8 +18,12 @@
 //   sigma) masked into the low bits of an fp16 is the subnormal c * sigma * 2^-24, exact,
 //   and tensor cores multiply subnormals exactly. The 2^24 / sigma goes into q (keys: q is
 //   pre-scaled by 1 / sigma per dim) or into the final un-scaling (values, per output row).
-// * The QK accumulator fragment (rows = heads, columns = tokens) is, in fp16, exactly the
-//   B fragment of the PV MMA (the FlashAttention-2 register reuse).
+// * High tier: the QK accumulator fragment (rows = heads, columns = tokens) is, in fp16,
+//   exactly the B fragment of the PV MMA (the FlashAttention-2 register reuse). Rows 8..15
+//   of that MMA are padding (at most 8 heads).
+// * Low tier: S^T = K q^T instead. A warp's 16 tokens fill all 16 rows of the A operand (no
+//   padding rows: half the QK MMAs, and q is a plain B fragment), and one movmatrix.trans
+//   per 8x8 block brings the probabilities into the PV B layout (see tier_partition).
 // * Four warps split each page's tokens (8 per warp for the high tier, 16 for the low one)
 //   and keep their own online softmax; they meet once per partition, in shared memory.
 //   Each warp keeps its running max lazily: it rescales only when a new max exceeds the
@@ -93,6 +97,15 @@ __device__ __forceinline__ void mma_k8(float (&c)[4], uint32_t a0, uint32_t a1, 
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// Transpose of an 8x8 b16 matrix held in the m8n8 fragment layout (thread l holds row l / 4,
+// columns 2 (l % 4) + {0, 1}): afterwards it holds the same positions of the transpose.
+// Warp-collective: volatile so that it is never sunk into a branch that only some lanes take.
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // 2^x on the SFU without exp2f's subnormal-range fix-up (an underflow to 0 is what we want)
@@ -260,19 +273,28 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
     qsum += __shfl_xor_sync(kFull, qsum, 1);
     qsum += __shfl_xor_sync(kFull, qsum, 2);
   }
-  // MMA rows 8..15 (no query head): a zero ptxas cannot see through, so it keeps the
-  // fragment quads allocated instead of re-zeroing their padding registers every page
+  // the high tier's MMA rows 8..15 (no query head): a zero ptxas cannot see through, so it
+  // keeps the fragment quads allocated instead of re-zeroing their padding registers per page
   const uint32_t pad = static_cast<uint32_t>(a.group) >> 31;
   const float qsum2 = qsum * a.qk_scale;
   const float key_unit = kTwo24 * a.qk_scale;
+  // low tier: the sums of this thread's two logit heads 2c, 2c + 1 (lanes 8c and 8c + 4)
+  float qs2[2] = {0.f, 0.f};
+  if constexpr (LOW) {
+    qs2[0] = __shfl_sync(kFull, qsum2, 8 * c);
+    qs2[1] = __shfl_sync(kFull, qsum2, 8 * c + 4);
+  }
 
   // ---- per-thread byte offsets inside a page. Slots run up to the tier's power-of-two
   // tile (past tokens_per_page for the last warp); the host checks every segment has room
   // for that many slots inside the page, so no clamping is needed: those slots read
   // in-page bytes that the masks below discard. ----
   const int k_off = t.key_offset + (warp * TPW + gq) * KDB + c * KCH;
-  const int km_off = t.key_meta_offset + (warp * TPW + 2 * c) * 4;
-  const int vm_off = t.value_meta_offset + (warp * TPW + 2 * c) * 4;
+  // metadata (one 4-byte word per token) of the tokens whose logits the thread holds: high
+  // tier, tokens 2c, 2c + 1 of each n-tile (QK C columns); low tier, token gq (S^T C rows)
+  const int meta_tok = warp * TPW + (LOW ? gq : 2 * c);
+  const int km_off = t.key_meta_offset + meta_tok * 4;
+  const int vm_off = t.value_meta_offset + meta_tok * 4;
   const int v_off = t.value_offset + (warp * TPW + 2 * c) * VDB + gq * VCH;
 
   const int n_pages = (n_tok + N - 1) / N;
@@ -285,17 +307,21 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
   // (loop-carried pointers: ptxas would otherwise recompute the 64-bit products per page)
   __half* p_row = a.p + ((buf * a.iters_max) * G + gq) * a.row_stride + warp * TPW + 2 * c;
   const int p_iter_stride = G * a.row_stride;
-  float* mit_row = a.mit + ((buf * a.iters_max) * kWarps + warp) * G + gq;
+  // (low tier: lanes 0..7 store it, head 2c + gq)
+  float* mit_row = a.mit + ((buf * a.iters_max) * kWarps + warp) * G + (LOW ? 2 * c + gq : gq);
 
   float acc[MT][4];
 #pragma unroll
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m_ref = -INFINITY, l_part = 0.f, z_part = 0.f;
+  float m_ref = -INFINITY, l_part = 0.f, z_part = 0.f;  // high tier: head gq
+  // low tier: heads 2c, 2c + 1; m_lo[e] is uniform over the 8 lanes c, c + 4, ..., c + 28
+  float m_lo[2] = {-INFINITY, -INFINITY}, l_lo[2] = {0.f, 0.f}, z_lo[2] = {0.f, 0.f};
 
+  using Meta = std::conditional_t<LOW, uint32_t, uint2>;  // metadata words per n-tile
   struct Page {
     Words<KW> k[NT];
     Words<VW> v[NVT];
-    uint2 km[NT], vm[NT];
+    Meta km[NT], vm[NT];
   };
   // fragments of one page from its base address (global memory, or a shared-memory stage)
   auto load_page = [&](const uint8_t* base, auto global) {
@@ -308,8 +334,8 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       pg.k[nt] = load_words<KW, GL>(kp + nt * 8 * KDB);
-      pg.km[nt] = load_vec<GL, uint2>(kmp + nt * 32);
-      pg.vm[nt] = load_vec<GL, uint2>(vmp + nt * 32);
+      pg.km[nt] = load_vec<GL, Meta>(kmp + nt * 32);
+      pg.vm[nt] = load_vec<GL, Meta>(vmp + nt * 32);
     }
 #pragma unroll
     for (int i = 0; i < NVT; ++i) {
@@ -323,82 +349,185 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
 
   auto process = [&](const Page& cur, int pl) {
     const int live = min(N, n_tok - pl * N);  // valid slots of this page
-    // ---- logits: S = q K^T, columns = this warp's tokens ----
-    float s[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    if constexpr (LOW) {
+      static_assert(NT == 2, "S^T = K q^T: the warp's 16 tokens are one m16 tile");
+      // ---- logits: S^T = K q^T. A = keys, rows = the warp's tokens: a0 / a2 are token gq's
+      // fragments (n-tile 0), a1 / a3 token 8 + gq's (n-tile 1), at the same k positions
+      // (the thread's own dims, key_dim) as the high tier's B; so qa serves as B unchanged
+      // (b0 / b1: head gq, k 2c, 2c + 1 / 2c + 8, 2c + 9). No padding rows.
+      // Invariant: cc[2t + e] = logit of token warp * TPW + 8t + gq, head 2c + e. ----
       float cc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
-        mma_k16(cc, qa[j][0], pad, qa[j][1], pad, key_frag<KB>(cur.k[nt].w, 2 * j),
-                key_frag<KB>(cur.k[nt].w, 2 * j + 1));
+        mma_k16(cc, key_frag<KB>(cur.k[0].w, 2 * j), key_frag<KB>(cur.k[1].w, 2 * j),
+                key_frag<KB>(cur.k[0].w, 2 * j + 1), key_frag<KB>(cur.k[1].w, 2 * j + 1),
+                qa[j][0], qa[j][1]);
       }
-      const __half2* km = reinterpret_cast<const __half2*>(&cur.km[nt]);
+      float s[2][2];  // [token t][head e], as cc
+      bool ok[2];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        ok[t] = warp * TPW + 8 * t + gq < live;
+        const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.km[t]));
+        const float ks = sz.x * key_unit;  // the token's scale, shared by both heads
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[t][e] = ok[t] ? cc[2 * t + e] * ks + sz.y * qs2[e] : -INFINITY;
+        }
+      }
+
+      // ---- online softmax with a lazily raised reference max, per head ----
+      // A head's logits are spread over the 8 lanes of one quad lane c (2 tokens each), and
+      // m_lo[e] is uniform over them: "some lane's own max passes the threshold" equals "the
+      // head's max does", so the reduction (3 shuffle levels, lanes xor 4, 8, 16) waits for
+      // the rare rescale, which the branch is warp-uniform to take.
+      float mx[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) mx[e] = fmaxf(s[0][e], s[1][e]);
+      if (__any_sync(kFull, mx[0] > m_lo[0] + kLazyRescale || mx[1] > m_lo[1] + kLazyRescale)) {
+        float al[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFull, mx[e], 4));
+          mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFull, mx[e], 8));
+          mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFull, mx[e], 16));
+          const float m_new = fmaxf(m_lo[e], mx[e]);
+          al[e] = m_new == -INFINITY ? 1.f : fast_exp2(m_lo[e] - m_new);
+          m_lo[e] = m_new;
+          l_lo[e] *= al[e];
+          z_lo[e] *= al[e];
+        }
+        // the PV accumulator's columns are heads 2c, 2c + 1: the thread's own alphas
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          acc[i][0] *= al[0], acc[i][1] *= al[1], acc[i][2] *= al[0], acc[i][3] *= al[1];
+        }
+      }
+      float p[2][2];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) p[t][e] = ok[t] ? fast_exp2(s[t][e] - m_lo[e]) : 0.f;
+      }
+      // pb[t]: (p, head 2c | p, head 2c + 1) of token 8t + gq, the stored probabilities;
+      // wb[t]: the same times the token's value scale (a masked token's metadata may be
+      // stale bytes (NaN): select, never multiply by 0)
+      uint32_t pb[2], wb[2];
+      float vz[2];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&cur.vm[t]));
+        vz[t] = v.y;
+        pb[t] = pack_h2(p[t][0], p[t][1]);
+        wb[t] = pack_h2(ok[t] ? p[t][0] * v.x : 0.f, ok[t] ? p[t][1] * v.x : 0.f);
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const bool ok = warp * TPW + nt * 8 + 2 * c + e < live;
-        const float2 sz = __half22float2(km[e]);  // (scale, zero)
-        const float logit = cc[e] * sz.x * key_unit + sz.y * qsum2;
-        s[nt][e] = ok ? logit : -INFINITY;
+        l_lo[e] += p[0][e] + p[1][e];
+        z_lo[e] += (ok[0] ? p[0][e] * vz[0] : 0.f) + (ok[1] ? p[1][e] * vz[1] : 0.f);
       }
-    }
-
-    // ---- online softmax with a lazily raised reference max ----
-    float mx = s[0][0];
+      // Each of pb[t], wb[t] is an 8x8 (token 8t + row, head col) block in the m8n8 fragment
+      // layout; transposed, thread (gq, c) holds head gq, tokens 8t + 2c, 8t + 2c + 1: the
+      // high tier's layout, so the stores below and the PV B fragment are as there.
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
-    // m_ref is uniform over a head's quad, so "some thread's own max passes the threshold"
-    // equals "the quad's max does": the quad reduction (two shuffles per page) can wait for
-    // the rare rescale, which the branch is warp-uniform to take (same decision, same bits)
-    if (__any_sync(kFull, mx > m_ref + kLazyRescale)) {
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-      const float m_new = fmaxf(m_ref, mx);
-      const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m_ref - m_new);
-      m_ref = m_new;
-      l_part *= alpha;
-      z_part *= alpha;
-      const float al0 = __shfl_sync(kFull, alpha, 8 * c);      // head 2c
-      const float al1 = __shfl_sync(kFull, alpha, 8 * c + 4);  // head 2c + 1
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        acc[i][0] *= al0, acc[i][1] *= al1, acc[i][2] *= al0, acc[i][3] *= al1;
+      for (int t = 0; t < 2; ++t) {
+        pb[t] = transpose8x8(pb[t]);
+        wb[t] = transpose8x8(wb[t]);
       }
-    }
-    uint32_t wb[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const __half2* vm = reinterpret_cast<const __half2*>(&cur.vm[nt]);
-      const float2 v0 = __half22float2(vm[0]), v1 = __half22float2(vm[1]);
-      // a masked token's metadata may be stale bytes (NaN): select, never multiply by 0
-      const bool ok0 = s[nt][0] != -INFINITY, ok1 = s[nt][1] != -INFINITY;
-      const float p0 = ok0 ? fast_exp2(s[nt][0] - m_ref) : 0.f;
-      const float p1 = ok1 ? fast_exp2(s[nt][1] - m_ref) : 0.f;
-      l_part += p0 + p1;
-      z_part += (ok0 ? p0 * v0.y : 0.f) + (ok1 ? p1 * v1.y : 0.f);
-      wb[nt] = pack_h2(ok0 ? p0 * v0.x : 0.f, ok1 ? p1 * v1.x : 0.f);
       if (gq < G) {
-        *reinterpret_cast<__half2*>(p_row + nt * 8) = __floats2half2_rn(p0, p1);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) *reinterpret_cast<uint32_t*>(p_row + t * 8) = pb[t];
       }
-    }
-    if (c == 0 && gq < G) *mit_row = m_ref;
-    p_row += p_iter_stride;
-    mit_row += kWarps * G;
+      if (gq < 2 && 2 * c + gq < G) *mit_row = gq ? m_lo[1] : m_lo[0];
+      p_row += p_iter_stride;
+      mit_row += kWarps * G;
 
-    // ---- O^T += V^T P^T: rows = this thread group's dims, k = tokens, columns = heads ----
+      // ---- O^T += V^T P^T as in the high tier (k = tokens 2c, 2c + 1 | 8 + 2c, 9 + 2c) ----
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      if constexpr (NT == 1) {
-        mma_k8(acc[mt], value_frag<VB>(cur.v[0].w, cur.v[1].w, 2 * mt),
-               value_frag<VB>(cur.v[0].w, cur.v[1].w, 2 * mt + 1), wb[0]);
-      } else {
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_k16(acc[mt], value_frag<VB>(cur.v[0].w, cur.v[1].w, 2 * mt),
+                value_frag<VB>(cur.v[0].w, cur.v[1].w, 2 * mt + 1),
+                value_frag<VB>(cur.v[2].w, cur.v[3].w, 2 * mt),
+                value_frag<VB>(cur.v[2].w, cur.v[3].w, 2 * mt + 1), wb[0], wb[1]);
+      }
+    } else {
+      // ---- logits: S = q K^T, columns = this warp's tokens ----
+      float s[NT][2];
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-          const Words<VW>* v = cur.v + 4 * kk;
-          mma_k16(acc[mt], value_frag<VB>(v[0].w, v[1].w, 2 * mt),
-                  value_frag<VB>(v[0].w, v[1].w, 2 * mt + 1),
-                  value_frag<VB>(v[2].w, v[3].w, 2 * mt),
-                  value_frag<VB>(v[2].w, v[3].w, 2 * mt + 1), wb[2 * kk], wb[2 * kk + 1]);
+      for (int nt = 0; nt < NT; ++nt) {
+        float cc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < KSTEPS; ++j) {
+          mma_k16(cc, qa[j][0], pad, qa[j][1], pad, key_frag<KB>(cur.k[nt].w, 2 * j),
+                  key_frag<KB>(cur.k[nt].w, 2 * j + 1));
+        }
+        const __half2* km = reinterpret_cast<const __half2*>(&cur.km[nt]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const bool ok = warp * TPW + nt * 8 + 2 * c + e < live;
+          const float2 sz = __half22float2(km[e]);  // (scale, zero)
+          const float logit = cc[e] * sz.x * key_unit + sz.y * qsum2;
+          s[nt][e] = ok ? logit : -INFINITY;
+        }
+      }
+
+      // ---- online softmax with a lazily raised reference max ----
+      float mx = s[0][0];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
+      // m_ref is uniform over a head's quad, so "some thread's own max passes the threshold"
+      // equals "the quad's max does": the quad reduction (two shuffles per page) can wait for
+      // the rare rescale, which the branch is warp-uniform to take (same decision, same bits)
+      if (__any_sync(kFull, mx > m_ref + kLazyRescale)) {
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+        const float m_new = fmaxf(m_ref, mx);
+        const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m_ref - m_new);
+        m_ref = m_new;
+        l_part *= alpha;
+        z_part *= alpha;
+        const float al0 = __shfl_sync(kFull, alpha, 8 * c);      // head 2c
+        const float al1 = __shfl_sync(kFull, alpha, 8 * c + 4);  // head 2c + 1
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          acc[i][0] *= al0, acc[i][1] *= al1, acc[i][2] *= al0, acc[i][3] *= al1;
+        }
+      }
+      uint32_t wb[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const __half2* vm = reinterpret_cast<const __half2*>(&cur.vm[nt]);
+        const float2 v0 = __half22float2(vm[0]), v1 = __half22float2(vm[1]);
+        // a masked token's metadata may be stale bytes (NaN): select, never multiply by 0
+        const bool ok0 = s[nt][0] != -INFINITY, ok1 = s[nt][1] != -INFINITY;
+        const float p0 = ok0 ? fast_exp2(s[nt][0] - m_ref) : 0.f;
+        const float p1 = ok1 ? fast_exp2(s[nt][1] - m_ref) : 0.f;
+        l_part += p0 + p1;
+        z_part += (ok0 ? p0 * v0.y : 0.f) + (ok1 ? p1 * v1.y : 0.f);
+        wb[nt] = pack_h2(ok0 ? p0 * v0.x : 0.f, ok1 ? p1 * v1.x : 0.f);
+        if (gq < G) {
+          *reinterpret_cast<__half2*>(p_row + nt * 8) = __floats2half2_rn(p0, p1);
+        }
+      }
+      if (c == 0 && gq < G) *mit_row = m_ref;
+      p_row += p_iter_stride;
+      mit_row += kWarps * G;
+
+      // ---- O^T += V^T P^T: rows = this thread group's dims, k = tokens, columns = heads ----
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (NT == 1) {
+          mma_k8(acc[mt], value_frag<VB>(cur.v[0].w, cur.v[1].w, 2 * mt),
+                 value_frag<VB>(cur.v[0].w, cur.v[1].w, 2 * mt + 1), wb[0]);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < NT / 2; ++kk) {
+            const Words<VW>* v = cur.v + 4 * kk;
+            mma_k16(acc[mt], value_frag<VB>(v[0].w, v[1].w, 2 * mt),
+                    value_frag<VB>(v[0].w, v[1].w, 2 * mt + 1),
+                    value_frag<VB>(v[2].w, v[3].w, 2 * mt),
+                    value_frag<VB>(v[2].w, v[3].w, 2 * mt + 1), wb[2 * kk], wb[2 * kk + 1]);
+          }
         }
       }
     }
@@ -449,18 +578,37 @@ __device__ __forceinline__ void tier_partition(const SplitArgs& a, const TierArg
   }
 
   // ---- meet the other warps: common max, summed accumulators, in shared memory ----
-  l_part += __shfl_xor_sync(kFull, l_part, 1);
-  l_part += __shfl_xor_sync(kFull, l_part, 2);
-  z_part += __shfl_xor_sync(kFull, z_part, 1);
-  z_part += __shfl_xor_sync(kFull, z_part, 2);
   float* sm_m = smem;                             // [warp][head]
   float* sm_l = sm_m + kWarps * kMaxGroup;
   float* sm_z = sm_l + kWarps * kMaxGroup;
   float* sm_acc = sm_z + kWarps * kMaxGroup;      // [warp][head][D]
-  if (c == 0) {
-    sm_m[warp * kMaxGroup + gq] = m_ref;
-    sm_l[warp * kMaxGroup + gq] = l_part;
-    sm_z[warp * kMaxGroup + gq] = z_part;
+  if constexpr (LOW) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // head 2c + e: lanes c, c + 4, ..., c + 28
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) {
+        l_lo[e] += __shfl_xor_sync(kFull, l_lo[e], o);
+        z_lo[e] += __shfl_xor_sync(kFull, z_lo[e], o);
+      }
+    }
+    if (gq == 0) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sm_m[warp * kMaxGroup + 2 * c + e] = m_lo[e];
+        sm_l[warp * kMaxGroup + 2 * c + e] = l_lo[e];
+        sm_z[warp * kMaxGroup + 2 * c + e] = z_lo[e];
+      }
+    }
+  } else {
+    l_part += __shfl_xor_sync(kFull, l_part, 1);
+    l_part += __shfl_xor_sync(kFull, l_part, 2);
+    z_part += __shfl_xor_sync(kFull, z_part, 1);
+    z_part += __shfl_xor_sync(kFull, z_part, 2);
+    if (c == 0) {
+      sm_m[warp * kMaxGroup + gq] = m_ref;
+      sm_l[warp * kMaxGroup + gq] = l_part;
+      sm_z[warp * kMaxGroup + gq] = z_part;
+    }
   }
   __syncthreads();
   auto warp_weight = [&](int w, int head) {
