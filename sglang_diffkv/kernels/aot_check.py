@@ -22,7 +22,7 @@ import triton
 from sglang_diffkv.config import K4V2, K4V2_GROUPED, K8V4, K8V4_GROUPED
 from sglang_diffkv.kernels._tier import tier_constexprs
 from sglang_diffkv.kernels.decode_attention import TRITON_ASM
-from sglang_diffkv.kernels.decode_policy import SCAN_BLOCK, hash_constexprs
+from sglang_diffkv.kernels.decode_policy import POLICY_WARPS, SCAN_BLOCK, hash_constexprs
 from sglang_diffkv.kernels.extend_store import raw_segments
 from sglang_diffkv.kernels.prefill import bench_constexprs
 from sglang_diffkv.layout import PageGeometry
@@ -54,6 +54,8 @@ POINTERS = {  # pointer arguments and their element types; everything else is an
     "v": "*bf16", "starts": "*i64", "lens": "*i32",
 }
 FLOATS = {"qk_scale", "lse_mul"}
+# kernels launched with other than four warps (compiled as they launch: registers differ)
+LAUNCH_WARPS = {"_policy_kernel": POLICY_WARPS}
 KERNELS = [
     # every split-K variant (decode_attention.TRITON_ASM; ASM = inline PTX, which the CPU
     # tests cannot run, so this is where it is first compiled)
@@ -167,7 +169,8 @@ def compile_one(module: str, name: str, constexprs: dict,
              if signature[a].startswith("*") or a in divisible}
     src = ASTSource(fn, signature, constexprs, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "num_stages": num_stages})
+                            options={"num_warps": LAUNCH_WARPS.get(name, 4),
+                                     "num_stages": num_stages})
     return kernel.asm["ptx"]
 
 

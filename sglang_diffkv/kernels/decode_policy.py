@@ -464,6 +464,13 @@ def unpack_keys(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # docs/benchmarks.md session 8) 8-12% faster than 256 at 4k contexts (B 305 x 4k: 75 vs
 # 82 us), equal at 1k; 1024 is slower at B 128-305.
 SCAN_BLOCK = 512
+# Warps per policy program (one program per (request, KV head) row). Two, not four: the
+# row's scalar decision code runs in every warp of its program, and each D-wide reduction of
+# the quantisation (about twenty a row) crosses warps through shared memory and a barrier.
+# Measured on an H200 at batch 369 x 3,300 (docs/benchmarks.md, "The policy kernel's
+# warps"): the scan path 75.9 -> 69.6 us a layer, the fused path 28.1 -> 19.2; one warp
+# slows the scan (91.7: too few threads for the BT-token steps).
+POLICY_WARPS = 2
 
 
 @functools.lru_cache(maxsize=64)
@@ -600,7 +607,7 @@ def decode_policy_step(
         step.cut_hl, part, n_split, sh, s_sr, s_sh, hk, hs, h_sr, h_sh,
         PARALLEL=argmin == "parallel", SHARED=shared is not None, HINT=hints is not None,
         **_policy_constexprs(geometry, table.shape[-1], window, step.bench, scan_block),
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=POLICY_WARPS, enable_fp_fusion=False,
     )
     return DecodeDecision(action=step.action, hmin=step.hmin, lmin=step.lmin)
 
