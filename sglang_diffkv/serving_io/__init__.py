@@ -5,6 +5,8 @@ is validated against them. Imports the core package root only.
   errors         ``InputError``: the one exception a bad trace, log, record or option raises
                  (the simulator's and the bench's input errors are its subclasses)
   trace          the one internal trace schema: ``Trace``, ``TraceRequest``
+  json_file      ``read_json``: a JSON file (spec, calibration, run record) read and parsed,
+                 every failure one ``InputError`` line naming the file
   loaders        public trace formats (Mooncake, Azure, BurstGPT, SGLang custom) -> ``Trace``
   bundled        the small traces shipped in the ``traces`` package, by name
   writer         ``Trace`` -> Mooncake JSONL (what sglang.bench_serving and diffkv-sim replay)

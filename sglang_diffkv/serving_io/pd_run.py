@@ -46,7 +46,6 @@ memory (``same_gpu``, one GPU: into another process's buffer on GPU 0), one
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from sglang_diffkv.serving_io.errors import InputError
+from sglang_diffkv.serving_io.json_file import read_json
 
 SCHEMA = 1
 DEPLOYMENTS = ("pd", "colocated")
@@ -236,12 +236,7 @@ def _server(d: Any, where: str) -> PdServer:
 
 def read_pd_file(path: str | Path) -> PdReplay | LinkProbe:
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise InputError(f"cannot read {p}: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise InputError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
+    data = read_json(p, "P/D run file")
     where = str(p)
     if not isinstance(data, dict):
         raise InputError(f"{where}: expected a JSON object")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_diffkv.serving_io.json_file import read_json
 from simulator.errors import SimulatorInputError
 
 HEAD_CLASSES = 4
@@ -109,16 +110,10 @@ class TierMix:
     def from_file(cls, path: str, request_spread: float = 0.0) -> TierMix:
         """JSON ``{"heads": [[high, low], ...]}`` (any number of heads, e.g. layers x KV heads
         flattened) or ``{"layers": [[[high, low] per head] per layer]}``."""
-        import json
         from pathlib import Path
 
         p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except OSError as e:
-            raise SimulatorInputError(f"cannot read mix file {str(p)!r}: {e.strerror}") from e
-        except json.JSONDecodeError as e:
-            raise SimulatorInputError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
+        data = read_json(p, "mix file", SimulatorInputError)
         if isinstance(data, dict) and "heads" in data:
             heads = data["heads"]
         elif isinstance(data, dict) and "layers" in data:

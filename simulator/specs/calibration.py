@@ -24,7 +24,6 @@ grid. Grid schema (every list strictly increasing, every eta in (0, ETA_GRID_MAX
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.json_file import parse_json, read_json
 from simulator.errors import SimulatorInputError
 
 ETA_FIELDS = ("eta_mem_gemm", "eta_comp_gemm", "eta_comp_prefill_attention",
@@ -619,17 +619,10 @@ def load_calibration(gpu: str, path: str | Path | None = None) -> Calibration:
     if path is None:
         text = resources.files("simulator.calibration").joinpath("default.json").read_text()
         source = "simulator/calibration/default.json"
+        data = parse_json(text, source, SimulatorInputError)
     else:
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise SimulatorInputError(f"cannot read calibration {str(p)!r}: {e.strerror}") from e
-        source = str(p)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SimulatorInputError(f"{source}: line {e.lineno}: invalid JSON ({e.msg})") from e
+        source = str(path)
+        data = read_json(path, "calibration", SimulatorInputError)
     gpus = data.get("gpus") if isinstance(data, dict) else None
     if not isinstance(gpus, dict):
         raise SimulatorInputError(f"{source}: expected an object with a 'gpus' mapping")

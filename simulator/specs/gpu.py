@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.serving_io.json_file import read_json
 from simulator.errors import SimulatorInputError
 
 
@@ -85,9 +86,6 @@ def load_gpu(spec: str) -> GPUSpec:
         return GPUSpec.from_dict(key, data[key])
     p = Path(spec)
     if p.suffix == ".json" and p.is_file():
-        try:
-            return GPUSpec.from_dict(p.stem, json.loads(p.read_text()))
-        except json.JSONDecodeError as e:
-            raise SimulatorInputError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
+        return GPUSpec.from_dict(p.stem, read_json(p, "GPU file", SimulatorInputError))
     raise SimulatorInputError(f"unknown GPU {spec!r}; use one of {', '.join(gpu_names())} "
                               "or a JSON file")

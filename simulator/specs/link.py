@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.serving_io.json_file import read_json
 from simulator.errors import SimulatorInputError
 
 FIELDS = ("name", "bandwidth", "efficiency", "latency_s", "provenance")
@@ -78,9 +79,6 @@ def load_link(spec: str) -> LinkSpec:
         return LinkSpec.from_dict(key, data[key])
     p = Path(spec)
     if p.suffix == ".json" and p.is_file():
-        try:
-            return LinkSpec.from_dict(p.stem, json.loads(p.read_text()))
-        except json.JSONDecodeError as e:
-            raise SimulatorInputError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
+        return LinkSpec.from_dict(p.stem, read_json(p, "link file", SimulatorInputError))
     raise SimulatorInputError(f"unknown link {spec!r}; use one of {', '.join(link_names())} "
                               "or a JSON file with the fields " + ", ".join(FIELDS))

@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sglang_diffkv.serving_io.json_file import read_json
 from simulator.errors import SimulatorInputError
 
 BUNDLED = ("llama-3-8b", "llama-3-70b", "qwen2.5-7b", "qwen2.5-32b", "qwq-32b", "smollm2-135m")
@@ -122,12 +123,7 @@ class ModelSpec:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelSpec:
         p = Path(path)
-        try:
-            cfg = json.loads(p.read_text())
-        except OSError as e:
-            raise SimulatorInputError(f"cannot read model config {str(p)!r}: {e.strerror}") from e
-        except json.JSONDecodeError as e:
-            raise SimulatorInputError(f"{p}: line {e.lineno}: invalid JSON ({e.msg})") from e
+        cfg = read_json(p, "model config", SimulatorInputError)
         name = p.parent.name if p.name == "config.json" else p.stem
         return cls.from_hf_config(cfg, name)
 

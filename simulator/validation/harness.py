@@ -33,7 +33,6 @@ at its last completion, so its simulated twin is taken to its own end
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
@@ -44,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_diffkv.serving_io.json_file import read_json
 from sglang_diffkv.serving_io.loaders import load_trace
 from sglang_diffkv.serving_io.sglang_log import ServerLog
 from sglang_diffkv.serving_io.trace import Trace
@@ -186,13 +186,11 @@ def load_harness(root: str | Path, extract_to: str | Path | None = None,
                                       "'_' or '-' (starting with a letter or digit)")
     root = Path(root)
     res_path = root / "results.json"
-    try:
-        data = json.loads(res_path.read_text())
-    except OSError as e:
-        raise SimulatorInputError(f"cannot read {res_path}: {e.strerror} (the harness's "
-                                  "results.json; run scripts/bench_e2e.py --out DIR)") from e
-    except json.JSONDecodeError as e:
-        raise SimulatorInputError(f"{res_path}: line {e.lineno}: invalid JSON ({e.msg})") from e
+    if not res_path.exists():
+        # the usual mistake is a directory that is not a harness run: say how to make one
+        raise SimulatorInputError(f"cannot read {res_path}: No such file or directory (the "
+                                  "harness's results.json; run scripts/bench_e2e.py --out DIR)")
+    data = read_json(res_path, "the harness's results.json", SimulatorInputError)
     logs = root / "logs"
     tar = root / "logs.tar.gz"
     base = root
