@@ -23,6 +23,7 @@ from sglang_diffkv.model_record import (
     ModelRecord,
     ModelRecordError,
 )
+from sglang_diffkv.serving_io.json_file import parse_json, read_json
 from sglang_diffkv.value_text import short_repr
 
 ALLOWED_BITS = (1, 2, 4, 8)  # what the reference quantiser (quant.py) packs
@@ -88,20 +89,6 @@ def checked_int(what: str, value: object, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ConfigError(f"{what}={short_repr(value)} is out of range; expected {allowed}")
     return value
-
-
-def parse_json(text: str, where: str) -> Any:
-    """json.loads with every failure as one ConfigError line: syntax (with line and column),
-    nesting past the recursion limit, integers past Python's digit limit."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: line {e.lineno}: invalid JSON ({e.msg} at column "
-                          f"{e.colno})") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: JSON nested too deeply") from None
-    except ValueError as e:  # e.g. an integer longer than sys.get_int_max_str_digits()
-        raise ConfigError(f"{where}: invalid JSON ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -359,20 +346,7 @@ class DiffKVConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> DiffKVConfig:
-        p = Path(path)
-        try:
-            raw = p.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"cannot read DiffKV config file {str(p)!r}: {e.strerror}") from e
-        except ValueError as e:  # e.g. a NUL character in the path
-            raise ConfigError(f"cannot read DiffKV config file {short_repr(str(p))}: {e}") from e
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
-            raise ConfigError(f"{p}: line {line}: not UTF-8 text (byte "
-                              f"0x{raw[e.start]:02x} at offset {e.start})") from None
-        return cls.from_dict(parse_json(text, str(p)))
+        return cls.from_dict(read_json(path, "DiffKV config file", ConfigError))
 
     @classmethod
     def from_spec(cls, spec: str) -> DiffKVConfig:
@@ -382,7 +356,7 @@ class DiffKVConfig:
                               f"{short_repr(spec)}")
         s = spec.strip()
         if s.startswith("{"):
-            return cls.from_dict(parse_json(s, "inline JSON DiffKV config"))
+            return cls.from_dict(parse_json(s, "inline JSON DiffKV config", ConfigError))
         if s.endswith(".json") or os.sep in s:
             return cls.from_json(s)
         return preset(s)

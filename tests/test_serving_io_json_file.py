@@ -44,9 +44,9 @@ def test_invalid_json_gives_line_number(tmp_path):
     p.write_text('{\n  "a": 1,\n  "b": oops\n}\n')
     with pytest.raises(InputError) as e:
         read_json(p, "spec")
-    assert one_line(e) == f"{p}: line 3: invalid JSON (Expecting value)"
+    assert one_line(e) == f"{p}: line 3: invalid JSON (Expecting value at column 8)"
     p.write_text("")
-    with pytest.raises(InputError, match=r"line 1: invalid JSON \(Expecting value\)"):
+    with pytest.raises(InputError, match=r"line 1: invalid JSON \(Expecting value at column 1\)"):
         read_json(p, "spec")
 
 

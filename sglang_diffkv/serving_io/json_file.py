@@ -8,7 +8,7 @@ exception class it raises: ``InputError`` here, ``SimulatorInputError`` in the s
 Messages:
   cannot read <what> '<path>': <strerror>          the file cannot be opened or read
   <path>: line N: not UTF-8 text (byte 0x.. ...)   JSON files are UTF-8 (RFC 8259)
-  <path>: line N: invalid JSON (<msg>)             a syntax error
+  <path>: line N: invalid JSON (<msg> at column C) a syntax error
   <path>: JSON nested too deeply                   past the interpreter's recursion limit
 """
 
@@ -22,13 +22,14 @@ from sglang_diffkv.serving_io.errors import InputError
 from sglang_diffkv.value_text import short_repr
 
 
-def parse_json(text: str, where: str, error: type[InputError] = InputError) -> Any:
+def parse_json(text: str, where: str, error: type[ValueError] = InputError) -> Any:
     """``json.loads(text)``; a failure raises ``error`` naming ``where`` (a path, or a
     bundled resource's name)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise error(f"{where}: line {e.lineno}: invalid JSON ({e.msg})") from e
+        raise error(f"{where}: line {e.lineno}: invalid JSON ({e.msg} at column "
+                    f"{e.colno})") from e
     except RecursionError:
         # from None: the chained RecursionError traceback is thousands of frames deep
         raise error(f"{where}: JSON nested too deeply") from None
@@ -36,7 +37,7 @@ def parse_json(text: str, where: str, error: type[InputError] = InputError) -> A
         raise error(f"{where}: invalid JSON ({e})") from e
 
 
-def read_json(path: str | Path, what: str, error: type[InputError] = InputError) -> Any:
+def read_json(path: str | Path, what: str, error: type[ValueError] = InputError) -> Any:
     """The parsed content of the JSON file ``path``; ``what`` names the file's role in the
     "cannot read" message (e.g. "model config"). Any failure raises ``error``."""
     p = Path(path)
