@@ -3,7 +3,7 @@
     diffkv-sim validate-runs --recipe h200          # a shipped report's recipe
     diffkv-sim validate-runs RESULTS_DIR [RESULTS_DIR ...] \
         --calibration results/calibration/calibration.json \
-        [--fit-run bf16/longgen --fit-run diffkv-mix/longgen] [--doc docs/simulator-validation.md]
+        [--fit-run bf16/longgen --fit-run diffkv-mix/longgen] [--doc results/report.md]
 
 (``python -m simulator.validation.runs`` takes the same arguments.) ``--recipe`` reads the
 result folders, fitting runs and options from a JSON file (``simulator/validation/recipe.py``;
@@ -1109,7 +1109,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where packed logs (logs.tar.gz) are unpacked (default: %(default)s)")
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--gpu", default="h100")
-    ap.add_argument("--doc", default=str(ROOT / "docs" / "simulator-validation.md"))
+    # the default stays out of git (results/ is ignored): a report of new runs must not
+    # replace a shipped one, which its recipe names (--recipe h100 / h200)
+    ap.add_argument("--doc", default=str(ROOT / "results" / "simulator-validation.md"),
+                    help="the report to write (default: %(default)s; the shipped reports' "
+                         "recipes write docs/simulator-validation*.md)")
     ap.add_argument("--plots", default=None,
                     help="folder for the plots and the fitted calibration files (default: "
                          "beside --doc, named after it: DOC.md -> DOC/)")

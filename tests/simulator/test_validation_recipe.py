@@ -70,6 +70,15 @@ def test_shipped_recipes_name_folders_in_the_repository_and_parse(name):
         assert (folder / "results.json").exists(), folder
 
 
+def test_without_a_recipe_the_report_goes_to_results_not_over_a_shipped_one():
+    from simulator.validation.runs import build_parser, plot_dir_of
+
+    a = build_parser().parse_intermixed_args(["some/run/folder"])
+    doc = Path(a.doc)
+    assert doc.parent == ROOT / "results" and doc.name == "simulator-validation.md"
+    assert plot_dir_of(a) == ROOT / "results" / "simulator-validation"
+
+
 def test_the_h200_recipe_is_the_reports_old_command():
     # the 4,979-character command the H200 report printed before the recipe (kept in the
     # test, not the docs): the recipe must mean the same options, order aside, less the
