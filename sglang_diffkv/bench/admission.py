@@ -29,11 +29,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from sglang_diffkv.serving_io.launch_args import launch_args
+
 STRICT = "ignore_eos_strict"
 RATIO = "new_token_ratio"
 SHORT = {STRICT: "strict", RATIO: "ratio"}
-
-_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
 
 
 def logged_disable_radix(server_args: Mapping[str, str]) -> bool | None:
@@ -43,26 +43,22 @@ def logged_disable_radix(server_args: Mapping[str, str]) -> bool | None:
     return None if v not in ("True", "False") else v == "True"
 
 
-def _tp_size(argv: Sequence[str]) -> int:
-    tp = 1
-    for i, a in enumerate(argv):
-        flag, eq, val = a.partition("=")
-        if flag in _TP_FLAGS:
-            if not eq:
-                val = argv[i + 1] if i + 1 < len(argv) else "1"
-            try:
-                tp = int(val)
-            except ValueError:
-                pass
-    return tp
+def _tp_size(args: Mapping[str, str]) -> int:
+    """The tensor-parallel size ``launch_args`` found (SGLang's aliases of ``--tp-size``)."""
+    v = next((args[k] for k in ("tp_size", "tensor_parallel_size", "tp") if k in args), "1")
+    try:
+        return int(v)
+    except ValueError:  # a bare flag ("True"): argparse would have refused it
+        return 1
 
 
 def argv_disable_radix(argv: Sequence[str], attention_backend: str | None) -> bool:
     """``disable_radix_cache`` as the launch command implies it: the flag, or diffkv's forcing
     with a tensor-parallel size above 1."""
-    if any(a == "--disable-radix-cache" for a in argv):
+    args = launch_args(argv)
+    if "disable_radix_cache" in args:  # a store_true flag: present is on
         return True
-    return attention_backend == "diffkv" and _tp_size(argv) > 1
+    return attention_backend == "diffkv" and _tp_size(args) > 1
 
 
 def radix_disabled(argv: Sequence[str], attention_backend: str | None,

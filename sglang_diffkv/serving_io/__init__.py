@@ -6,7 +6,8 @@ is validated against them. Imports the core package root only.
                  (the simulator's and the bench's input errors are its subclasses)
   trace          the one internal trace schema: ``Trace``, ``TraceRequest``
   json_file      ``read_json``: a JSON file (spec, calibration, run record) read and parsed,
-                 every failure one ``InputError`` line naming the file
+                 every failure one line of the caller's error class naming the file
+  launch_args    a recorded SGLang launch command's ``--flag`` options by ServerArgs name
   loaders        public trace formats (Mooncake, Azure, BurstGPT, SGLang custom) -> ``Trace``
   bundled        the small traces shipped in the ``traces`` package, by name
   writer         ``Trace`` -> Mooncake JSONL (what sglang.bench_serving and diffkv-sim replay)

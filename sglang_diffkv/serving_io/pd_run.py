@@ -56,6 +56,7 @@ import numpy as np
 
 from sglang_diffkv.serving_io.errors import InputError
 from sglang_diffkv.serving_io.json_file import read_json
+from sglang_diffkv.serving_io.launch_args import launch_args
 
 SCHEMA = 1
 DEPLOYMENTS = ("pd", "colocated")
@@ -268,20 +269,10 @@ def read_pd_file(path: str | Path) -> PdReplay | LinkProbe:
                     runs, shared)
 
 
-def _base_gpu_id(command: str) -> str | None:
-    words = command.split()
-    for i, w in enumerate(words):
-        if w == "--base-gpu-id" and i + 1 < len(words):
-            return words[i + 1]
-        if w.startswith("--base-gpu-id="):
-            return w.split("=", 1)[1]
-    return None
-
-
 def _same_gpu_ids(servers: Sequence[PdServer]) -> bool:
     """The prefill and decode servers' commands name the same ``--base-gpu-id`` (the files of
     a one-GPU run written before ``shared_gpu`` was recorded)."""
-    ids = {s.role: _base_gpu_id(s.command) for s in servers}
+    ids = {s.role: launch_args(s.command).get("base_gpu_id") for s in servers}
     return ids.get("prefill") is not None and ids.get("prefill") == ids.get("decode")
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from sglang_diffkv.serving_io.json_file import read_json
+from sglang_diffkv.serving_io.launch_args import launch_args
 from sglang_diffkv.serving_io.loaders import load_trace
 from sglang_diffkv.serving_io.sglang_log import ServerLog
 from sglang_diffkv.serving_io.trace import Trace
@@ -358,18 +358,6 @@ def fill_ladder_saturation(runs: list[HarnessRun]) -> None:
 
 
 # ---- server settings ------------------------------------------------------------------------
-def _cli_args(command: str) -> dict[str, str]:
-    """--flag value / --flag pairs of a launch_server command line, as ServerArgs names."""
-    out: dict[str, str] = {}
-    toks = shlex.split(command)
-    for i, t in enumerate(toks):
-        if t.startswith("--"):
-            name = t[2:].replace("-", "_")
-            nxt = toks[i + 1] if i + 1 < len(toks) else None
-            out[name] = nxt if nxt is not None and not nxt.startswith("--") else "True"
-    return out
-
-
 def _opt_int(v: str | None) -> int | None:
     if v is None or v in ("None", ""):
         return None
@@ -401,7 +389,7 @@ def _diffkv_reference(cfg: dict[str, Any]) -> bool:
 
 def server_settings(cfg: dict[str, Any], log: ServerLog) -> tuple[ServerSettings, str]:
     """The simulator's settings for one harness configuration, and the KV format name."""
-    args = dict(_cli_args(cfg.get("command", "")))
+    args = launch_args(cfg.get("command", ""))
     args.update(log.server_args)          # SGLang's own resolved values win
     backend = cfg.get("attention_backend") or args.get("attention_backend")
     dtype = cfg.get("kv_cache_dtype") or args.get("kv_cache_dtype")
