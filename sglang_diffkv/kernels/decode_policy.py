@@ -467,9 +467,9 @@ SCAN_BLOCK = 512
 # Warps per policy program (one program per (request, KV head) row). Two, not four: the
 # row's scalar decision code runs in every warp of its program, and each D-wide reduction of
 # the quantisation (about twenty a row) crosses warps through shared memory and a barrier.
-# Measured on an H200 at batch 369 x 3,300 (docs/benchmarks.md, "The policy kernel's
-# warps"): the scan path 75.9 -> 69.6 us a layer, the fused path 28.1 -> 19.2; one warp
-# slows the scan (91.7: too few threads for the BT-token steps).
+# Measured on an H200 at batch 369 x 3,300 (docs/backend.md, "The policy kernel's warps"):
+# the scan path 75.9 -> 69.6 us a layer, the fused path 28.1 -> 19.2; one warp slows the
+# scan (91.7: too few threads for the BT-token steps).
 POLICY_WARPS = 2
 
 

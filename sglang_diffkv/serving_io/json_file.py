@@ -3,7 +3,8 @@
 The simulator's specs and the bench's and validation's run records are all JSON files a user
 names on a command line, so a missing file or a typo in one must come back as one readable
 line naming the file (and the line, for bad JSON), never a traceback. Each caller passes the
-exception class it raises: ``InputError`` here, ``SimulatorInputError`` in the simulator.
+exception class it raises: ``InputError`` here, ``SimulatorInputError`` in the simulator,
+``ConfigError`` for DiffKV config files and inline JSON.
 
 Messages:
   cannot read <what> '<path>': <strerror>          the file cannot be opened or read

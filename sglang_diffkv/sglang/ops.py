@@ -13,8 +13,8 @@ Both paths act on the same ``CompressedKVCache`` state (pages, page table, count
 merge pass leave the next step's eligible argmin for the policy step
 (``sglang_diffkv.decode_hint``), computed inside its score loop, which then scans only the
 rows whose record is stale; ``2`` (or ``pass``) the same, computed in a second loop of the
-merge pass over the scores it stored (``decode_attention.HINT_FILLS``); ``0`` (default until
-measured faster on the GPU) keeps the scan. Same decisions every way.
+merge pass over the scores it stored (``decode_attention.HINT_FILLS``); ``0`` (the default:
+both fills measured slower than the scan on an H200) keeps the scan. Same decisions every way.
 
 Benchmark mode (``config.bench_mix``) is the same on both paths: the scores are computed,
 then replaced by the draw's (``CompressedKVCache.bench_significance``; on the Triton path
@@ -142,11 +142,6 @@ def fused_argmin_fill(environ: dict[str, str] | None = None) -> str | None:
     if mode in ("0", "false", "off", ""):
         return None
     raise ValueError(f"{FUSED_ARGMIN_ENV}={mode!r}: use 1 (loop), 2 (pass) or 0")
-
-
-def want_fused_argmin(environ: dict[str, str] | None = None) -> bool:
-    """``SGLANG_DIFFKV_FUSED_ARGMIN`` set to a fill (:func:`fused_argmin_fill`)."""
-    return fused_argmin_fill(environ) is not None
 
 
 @dataclass

@@ -27,7 +27,7 @@ from sglang_diffkv.cache import CompressedKVCache, _tier_scores
 from sglang_diffkv.config import DiffKVConfig
 from sglang_diffkv.kernels.decode_policy import decode_policy_step, decode_policy_step_reference
 from sglang_diffkv.policy import _eligible_argmin
-from sglang_diffkv.sglang.ops import DiffKVOps, fused_argmin_fill, want_fused_argmin
+from sglang_diffkv.sglang.ops import DiffKVOps, fused_argmin_fill
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -289,16 +289,12 @@ def test_valid_record_is_what_the_policy_takes_and_a_missing_merge_is_caught(fil
 
 
 def test_switch_reads_the_environment():
-    assert want_fused_argmin({}) is False
-    assert want_fused_argmin({"SGLANG_DIFFKV_FUSED_ARGMIN": "1"}) is True
-    assert want_fused_argmin({"SGLANG_DIFFKV_FUSED_ARGMIN": "off"}) is False
-    with pytest.raises(ValueError):
-        want_fused_argmin({"SGLANG_DIFFKV_FUSED_ARGMIN": "maybe"})
     assert fused_argmin_fill({}) is None
+    with pytest.raises(ValueError):
+        fused_argmin_fill({"SGLANG_DIFFKV_FUSED_ARGMIN": "maybe"})
     for v, fill in (("1", "loop"), ("on", "loop"), ("loop", "loop"), ("2", "pass"),
-                    ("pass", "pass"), ("0", None)):
+                    ("pass", "pass"), ("0", None), ("off", None)):
         assert fused_argmin_fill({"SGLANG_DIFFKV_FUSED_ARGMIN": v}) == fill
-    assert want_fused_argmin({"SGLANG_DIFFKV_FUSED_ARGMIN": "2"}) is True
     # the reference path never allocates records
     cache = CompressedKVCache(config(None), head_dim=D, num_layers=1, num_kv_heads=HKV,
                               num_pages=50, max_reqs=2, max_context=64)
